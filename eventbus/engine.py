@@ -1,0 +1,104 @@
+"""Engine: runs algorithms and callbacks for each event, in Composer's order.
+
+* Algorithms first; on AFTER_* / *_END events in reverse order.
+* Then callbacks: logger destinations first on INIT (so others can log from
+  INIT on), last on every other event.
+* Exceptions raised by a callback during an event propagate to the trainer.
+* ``close`` runs every callback's ``close`` then every ``post_close``, once;
+  their exceptions are logged, never raised. It also runs at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+from eventbus.events import Event
+
+if TYPE_CHECKING:
+    from eventbus.algorithm import Algorithm
+    from eventbus.callback import Callback
+    from eventbus.logger import Logger
+    from eventbus.state import State
+
+__all__ = ["Engine", "EventSink"]
+
+log = logging.getLogger(__name__)
+
+
+class EventSink:
+    """Receives every event after the local callbacks ran (the bus publisher is one)."""
+
+    def publish(self, event: Event, state: "State") -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """Runs one event at a time through the algorithms, callbacks and event sinks."""
+
+    def __init__(
+        self,
+        state: "State",
+        logger: "Logger",
+        sinks: Sequence[EventSink] = (),
+    ):
+        self.state = state
+        self.logger = logger
+        self.sinks: list[EventSink] = list(sinks)
+        self._closed = False
+        ref = weakref.ref(self)
+        self._atexit = lambda: (engine := ref()) is not None and engine.close()
+        atexit.register(self._atexit)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run_event(self, event: Union[Event, str]) -> None:
+        if self._closed:
+            raise RuntimeError(f"the engine is closed; cannot run {event}. Create a new Trainer.")
+        event = Event(event)
+        state, logger = self.state, self.logger
+        algorithms: Sequence["Algorithm"] = state.algorithms
+        if algorithms:
+            for algorithm in reversed(algorithms) if event.is_after_event else algorithms:
+                if algorithm.match(event, state):
+                    algorithm.apply(event, state, logger)
+        for callback in self._ordered_callbacks(event):
+            callback.run_event(event, state, logger)
+        for sink in self.sinks:
+            sink.publish(event, state)
+
+    def _ordered_callbacks(self, event: Event) -> list["Callback"]:
+        destinations = self.logger.destinations
+        if event is Event.INIT:
+            return [*destinations, *self.state.callbacks]
+        return [*self.state.callbacks, *destinations]
+
+    def close(self) -> None:
+        """Close every callback, then post_close them; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
+        callbacks = self._ordered_callbacks(Event.FIT_END)
+        for callback in callbacks:
+            try:
+                callback.close(self.state, self.logger)
+            except Exception:
+                log.exception("error in %s.close(); continuing", type(callback).__name__)
+        for callback in callbacks:
+            try:
+                callback.post_close()
+            except Exception:
+                log.exception("error in %s.post_close(); continuing", type(callback).__name__)
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:
+                log.exception("error closing %s; continuing", type(sink).__name__)

@@ -1,0 +1,20 @@
+"""One exception hierarchy for the whole package, rooted in :class:`EventBusError`.
+
+Every message says what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EventBusError", "ConfigError", "ProtocolError"]
+
+
+class EventBusError(Exception):
+    """Base class of every error eventbus raises on purpose."""
+
+
+class ConfigError(EventBusError, ValueError):
+    """A bad argument or configuration value; the message names the argument."""
+
+
+class ProtocolError(EventBusError):
+    """A message that is malformed, too large, or of an unknown protocol version."""

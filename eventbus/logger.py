@@ -1,0 +1,168 @@
+"""Composer's logging API: a :class:`Logger` fans metrics out to destinations.
+
+A :class:`LoggerDestination` is a Callback too, so it sees every event; the
+engine runs destinations first on INIT and last on every other event.
+Values may be tensors: a destination that needs a number converts it, which
+reads a device value; that is why heavy logging belongs in a subscriber.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TextIO
+
+from eventbus.callback import Callback
+from eventbus.time import Time, TimeUnit, ensure_time
+
+if TYPE_CHECKING:
+    from eventbus.state import State
+    from eventbus.time import Timestamp
+
+__all__ = ["Logger", "LoggerDestination", "InMemoryLogger", "ConsoleLogger", "to_number"]
+
+
+def to_number(value: Any) -> Any:
+    """A tensor as a Python number (or list); anything else unchanged."""
+    item = getattr(value, "item", None)
+    if item is None:
+        return value
+    if getattr(value, "numel", lambda: 1)() == 1:
+        return item()
+    return value.tolist()
+
+
+class LoggerDestination(Callback):
+    """Where logged metrics go; subclass and override what you store."""
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        pass
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        pass
+
+
+class Logger:
+    """Sends metrics and hyperparameters to every destination.
+
+    ``step`` defaults to the number of batches trained so far, as in Composer.
+    """
+
+    def __init__(self, state: "State", destinations: Sequence[LoggerDestination] = ()):
+        self._state = state
+        self.destinations: list[LoggerDestination] = list(destinations)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
+        if step is None:
+            step = self._state.timestamp.batch.value
+        metrics = dict(metrics)
+        for destination in self.destinations:
+            destination.log_metrics(metrics, step)
+
+    def log_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> None:
+        hyperparameters = dict(hyperparameters)
+        for destination in self.destinations:
+            destination.log_hyperparameters(hyperparameters)
+
+
+class InMemoryLogger(LoggerDestination):
+    """Keeps everything logged, for tests and notebooks.
+
+    ``data[key]`` is a list of ``(Timestamp, value)``; tensors become numbers.
+    """
+
+    def __init__(self) -> None:
+        self.data: dict[str, list[tuple["Timestamp", Any]]] = {}
+        self.most_recent_values: dict[str, Any] = {}
+        self.most_recent_timestamps: dict[str, "Timestamp"] = {}
+        self.hyperparameters: dict[str, Any] = {}
+        self._state: Optional["State"] = None
+
+    def init(self, state: "State", logger: Logger) -> None:
+        self._state = state
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self.hyperparameters.update(hyperparameters)
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        if self._state is None:
+            raise RuntimeError("InMemoryLogger received metrics before INIT; pass it to the Trainer")
+        timestamp = self._state.timestamp
+        for key, value in metrics.items():
+            value = to_number(value)
+            self.data.setdefault(key, []).append((timestamp, value))
+            self.most_recent_values[key] = value
+            self.most_recent_timestamps[key] = timestamp
+
+
+class ConsoleLogger(LoggerDestination):
+    """Prints metrics in Composer's console format every ``log_interval``.
+
+    ``log_interval`` is in epochs or batches (``"1ep"``, ``"10ba"``, or an int
+    meaning epochs); evaluation metrics are always printed.
+    """
+
+    def __init__(self, log_interval: "int | str | Time" = "1ba", stream: TextIO | str = "stdout"):
+        self.log_interval = ensure_time(log_interval, TimeUnit.EPOCH, name="log_interval")
+        if self.log_interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH) or self.log_interval.value < 1:
+            raise ValueError(f"log_interval must be a positive number of epochs or batches, got {log_interval!r}")
+        self._stream = stream
+        self._state: Optional["State"] = None
+        self._pending: dict[str, Any] = {}
+
+    @property
+    def stream(self) -> TextIO:
+        if isinstance(self._stream, str):
+            return sys.stderr if self._stream == "stderr" else sys.stdout
+        return self._stream
+
+    def init(self, state: "State", logger: Logger) -> None:
+        self._state = state
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        lines = "".join(f"\n\t{k}: {v}" for k, v in hyperparameters.items())
+        print(f"Config:{lines}", file=self.stream, flush=True)
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        state = self._state
+        evaluating = state is not None and state.dataloader_label not in (None, "train")
+        if evaluating:
+            self._print(metrics)
+        else:
+            self._pending.update(metrics)
+
+    def batch_end(self, state: "State", logger: Logger) -> None:
+        if self.log_interval.unit is TimeUnit.BATCH and state.timestamp.batch.value % self.log_interval.value == 0:
+            self._flush()
+
+    def epoch_end(self, state: "State", logger: Logger) -> None:
+        if self.log_interval.unit is TimeUnit.EPOCH and state.timestamp.epoch.value % self.log_interval.value == 0:
+            self._flush()
+
+    def fit_end(self, state: "State", logger: Logger) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._print(self._pending)
+            self._pending = {}
+
+    def _print(self, metrics: dict[str, Any]) -> None:
+        state = self._state
+        if state is None:
+            prefix = ""
+        else:
+            ts = state.timestamp
+            total = f"/{int(state.dataloader_len)}" if state.dataloader_len is not None else ""
+            prefix = f"[epoch={int(ts.epoch) + (1 if ts.batch_in_epoch.value else 0)}]" \
+                     f"[batch={ts.batch_in_epoch.value or ts.batch.value}{total}]"
+        lines = "".join(f"\n\t {_label(k)}: {_format(v)}" for k, v in metrics.items())
+        print(f"{prefix}:{lines}", file=self.stream, flush=True)
+
+
+def _label(key: str) -> str:
+    return ("Train " if "/train" in key or key.startswith("time/") else "Eval ") + key
+
+
+def _format(value: Any) -> str:
+    value = to_number(value)
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

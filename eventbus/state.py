@@ -1,0 +1,100 @@
+"""State: the live training state that the trainer updates and callbacks read.
+
+Attribute names follow Composer's ``State`` so callbacks port unchanged. On the
+training side values are live objects (device tensors included); a subscriber
+sees the same names on a read-only snapshot (``eventbus.snapshot``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from eventbus.time import Time, Timestamp, TimeUnit
+
+if TYPE_CHECKING:
+    from eventbus.algorithm import Algorithm
+    from eventbus.callback import Callback
+    from eventbus.evaluator import Evaluator
+
+__all__ = ["State"]
+
+
+class State:
+    """Everything a callback may read; the trainer is its only writer."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        run_name: str,
+        rank_zero_seed: int,
+        device: torch.device,
+        precision: str = "fp32",
+        max_duration: Optional[Time] = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Any] = (),
+        callbacks: Sequence["Callback"] = (),
+        algorithms: Sequence["Algorithm"] = (),
+        evaluators: Sequence["Evaluator"] = (),
+        device_train_microbatch_size: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.model = model
+        self.run_name = run_name
+        self.rank_zero_seed = rank_zero_seed
+        self.seed = rank_zero_seed + rank
+        self.device = device
+        self.precision = precision
+        self.max_duration = max_duration
+        self.optimizers = list(optimizers)
+        self.schedulers = list(schedulers)
+        self.callbacks = list(callbacks)
+        self.algorithms = list(algorithms)
+        self.evaluators = list(evaluators)
+        self.device_train_microbatch_size = device_train_microbatch_size
+        self.rank = rank
+        self.world_size = world_size
+
+        self.timestamp = Timestamp()
+        self.previous_timestamp: Optional[Timestamp] = None
+        self.eval_timestamp = Timestamp()
+        self.predict_timestamp = Timestamp()
+
+        self.dataloader: Any = None
+        self.dataloader_label: Optional[str] = None
+        self.dataloader_len: Optional[Time] = None
+        self.train_dataloader: Any = None
+
+        self.batch: Any = None
+        self.batch_num_samples = 0
+        self.batch_num_tokens = 0
+        self.outputs: Any = None
+        self.loss: Any = None
+        self.total_loss_dict: dict[str, torch.Tensor] = {}
+
+        self.train_metrics: dict[str, Any] = {}
+        self.train_metric_values: dict[str, torch.Tensor] = {}
+        self.eval_metrics: dict[str, dict[str, Any]] = {}
+        self.eval_metric_values: dict[str, dict[str, torch.Tensor]] = {}
+
+        self.stop_reason: Optional[str] = None
+
+    def get_elapsed_duration(self) -> Optional[Time]:
+        """Fraction of ``max_duration`` trained so far, as a ``dur`` Time; None without a duration."""
+        if self.max_duration is None:
+            return None
+        done = self.timestamp.get(self.max_duration.unit).value
+        return Time(min(done / self.max_duration.value, 1.0) if self.max_duration.value else 1.0, TimeUnit.DURATION)
+
+    def stop_training(self, reason: Optional[str] = None) -> None:
+        """End ``fit`` after the current batch (Composer: max_duration becomes the batch count)."""
+        self.max_duration = self.timestamp.batch
+        self.stop_reason = reason or self.stop_reason or "stop_training() called"
+
+    @property
+    def lrs(self) -> dict[str, list[float]]:
+        """Learning rate per optimizer (keyed by class name) and parameter group."""
+        return {type(opt).__name__: [group["lr"] for group in opt.param_groups] for opt in self.optimizers}

@@ -1,0 +1,335 @@
+"""Training time: :class:`Time` (a value with a unit) and the immutable :class:`Timestamp`.
+
+Composer's spelling is kept: ``"2ep"``, ``"10ba"``, ``"640sp"``, ``"1000tok"``,
+``"0.5dur"`` (a fraction of ``max_duration``), ``"1iter"``; a bare int is epochs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import re
+from typing import Any, Union
+
+from eventbus.errors import ConfigError
+
+__all__ = ["TimeUnit", "Time", "Timestamp", "ensure_time"]
+
+
+class TimeUnit(str, enum.Enum):
+    ITERATION = "iter"
+    EPOCH = "ep"
+    BATCH = "ba"
+    SAMPLE = "sp"
+    TOKEN = "tok"
+    DURATION = "dur"
+
+
+_TIMESTRING = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]+)\s*$")
+
+
+class Time:
+    """A non-negative amount of training time in one unit; immutable.
+
+    Arithmetic and comparison need the same unit; comparing with a bare number
+    compares values. ``int(Time(3, "ep")) == 3``.
+    """
+
+    __slots__ = ("_value", "_unit")
+
+    def __init__(self, value: Union[int, float], unit: Union[TimeUnit, str]):
+        try:
+            unit = TimeUnit(unit)
+        except ValueError:
+            raise ConfigError(
+                f"unknown time unit {unit!r}; use one of {', '.join(u.value for u in TimeUnit)}"
+            ) from None
+        if unit is TimeUnit.DURATION:
+            value = float(value)
+        elif isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(f"{value}{unit.value}: only 'dur' takes a fractional value")
+            value = int(value)
+        if value < 0:
+            raise ConfigError(f"time must not be negative, got {value}{unit.value}")
+        self._value = value
+        self._unit = unit
+
+    @classmethod
+    def from_timestring(cls, timestring: str) -> "Time":
+        """Parse ``"10ba"`` and friends; raises ConfigError naming the bad string."""
+        match = _TIMESTRING.match(timestring)
+        if match is None:
+            raise ConfigError(
+                f"cannot parse time {timestring!r}; expected a number and a unit like '2ep', "
+                f"'10ba', '640sp', '1000tok', '0.5dur'"
+            )
+        number, unit = match.groups()
+        value = float(number)
+        return cls(value, unit)
+
+    @property
+    def value(self) -> Union[int, float]:
+        return self._value
+
+    @property
+    def unit(self) -> TimeUnit:
+        return self._unit
+
+    def __repr__(self) -> str:
+        return f"Time({self._value!r}, TimeUnit.{self._unit.name})"
+
+    def __str__(self) -> str:
+        return f"{self._value}{self._unit.value}"
+
+    def __int__(self) -> int:
+        return int(self._value)
+
+    def __float__(self) -> float:
+        return float(self._value)
+
+    def __index__(self) -> int:
+        if isinstance(self._value, float):
+            raise TypeError(f"{self} is fractional and cannot be used as an index")
+        return self._value
+
+    def __hash__(self) -> int:
+        return hash((self._value, self._unit))
+
+    def _other_value(self, other: object) -> Union[int, float]:
+        if isinstance(other, Time):
+            if other._unit is not self._unit:
+                raise TypeError(f"cannot combine {self} and {other}: units differ")
+            return other._value
+        if isinstance(other, (int, float)):
+            return other
+        if isinstance(other, str):
+            return self._other_value(Time.from_timestring(other))
+        return NotImplemented  # type: ignore[return-value]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Time) and other._unit is not self._unit:
+            return False
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else self._value == value
+
+    def __lt__(self, other: object) -> bool:
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else self._value < value
+
+    def __le__(self, other: object) -> bool:
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else self._value <= value
+
+    def __gt__(self, other: object) -> bool:
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else self._value > value
+
+    def __ge__(self, other: object) -> bool:
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else self._value >= value
+
+    def __add__(self, other: object) -> "Time":
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else Time(self._value + value, self._unit)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: object) -> "Time":
+        value = self._other_value(other)
+        return NotImplemented if value is NotImplemented else Time(self._value - value, self._unit)
+
+    def __mul__(self, other: object) -> "Time":
+        if not isinstance(other, (int, float)):
+            return NotImplemented
+        return Time(self._value * other, self._unit)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: object) -> Union["Time", float]:
+        if isinstance(other, Time):
+            return self._value / self._other_value(other)
+        if isinstance(other, (int, float)):
+            return Time(self._value / other, self._unit)
+        return NotImplemented
+
+
+def ensure_time(value: Union[Time, str, int], default_unit: TimeUnit, *, name: str = "time") -> Time:
+    """Accept a Time, a time string, or a bare int in ``default_unit``; ConfigError names ``name``."""
+    if isinstance(value, Time):
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a Time, a string like '2ep' or an int, got {value!r}")
+    if isinstance(value, int):
+        return Time(value, default_unit)
+    if isinstance(value, str):
+        try:
+            return Time.from_timestring(value)
+        except ConfigError as err:
+            raise ConfigError(f"{name}: {err}") from None
+    raise ConfigError(
+        f"{name}: expected a Time, a string like '2ep' or an int, got {type(value).__name__} {value!r}"
+    )
+
+
+_ZERO = datetime.timedelta(0)
+
+_COUNTERS = (
+    "iteration", "epoch", "batch", "sample", "token",
+    "epoch_in_iteration", "token_in_iteration",
+    "batch_in_epoch", "sample_in_epoch", "token_in_epoch",
+)
+_CLOCKS = ("total_wct", "iteration_wct", "epoch_wct", "batch_wct")
+_COUNTER_UNITS = {
+    "iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH,
+    "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN,
+    "epoch_in_iteration": TimeUnit.EPOCH, "token_in_iteration": TimeUnit.TOKEN,
+    "batch_in_epoch": TimeUnit.BATCH, "sample_in_epoch": TimeUnit.SAMPLE,
+    "token_in_epoch": TimeUnit.TOKEN,
+}
+
+
+class Timestamp:
+    """Where training is: counters (as :class:`Time`) and training wall clock (timedelta).
+
+    Immutable: the ``to_next_*`` methods and ``copy`` return new objects, so a
+    callback or the bus may keep a reference without it changing underneath.
+    The wall-clock fields count training time only; evaluation is excluded.
+    """
+
+    __slots__ = tuple("_" + f for f in _COUNTERS + _CLOCKS)
+
+    def __init__(
+        self,
+        iteration: int = 0,
+        epoch: int = 0,
+        batch: int = 0,
+        sample: int = 0,
+        token: int = 0,
+        epoch_in_iteration: int = 0,
+        token_in_iteration: int = 0,
+        batch_in_epoch: int = 0,
+        sample_in_epoch: int = 0,
+        token_in_epoch: int = 0,
+        total_wct: datetime.timedelta = _ZERO,
+        iteration_wct: datetime.timedelta = _ZERO,
+        epoch_wct: datetime.timedelta = _ZERO,
+        batch_wct: datetime.timedelta = _ZERO,
+    ):
+        values = locals()
+        for field in _COUNTERS:
+            object.__setattr__(self, "_" + field, int(values[field]))
+        for field in _CLOCKS:
+            object.__setattr__(self, "_" + field, values[field])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Timestamp is immutable; use copy(...) or to_next_batch(...)")
+
+    iteration = property(lambda self: Time(self._iteration, TimeUnit.ITERATION))
+    epoch = property(lambda self: Time(self._epoch, TimeUnit.EPOCH))
+    batch = property(lambda self: Time(self._batch, TimeUnit.BATCH))
+    sample = property(lambda self: Time(self._sample, TimeUnit.SAMPLE))
+    token = property(lambda self: Time(self._token, TimeUnit.TOKEN))
+    epoch_in_iteration = property(lambda self: Time(self._epoch_in_iteration, TimeUnit.EPOCH))
+    token_in_iteration = property(lambda self: Time(self._token_in_iteration, TimeUnit.TOKEN))
+    batch_in_epoch = property(lambda self: Time(self._batch_in_epoch, TimeUnit.BATCH))
+    sample_in_epoch = property(lambda self: Time(self._sample_in_epoch, TimeUnit.SAMPLE))
+    token_in_epoch = property(lambda self: Time(self._token_in_epoch, TimeUnit.TOKEN))
+    total_wct = property(lambda self: self._total_wct)
+    iteration_wct = property(lambda self: self._iteration_wct)
+    epoch_wct = property(lambda self: self._epoch_wct)
+    batch_wct = property(lambda self: self._batch_wct)
+
+    def get(self, unit: Union[TimeUnit, str]) -> Time:
+        """The total count in ``unit`` (iterations, epochs, batches, samples or tokens)."""
+        unit = TimeUnit(unit)
+        field = {
+            TimeUnit.ITERATION: "iteration", TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch",
+            TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
+        }.get(unit)
+        if field is None:
+            raise ValueError(f"a Timestamp has no {unit.value!r} count; use State.get_elapsed_duration()")
+        return Time(getattr(self, "_" + field), unit)
+
+    def copy(self, **changes: Any) -> "Timestamp":
+        values = {f: getattr(self, "_" + f) for f in _COUNTERS + _CLOCKS}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise TypeError(f"Timestamp has no field(s) {sorted(unknown)}")
+        values.update({k: int(v) if k in _COUNTER_UNITS else v for k, v in changes.items()})
+        return Timestamp(**values)
+
+    def to_next_batch(
+        self, samples: int = 0, tokens: int = 0, duration: datetime.timedelta = _ZERO
+    ) -> "Timestamp":
+        """One batch later: counters advance, ``batch_wct`` becomes ``duration``."""
+        return Timestamp(
+            self._iteration, self._epoch, self._batch + 1, self._sample + samples,
+            self._token + tokens, self._epoch_in_iteration, self._token_in_iteration + tokens,
+            self._batch_in_epoch + 1, self._sample_in_epoch + samples, self._token_in_epoch + tokens,
+            self._total_wct + duration, self._iteration_wct + duration,
+            self._epoch_wct + duration, duration,
+        )
+
+    def to_next_epoch(self, duration: datetime.timedelta = _ZERO) -> "Timestamp":
+        """One epoch later: the in-epoch counters and ``epoch_wct`` restart at zero."""
+        return self.copy(
+            epoch=self._epoch + 1, epoch_in_iteration=self._epoch_in_iteration + 1,
+            batch_in_epoch=0, sample_in_epoch=0, token_in_epoch=0,
+            total_wct=self._total_wct + duration, iteration_wct=self._iteration_wct + duration,
+            epoch_wct=_ZERO, batch_wct=_ZERO,
+        )
+
+    def to_next_iteration(self, duration: datetime.timedelta = _ZERO) -> "Timestamp":
+        return self.copy(
+            iteration=self._iteration + 1, epoch_in_iteration=0, token_in_iteration=0,
+            batch_in_epoch=0, sample_in_epoch=0, token_in_epoch=0,
+            total_wct=self._total_wct + duration, iteration_wct=_ZERO, epoch_wct=_ZERO, batch_wct=_ZERO,
+        )
+
+    def state_dict(self) -> dict[str, Union[int, float]]:
+        """Plain ints and float seconds: safe for msgpack and ``torch.load(weights_only=True)``."""
+        out: dict[str, Union[int, float]] = {f: getattr(self, "_" + f) for f in _COUNTERS}
+        out.update({f: getattr(self, "_" + f).total_seconds() for f in _CLOCKS})
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Union[int, float]]) -> "Timestamp":
+        values: dict[str, Any] = {f: int(state[f]) for f in _COUNTERS if f in state}
+        values.update({f: datetime.timedelta(seconds=float(state[f])) for f in _CLOCKS if f in state})
+        return cls(**values)
+
+    def _compare_value(self, other: object) -> tuple[Union[int, float], Union[int, float]]:
+        if not isinstance(other, Time):
+            raise TypeError(f"cannot compare a Timestamp with {type(other).__name__}")
+        return self.get(other.unit).value, other.value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Timestamp):
+            return self.state_dict() == other.state_dict()
+        if isinstance(other, Time):
+            mine, theirs = self._compare_value(other)
+            return mine == theirs
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __lt__(self, other: Time) -> bool:
+        mine, theirs = self._compare_value(other)
+        return mine < theirs
+
+    def __le__(self, other: Time) -> bool:
+        mine, theirs = self._compare_value(other)
+        return mine <= theirs
+
+    def __gt__(self, other: Time) -> bool:
+        mine, theirs = self._compare_value(other)
+        return mine > theirs
+
+    def __ge__(self, other: Time) -> bool:
+        mine, theirs = self._compare_value(other)
+        return mine >= theirs
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, '_' + f)}" for f in _COUNTERS)
+        return f"Timestamp({fields}, total_wct={self._total_wct})"
