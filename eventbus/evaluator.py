@@ -3,7 +3,7 @@
 ``eval_interval`` may be an int (epochs), a time string or Time (``"2ep"``,
 ``"100ba"``, ``"640sp"``, ``"0.25dur"``), or a callable ``(state, event) -> bool``;
 0 disables periodic evaluation. Epoch intervals are checked at EPOCH_END, the
-others at BATCH_END; at FIT_END the evaluator runs once more unless it already
+others at BATCH_END (a ``dur`` fraction of an epoch-based max_duration at EPOCH_END); at FIT_END the evaluator runs once more unless it already
 ran for the final batch.
 """
 
@@ -44,16 +44,21 @@ def evaluate_periodically(eval_interval: IntervalLike, *, name: str = "eval_inte
 
     def due(state: "State", event: Event) -> bool:
         ts, prev = state.timestamp, state.previous_timestamp
-        if event is Event.EPOCH_END:
-            return interval.unit is TimeUnit.EPOCH and ts.epoch.value % interval.value == 0
-        if event is not Event.BATCH_END or interval.unit is TimeUnit.EPOCH:
-            return event is Event.FIT_END and ts.batch.value != last_batch_evaluated
+        if event is Event.FIT_END:
+            return ts.batch.value != last_batch_evaluated
         if interval.unit is TimeUnit.DURATION:
-            assert state.max_duration is not None
+            # A fraction of max_duration, counted in its unit: crossings happen at
+            # BATCH_END for ba/sp/tok durations and at EPOCH_END for epochs.
+            if event not in (Event.BATCH_END, Event.EPOCH_END) or state.max_duration is None:
+                return False
             unit = state.max_duration.unit
             step = interval.value * state.max_duration.value
             before = prev.get(unit).value if prev is not None else 0
             return int(ts.get(unit).value // step) > int(before // step)
+        if event is Event.EPOCH_END:
+            return interval.unit is TimeUnit.EPOCH and ts.epoch.value % interval.value == 0
+        if event is not Event.BATCH_END or interval.unit is TimeUnit.EPOCH:
+            return False
         now = ts.get(interval.unit).value
         before = prev.get(interval.unit).value if prev is not None else 0
         return now // interval.value > before // interval.value
