@@ -1,0 +1,5 @@
+import sys
+
+from eventbus.cli import main
+
+sys.exit(main())
