@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
+import pathlib
 import random
+import socket
+import sys
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -26,10 +30,13 @@ from eventbus.evaluator import Evaluator, IntervalLike, evaluate_periodically
 from eventbus.events import Event
 from eventbus.logger import Logger, LoggerDestination
 from eventbus.model import ComposerModel
+from eventbus.publisher import BusConfig, Publisher
 from eventbus.state import State
 from eventbus.time import Time, Timestamp, TimeUnit, ensure_time
 
 __all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
 
 _PRECISIONS = ("fp32", "amp_bf16")
 
@@ -65,6 +72,8 @@ class Trainer:
         compute_training_metrics: bool = False,
         get_num_tokens_in_batch: Callable[[Any], int] = num_tokens,
         load_path: Union[str, os.PathLike, None] = None,
+        bus: Union[None, bool, str, BusConfig] = None,
+        run_folder: Union[str, os.PathLike, None] = None,
     ):
         if not isinstance(model, ComposerModel) and not (hasattr(model, "loss") and isinstance(model, torch.nn.Module)):
             raise ConfigError(
@@ -123,9 +132,12 @@ class Trainer:
 
         self.logger = Logger(self.state, destinations)
         self.engine = Engine(self.state, self.logger)
+        self.run_folder = pathlib.Path(run_folder) if run_folder is not None else pathlib.Path("runs") / self.state.run_name
+        self._hyperparameters = self._collect_hyperparameters()
+        self.publisher = self._start_bus(bus)
         with self._closing_on_error():
             self.engine.run_event(Event.INIT)
-            self.logger.log_hyperparameters(self._hyperparameters())
+            self.logger.log_hyperparameters(self._hyperparameters)
             self.engine.run_event(Event.BEFORE_LOAD)
             if load_path is not None:
                 self.load_state_dict(_load_checkpoint(load_path))
@@ -260,6 +272,8 @@ class Trainer:
         run(Event.FIT_END)
         self._evaluate_if_due(Event.FIT_END)
         state.dataloader, state.dataloader_label, state.dataloader_len = None, None, None
+        if state.stop_reason:
+            log.warning("training stopped early at batch %d: %s", state.timestamp.batch.value, state.stop_reason)
 
     def _train_batches(self) -> Iterator[Any]:
         """Yield the epoch's remaining batches; BEFORE_DATALOADER precedes every fetch."""
@@ -476,7 +490,35 @@ class Trainer:
     def _callback_state_dicts(self) -> dict[str, Any]:
         return {type(cb).__name__: sd for cb in self._all_callbacks() if (sd := cb.state_dict())}
 
-    def _hyperparameters(self) -> dict[str, Any]:
+    def _start_bus(self, bus: Union[None, bool, str, BusConfig]) -> Optional[Publisher]:
+        """Bind the bus (unless ``bus=False``); every event is published from INIT on."""
+        if bus is False:
+            return None
+        if bus is None or bus is True:
+            config = BusConfig()
+        elif isinstance(bus, str):
+            config = BusConfig(address=bus)
+        elif isinstance(bus, BusConfig):
+            config = bus
+        else:
+            raise ConfigError(f"bus must be an address string, a BusConfig, or False; got {bus!r}")
+        state = self.state
+        publisher = Publisher(config, self.run_folder, rank=state.rank)
+        publisher.start({
+            "run_name": state.run_name, "rank": state.rank, "world_size": state.world_size,
+            "seed": state.rank_zero_seed, "device": str(state.device), "precision": state.precision,
+            "max_duration": str(state.max_duration) if state.max_duration is not None else None,
+            "device_train_microbatch_size": state.device_train_microbatch_size,
+            "hyperparameters": self._hyperparameters, "pid": os.getpid(), "host": socket.gethostname(),
+            "run_folder": str(self.run_folder.resolve()),
+        })
+        self.engine.sinks.append(publisher)
+        self.logger.destinations.append(publisher.metrics_destination)
+        journal = f", journal {publisher.journal_path}" if publisher.journal_path else ""
+        print(f"eventbus: run {state.run_name} publishing on {publisher.address}{journal}", file=sys.stderr, flush=True)
+        return publisher
+
+    def _collect_hyperparameters(self) -> dict[str, Any]:
         state = self.state
         return {
             "run_name": state.run_name,

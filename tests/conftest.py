@@ -44,3 +44,9 @@ def make_model(features: int = 8, dropout: float = 0.0) -> ComposerClassifier:
 @pytest.fixture
 def recorder() -> EventRecorder:
     return EventRecorder()
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    """Trainers write run folders (journal, ipc sockets) under ./runs: keep them per test."""
+    monkeypatch.chdir(tmp_path)

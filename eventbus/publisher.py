@@ -1,0 +1,482 @@
+"""The publisher: the training thread captures, a bus thread does everything else.
+
+Training thread (``publish`` / ``log_metrics``, a few microseconds): take
+references to immutable values (the Timestamp, Python floats), stage changed
+tensors (a CUDA tensor is copied to pinned memory with ``non_blocking=True``
+and a CUDA event is recorded; nothing waits), and put one tuple on a bounded
+queue. It never touches a socket or a file and never synchronises the device.
+
+Bus thread: waits for staged copies, builds the snapshot, numbers it (seq,
+contiguous per run and rank), appends it to the journal, sends it on the PUB
+socket (never blocking: at the high-water mark ZeroMQ drops for that slow
+subscriber, who recovers the gap from the replay service), and serves the
+ROUTER socket: snapshot and replay requests, and control requests (stop,
+metrics logged by subscriber-side callbacks, which it re-publishes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pathlib
+import queue
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional, Union
+from urllib.parse import urlsplit
+
+import torch
+import zmq
+
+from eventbus import wire
+from eventbus.engine import EventSink
+from eventbus.errors import ConfigError, ProtocolError
+from eventbus.events import Event
+from eventbus.journal import JOURNAL_NAME, JournalWriter, read_record
+from eventbus.logger import LoggerDestination
+
+if TYPE_CHECKING:
+    from eventbus.state import State
+
+__all__ = ["BusConfig", "Publisher", "service_address_for"]
+
+log = logging.getLogger(__name__)
+
+_MAX_IPC_PATH = 100  # the kernel's sun_path limit is 107 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class BusConfig:
+    """Where and how the trainer publishes.
+
+    ``address`` is the PUB endpoint subscribers connect to (``ipc://...`` or
+    ``tcp://127.0.0.1:PORT``); None binds ``ipc://<run folder>/bus``. The
+    request service (snapshot, replay, control) listens on
+    ``service_address_for(address)``: the next TCP port, or the ipc path plus
+    ``.ctl``.
+    """
+
+    address: Optional[str] = None
+    journal: bool = True
+    queue_size: int = 1_000_000
+    send_hwm: int = 100_000
+    replay_cache: int = 50_000
+    max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+
+
+def service_address_for(address: str) -> str:
+    """The ROUTER endpoint paired with a PUB endpoint."""
+    parts = urlsplit(address)
+    if parts.scheme == "tcp":
+        host, _, port = parts.netloc.rpartition(":")
+        if not port.isdigit():
+            raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
+        return f"tcp://{host}:{int(port) + 1}"
+    if parts.scheme == "ipc":
+        return address + ".ctl"
+    raise ConfigError(f"bus address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def _check_bindable(address: str) -> None:
+    parts = urlsplit(address)
+    if parts.scheme == "tcp":
+        host = parts.netloc.rpartition(":")[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ConfigError(
+                f"refusing to bind {address!r} without CURVE keys: only loopback addresses are open by "
+                "default; use tcp://127.0.0.1:PORT or an ipc:// path"
+            )
+    elif parts.scheme == "ipc":
+        path = address[len("ipc://"):]
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                pass  # a stale socket file from a crashed run: safe to take over
+            else:
+                raise ConfigError(f"{address!r} is already served by a live process; choose another address")
+            finally:
+                probe.close()
+
+
+def default_address(run_folder: pathlib.Path) -> str:
+    """ipc in the run folder, or a short path in the temp dir when that would be too long."""
+    path = (run_folder / "bus").resolve()
+    if len(str(path)) + len(".ctl") > _MAX_IPC_PATH:
+        path = pathlib.Path(tempfile.gettempdir()) / f"eventbus-{uuid.uuid4().hex[:12]}"
+    return f"ipc://{path}"
+
+
+class _Staged:
+    """A device scalar copied to pinned host memory; only the bus thread waits for it."""
+
+    __slots__ = ("host", "ready")
+
+    def __init__(self, tensor: torch.Tensor):
+        with torch.no_grad():
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor.detach(), non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def value(self) -> Any:
+        self.ready.synchronize()  # releases the GIL while waiting
+        return self.host.item() if self.host.numel() == 1 else self.host.tolist()
+
+
+def _stage(value: Any) -> Any:
+    """Capture a value without reading the device: CPU tensors by reference, CUDA tensors staged."""
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        return _Staged(value)
+    return value
+
+
+def _resolve(value: Any) -> Any:
+    """Bus thread: turn a captured value into plain msgpack-able data."""
+    if isinstance(value, _Staged):
+        return value.value()
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _resolve(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_resolve(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+_EVENT, _METRICS, _HEADER, _END = "event", "metrics", "header", "end"
+_LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
+
+
+@dataclasses.dataclass
+class PublisherStats:
+    """Counters of the bus; ``queue_depth`` is sampled when read."""
+
+    captured: int = 0
+    published: int = 0
+    dropped_queue_full: int = 0
+    replay_requests: int = 0
+    replayed_messages: int = 0
+    snapshot_requests: int = 0
+    control_messages: int = 0
+    protocol_errors: int = 0
+    queue_depth: int = 0
+
+
+class _MetricsForwarder(LoggerDestination):
+    """Puts the trainer's own logged metrics on the bus (a destination that ignores events)."""
+
+    def __init__(self, publisher: "Publisher"):
+        self._publisher = publisher
+
+    def run_event(self, event: Event, state: Any, logger: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        self._publisher.log_metrics(metrics, step)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self._publisher.log_hyperparameters(hyperparameters)
+
+
+class Publisher(EventSink):
+    """Publishes every event of one trainer rank. Start with ``start(header)``; ``close`` ends the run."""
+
+    def __init__(self, config: BusConfig, run_folder: Union[str, os.PathLike], *, rank: int = 0,
+                 run_id: Optional[str] = None):
+        self.config = config
+        self.run_folder = pathlib.Path(run_folder)
+        self.address = config.address or default_address(self.run_folder)
+        self.service_address = service_address_for(self.address)
+        self.journal_path = self.run_folder / JOURNAL_NAME if config.journal else None
+        self.run_id = run_id or uuid.uuid4().hex
+        self.rank = rank
+        self.metrics_destination = _MetricsForwarder(self)
+        self._stats = PublisherStats()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._stop_requests: collections.deque[str] = collections.deque()
+        self._thread: Optional[threading.Thread] = None
+        self._started = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self._closed = False
+        # Last values captured on the training thread, compared by identity (cheap).
+        self._last_loss: Any = None
+        self._last_max_duration: Any = None
+        self._last_stop_reason: Optional[str] = None
+
+    # ------------------------------------------------------------------ training thread
+
+    def start(self, header: dict[str, Any]) -> None:
+        """Bind the sockets and open the journal on the bus thread; raises if that fails."""
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        _check_bindable(self.address)
+        _check_bindable(self.service_address)
+        self._header = dict(header, service_address=self.service_address,
+                            journal=str(self.journal_path.resolve()) if self.journal_path else None)
+        self._thread = threading.Thread(target=self._run, name=f"eventbus-bus-rank{self.rank}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise ConfigError(f"cannot start the bus on {self.address}: {self._start_error}") from self._start_error
+
+    def publish(self, event: Event, state: "State") -> None:
+        """Capture one event; called by the engine after the local callbacks. Never blocks."""
+        if event is Event.BATCH_END and self._stop_requests:
+            state.stop_training(self._stop_requests.popleft())
+        changes: Optional[dict[str, Any]] = None
+        if state.loss is not self._last_loss:
+            self._last_loss = state.loss
+            changes = {"loss": _stage(state.loss)}
+        if event in _LR_EVENTS:
+            changes = changes or {}
+            changes["lrs"] = {type(o).__name__: [_stage(g["lr"]) for g in o.param_groups] for o in state.optimizers}
+        if event is Event.EVAL_END and state.dataloader_label in state.eval_metric_values:
+            changes = changes or {}
+            values = state.eval_metric_values[state.dataloader_label]
+            changes["eval_metrics"] = (state.dataloader_label, {k: _stage(v) for k, v in values.items()})
+        elif event is Event.AFTER_TRAIN_BATCH and state.train_metric_values:
+            changes = changes or {}
+            changes["train_metrics"] = {k: _stage(v) for k, v in state.train_metric_values.items()}
+        if state.max_duration is not self._last_max_duration or state.stop_reason is not self._last_stop_reason:
+            self._last_max_duration, self._last_stop_reason = state.max_duration, state.stop_reason
+            changes = changes or {}
+            changes["max_duration"] = str(state.max_duration) if state.max_duration is not None else None
+            changes["stop_reason"] = state.stop_reason
+        length = state.dataloader_len
+        self._put((_EVENT, event.value, time.time(), time.monotonic(), state.timestamp,
+                   state.eval_timestamp if event.is_eval else None, state.dataloader_label,
+                   length.value if length is not None else None, state.batch_num_samples,
+                   state.batch_num_tokens, changes))
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
+        self._put((_METRICS, {k: _stage(v) for k, v in metrics.items()}, step, source, time.time(), time.monotonic()))
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        known = self._header.get("hyperparameters", {})
+        if any(known.get(k, object()) != v for k, v in hyperparameters.items()):
+            self._put((_HEADER, dict(hyperparameters)))
+
+    def _put(self, item: tuple) -> None:
+        if self._closed:
+            return
+        if self._queue.qsize() >= self.config.queue_size:
+            self._stats.dropped_queue_full += 1  # the bus thread is far behind; never block training
+            return
+        self._stats.captured += 1
+        self._queue.put(item)
+
+    def stats(self) -> PublisherStats:
+        self._stats.queue_depth = self._queue.qsize()
+        return dataclasses.replace(self._stats)
+
+    def close(self) -> None:
+        """Publish the end of the run, drain the queue, flush the journal; idempotent."""
+        if self._closed or self._thread is None:
+            self._closed = True
+            return
+        self._queue.put((_END,))
+        self._closed = True
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            log.error("the bus thread did not finish within 30 s; the journal may miss the last messages")
+
+    # ------------------------------------------------------------------ bus thread
+
+    def _run(self) -> None:
+        context = zmq.Context.instance()
+        try:
+            pub = context.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+            pub.setsockopt(zmq.LINGER, 2000)
+            pub.bind(self.address)
+            router = context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+            router.setsockopt(zmq.LINGER, 1000)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            router.bind(self.service_address)
+            journal = JournalWriter(self.journal_path) if self.journal_path else None
+        except Exception as err:  # reported to the training thread by start()
+            self._start_error = err
+            self._started.set()
+            return
+        self._pub, self._router, self._journal = pub, router, journal
+        self._seq = 0
+        self._offsets: list[int] = []  # journal offset of each seq (index seq - 1)
+        self._cache: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.config.replay_cache)
+        self._latest: dict[str, bytes] = {}
+        self._header_bytes = b""
+        self._pending: list[bytes] = []
+        self._current: dict[str, Any] = {"loss": None, "lrs": {}, "eval_metrics": {}, "train_metrics": {},
+                                         "max_duration": None, "stop_reason": None}
+        self._emit(_HEADER, None, time.time(), time.monotonic(), self._header_payload())
+        self._flush_and_send()
+        self._started.set()
+        try:
+            self._loop()
+        except Exception:
+            log.exception("the bus thread failed; events after this point are not published")
+        finally:
+            for sock in (pub, router):
+                sock.close()
+            if journal is not None:
+                journal.close()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        ending = False
+        while not ending:
+            try:
+                items = [self._queue.get(timeout=0.005)]
+            except queue.Empty:
+                items = []
+            while len(items) < 4096:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item[0] == _END:
+                    ending = True
+                    break
+                self._encode(item)
+            self._flush_and_send()
+            while poller.poll(0):
+                self._serve(self._router.recv_multipart())
+        self._emit(_END, None, time.time(), time.monotonic(), {"seq": self._seq + 1})
+        self._flush_and_send()
+        # Late gap-fill requests still get answers while ZeroMQ flushes.
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline and poller.poll(20):
+            self._serve(self._router.recv_multipart())
+
+    def _header_payload(self) -> dict[str, Any]:
+        return _resolve(self._header)
+
+    def _encode(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == _EVENT:
+            _, event, wall, mono, ts, eval_ts, label, dl_len, samples, tokens, changes = item
+            if changes:
+                self._apply_changes(changes)
+            payload = dict(self._current, ts=ts.state_dict(), label=label, dl_len=dl_len, samples=samples,
+                           tokens=tokens)
+            if eval_ts is not None:
+                payload["eval_ts"] = eval_ts.state_dict()
+            self._emit(_EVENT, event, wall, mono, payload)
+        elif kind == _METRICS:
+            _, metrics, step, source, wall, mono = item
+            self._emit(_METRICS, None, wall, mono, {"metrics": _resolve(metrics), "step": step, "source": source})
+        elif kind == _HEADER:
+            self._header.setdefault("hyperparameters", {}).update(item[1])
+            self._emit(_HEADER, None, time.time(), time.monotonic(), self._header_payload())
+
+    def _apply_changes(self, changes: dict[str, Any]) -> None:
+        current = self._current
+        for key, value in changes.items():
+            if key == "eval_metrics":
+                label, values = value
+                current["eval_metrics"] = dict(current["eval_metrics"], **{label: _resolve(values)})
+            else:
+                current[key] = _resolve(value)
+
+    def _emit(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
+        self._seq += 1
+        message = wire.encode(kind, self.run_id, self.rank, self._seq, event, wall, mono, payload)
+        if self._journal is not None:
+            self._offsets.append(self._journal.append(message))
+        self._cache.append((self._seq, message))
+        if kind == _HEADER:
+            self._header_bytes = message
+        else:
+            self._latest[event or kind] = message
+        self._pending.append(message)
+
+    def _flush_and_send(self) -> None:
+        """Journal first, then the wire: a message a subscriber saw is always in the journal."""
+        if not self._pending:
+            return
+        if self._journal is not None:
+            self._journal.flush()
+        send = self._pub.send
+        for message in self._pending:
+            send(message, zmq.NOBLOCK)
+        self._stats.published += len(self._pending)
+        self._pending = []
+
+    # ------------------------------------------------------------------ request service
+
+    def _serve(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[-1]
+        try:
+            request = wire.decode_request(body)
+        except ProtocolError as err:
+            self._stats.protocol_errors += 1
+            log.warning("bad control request ignored: %s", err)
+            return
+        op = request["op"]
+        if op == "snapshot":
+            self._stats.snapshot_requests += 1
+            latest = [m for m in self._latest.values()]
+            reply = wire.encode_request("snapshot", run_id=self.run_id, seq=self._seq)
+            self._router.send_multipart([identity, reply, self._header_bytes, *latest])
+        elif op == "replay":
+            self._stats.replay_requests += 1
+            self._reply_replay(identity, request)
+        elif op == "stop":
+            self._stats.control_messages += 1
+            reason = str(request.get("reason") or "stop requested by a subscriber")
+            source = request.get("source")
+            self._stop_requests.append(f"{reason} (from {source})" if source else reason)
+        elif op == "metrics":
+            self._stats.control_messages += 1
+            metrics, step = request.get("metrics"), request.get("step")
+            if not isinstance(metrics, dict) or not (step is None or type(step) is int):
+                self._stats.protocol_errors += 1
+                log.warning("bad metrics request ignored: metrics must be a map and step an int")
+                return
+            self._emit(_METRICS, None, time.time(), time.monotonic(),
+                       {"metrics": metrics, "step": step, "source": str(request.get("source") or "subscriber")})
+            self._flush_and_send()
+        elif op == "ping":
+            self._router.send_multipart([identity, wire.encode_request("pong", run_id=self.run_id, seq=self._seq)])
+        else:
+            self._stats.protocol_errors += 1
+            log.warning("unknown control op %r ignored", op)
+
+    def _reply_replay(self, identity: bytes, request: dict[str, Any]) -> None:
+        first, last = request.get("from"), request.get("to")
+        if type(first) is not int or type(last) is not int or first < 1:
+            self._stats.protocol_errors += 1
+            return
+        last = min(last, self._seq, first + 9_999)
+        messages = self._messages(first, last) if request.get("run_id") == self.run_id else []
+        self._stats.replayed_messages += len(messages)
+        reply = wire.encode_request("replay", run_id=self.run_id, first=first, last=first + len(messages) - 1)
+        self._router.send_multipart([identity, reply, *messages])
+
+    def _messages(self, first: int, last: int) -> list[bytes]:
+        if first > last:
+            return []
+        if self._cache and self._cache[0][0] <= first:
+            start = first - self._cache[0][0]
+            return [m for _, m in list(self._cache)[start : start + last - first + 1]]
+        if self._journal is None:
+            return []
+        out = []
+        with open(self._journal.path, "rb") as file:
+            file.seek(self._offsets[first - 1])
+            for _ in range(last - first + 1):
+                record = read_record(file)
+                if record is None:
+                    break
+                out.append(record)
+        return out

@@ -1,0 +1,96 @@
+"""What a subscriber-side callback sees as ``state``: a read-only State with Composer's names.
+
+Each event message carries the full snapshot (so a late joiner needs only the
+latest message), and the run header carries what does not change (run name,
+world size, hyperparameters). ``stop_training()`` on a snapshot sends a
+control request; the trainer applies it at its next BATCH_END.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from eventbus.time import Time, Timestamp, TimeUnit
+
+__all__ = ["Snapshot"]
+
+
+def _time(text: Optional[str]) -> Optional[Time]:
+    return Time.from_timestring(text) if text else None
+
+
+class Snapshot:
+    """A read-only view of the training state at one event."""
+
+    __slots__ = (
+        "run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "timestamp",
+        "eval_timestamp", "dataloader_label", "dataloader_len", "loss", "learning_rates",
+        "train_metric_values", "eval_metric_values", "batch_num_samples", "batch_num_tokens",
+        "max_duration", "stop_reason", "_stop",
+    )
+
+    def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
+                 mono_time: float, header: dict[str, Any], payload: dict[str, Any],
+                 stop: Optional[Callable[[str], None]] = None):
+        setattr_ = object.__setattr__
+        setattr_(self, "run_id", run_id)
+        setattr_(self, "rank", rank)
+        setattr_(self, "seq", seq)
+        setattr_(self, "event", event)
+        setattr_(self, "wall_time", wall_time)
+        setattr_(self, "mono_time", mono_time)
+        setattr_(self, "header", header)
+        ts = payload.get("ts")
+        setattr_(self, "timestamp", Timestamp.from_state_dict(ts) if ts else Timestamp())
+        eval_ts = payload.get("eval_ts")
+        setattr_(self, "eval_timestamp", Timestamp.from_state_dict(eval_ts) if eval_ts else Timestamp())
+        setattr_(self, "dataloader_label", payload.get("label"))
+        dl_len = payload.get("dl_len")
+        setattr_(self, "dataloader_len", Time(dl_len, TimeUnit.BATCH) if dl_len is not None else None)
+        setattr_(self, "loss", payload.get("loss"))
+        setattr_(self, "learning_rates", payload.get("lrs") or {})
+        setattr_(self, "train_metric_values", payload.get("train_metrics") or {})
+        setattr_(self, "eval_metric_values", payload.get("eval_metrics") or {})
+        setattr_(self, "batch_num_samples", payload.get("samples", 0))
+        setattr_(self, "batch_num_tokens", payload.get("tokens", 0))
+        setattr_(self, "max_duration", _time(payload.get("max_duration") or header.get("max_duration")))
+        setattr_(self, "stop_reason", payload.get("stop_reason"))
+        setattr_(self, "_stop", stop)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
+
+    # What does not change during a run comes from the header.
+    run_name = property(lambda self: self.header.get("run_name"))
+    world_size = property(lambda self: self.header.get("world_size", 1))
+    seed = property(lambda self: self.header.get("seed"))
+    rank_zero_seed = property(lambda self: self.header.get("seed"))
+    device = property(lambda self: self.header.get("device"))
+    precision = property(lambda self: self.header.get("precision"))
+    hyperparameters = property(lambda self: self.header.get("hyperparameters", {}))
+    device_train_microbatch_size = property(lambda self: self.header.get("device_train_microbatch_size"))
+
+    @property
+    def total_loss_dict(self) -> dict[str, float]:
+        return {"loss/train/total": self.loss} if self.loss is not None else {}
+
+    @property
+    def lrs(self) -> dict[str, list[float]]:
+        return self.learning_rates
+
+    def get_elapsed_duration(self) -> Optional[Time]:
+        if self.max_duration is None:
+            return None
+        done = self.timestamp.get(self.max_duration.unit).value
+        total = self.max_duration.value
+        return Time(min(done / total, 1.0) if total else 1.0, TimeUnit.DURATION)
+
+    def stop_training(self, reason: Optional[str] = None) -> None:
+        """Ask the trainer to stop at its next BATCH_END (sent over the control channel)."""
+        if self._stop is None:
+            raise RuntimeError("this snapshot has no control channel (replayed from a journal?)")
+        self._stop(reason or f"stop_training() from a subscriber at {self.event}")
+
+    def __repr__(self) -> str:
+        return (f"Snapshot(run={self.run_name!r}, rank={self.rank}, seq={self.seq}, event={self.event}, "
+                f"epoch={int(self.timestamp.epoch)}, batch={int(self.timestamp.batch)})")

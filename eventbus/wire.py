@@ -1,0 +1,138 @@
+"""The wire format: one msgpack frame per message, a versioned envelope, bounded decoding.
+
+Envelope (a msgpack array, in this order)::
+
+    [version, kind, run_id, rank, seq, event, wall_time, mono_time, payload]
+
+* ``version``  -- :data:`PROTOCOL_VERSION`; anything else is rejected.
+* ``kind``     -- ``header`` (run metadata, first of a run), ``event`` (an Event
+  and a state snapshot), ``metrics`` (logged metrics), ``end`` (the run closed).
+* ``run_id``   -- 32 hex chars shared by every rank of a run.
+* ``rank``, ``seq`` -- ``seq`` counts 1, 2, 3, ... per (run_id, rank) with no gaps.
+* ``payload``  -- a map of plain values (no pickle, ever).
+
+Control requests (subscriber to publisher) are msgpack maps with an ``op``.
+Decoding is bounded in bytes, container sizes, nesting depth and types;
+anything else raises :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import msgpack
+
+from eventbus.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
+    "encode_request", "decode_request",
+]
+
+PROTOCOL_VERSION = 1
+KINDS = frozenset({"header", "event", "metrics", "end"})
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_DEPTH = 8
+MAX_CONTAINER_LEN = 100_000
+
+_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    kind: str
+    run_id: str
+    rank: int
+    seq: int
+    event: Optional[str]
+    wall_time: float
+    mono_time: float
+    payload: dict[str, Any]
+
+
+def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
+           mono_time: float, payload: dict[str, Any]) -> bytes:
+    return _packer.pack([PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time, payload])
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{what}: {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
+            max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN,
+        )
+    except ProtocolError:
+        raise
+    except Exception as err:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"{what}: not valid msgpack ({type(err).__name__}: {err})") from None
+
+
+def _check_plain(value: Any, depth: int, where: str) -> None:
+    if isinstance(value, _SCALARS):
+        return
+    if depth >= MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, list):
+        for item in value:
+            _check_plain(item, depth + 1, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"{where}: map keys must be strings, got {type(key).__name__}")
+            _check_plain(item, depth + 1, where)
+    else:
+        raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
+
+
+def decode(data: bytes) -> Envelope:
+    """Parse and validate one message; raises ProtocolError saying what is wrong."""
+    obj = _unpack(data, "message")
+    if not isinstance(obj, list) or len(obj) != 9:
+        raise ProtocolError("message: expected a 9-field envelope array")
+    version, kind, run_id, rank, seq, event, wall, mono, payload = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"message: protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION}); "
+            "upgrade the older side"
+        )
+    if kind not in KINDS:
+        raise ProtocolError(f"message: unknown kind {kind!r}")
+    if not isinstance(run_id, str) or not 1 <= len(run_id) <= 64:
+        raise ProtocolError("message: run_id must be a short string")
+    if type(rank) is not int or rank < 0 or type(seq) is not int or seq < 1:
+        raise ProtocolError("message: rank must be an int >= 0 and seq an int >= 1")
+    if event is not None and (not isinstance(event, str) or len(event) > 64):
+        raise ProtocolError("message: event must be a short string or nil")
+    if not isinstance(wall, (int, float)) or not isinstance(mono, (int, float)):
+        raise ProtocolError("message: wall_time and mono_time must be numbers")
+    if not isinstance(payload, dict):
+        raise ProtocolError("message: payload must be a map")
+    _check_plain(payload, 1, "message payload")
+    return Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), payload)
+
+
+def encode_request(op: str, **fields: Any) -> bytes:
+    return _packer.pack({"v": PROTOCOL_VERSION, "op": op, **fields})
+
+
+def decode_request(data: bytes) -> dict[str, Any]:
+    """A control request: a map with ``v`` and ``op``; ProtocolError otherwise."""
+    obj = _unpack(data, "request")
+    if not isinstance(obj, dict):
+        raise ProtocolError("request: expected a map")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"request: protocol version {obj.get('v')!r} is not supported")
+    if not isinstance(obj.get("op"), str):
+        raise ProtocolError("request: missing 'op'")
+    _check_plain(obj, 0, "request")
+    return obj
