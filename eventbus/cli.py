@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import pathlib
 import sys
 from typing import Optional, Sequence
 
-from eventbus.errors import EventBusError
+from eventbus.errors import ConfigError, EventBusError
 
 __all__ = ["main"]
 
@@ -24,17 +27,57 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Train a small character-level Transformer on Python's bundled "
                                           "documentation text, printing progress.")
     add_run_arguments(run)
+
+    worker = commands.add_parser(
+        "worker", help="host callbacks in a daemon that follows a training run",
+        description="Connect to a trainer's bus and run callbacks out of process. Stops at the end of the "
+                    "run, or cleanly on SIGTERM/SIGINT (queued events are applied, callbacks closed).")
+    worker.add_argument("--connect", required=True, metavar="ADDR",
+                        help="the trainer's bus address, as printed by the trainer (ipc://... or tcp://...)")
+    worker.add_argument("--callback", action="append", required=True, metavar="SPEC",
+                        help="module:Class, path/to/file.py:Class, optionally :{json kwargs}; repeatable")
+    worker.add_argument("--identity", help="a name for this worker; with it, a restarted worker resumes "
+                                           "where it stopped")
+    worker.add_argument("--state-dir", type=pathlib.Path,
+                        help="where --identity keeps its cursor (default: ~/.cache/eventbus/subscribers)")
+    worker.add_argument("--from", dest="start", choices=["beginning", "latest"], default="beginning",
+                        help="replay the run from its beginning (default) or join at the latest event")
+    worker.add_argument("--events", nargs="+", metavar="EVENT", help="only these events (default: all)")
+    worker.add_argument("--journal", help="journal to recover from if the trainer's replay service is gone")
+    worker.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
+
+    replay = commands.add_parser("replay", help="run callbacks over a run's journal",
+                                 description="Run callbacks over a finished or running run's events.journal.")
+    replay.add_argument("journal", type=pathlib.Path, help="path to events.journal")
+    replay.add_argument("--callback", action="append", required=True, metavar="SPEC",
+                        help="module:Class, path/to/file.py:Class, optionally :{json kwargs}; repeatable")
+    replay.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         if args.command == "run":
             from eventbus.job import run_job
 
             return run_job(args)
+        if args.command == "worker":
+            from eventbus.worker import load_callback, run_worker
+
+            callbacks = [load_callback(spec) for spec in args.callback]
+            return asyncio.run(run_worker(args.connect, callbacks, identity=args.identity,
+                                          state_dir=args.state_dir, start=args.start, events=args.events,
+                                          fail_fast=args.fail_fast, journal=args.journal))
+        if args.command == "replay":
+            from eventbus.worker import load_callback, replay_journal
+
+            if not args.journal.is_file():
+                raise ConfigError(f"journal {str(args.journal)!r} does not exist")
+            callbacks = [load_callback(spec) for spec in args.callback]
+            return asyncio.run(replay_journal(str(args.journal), callbacks, fail_fast=args.fail_fast))
     except EventBusError as err:
         print(f"eventbus {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -426,7 +426,7 @@ class Publisher(EventSink):
         if op == "snapshot":
             self._stats.snapshot_requests += 1
             latest = [m for m in self._latest.values()]
-            reply = wire.encode_request("snapshot", run_id=self.run_id, seq=self._seq)
+            reply = wire.encode_request("snapshot", id=request.get("id"), run_id=self.run_id, seq=self._seq)
             self._router.send_multipart([identity, reply, self._header_bytes, *latest])
         elif op == "replay":
             self._stats.replay_requests += 1
@@ -447,7 +447,8 @@ class Publisher(EventSink):
                        {"metrics": metrics, "step": step, "source": str(request.get("source") or "subscriber")})
             self._flush_and_send()
         elif op == "ping":
-            self._router.send_multipart([identity, wire.encode_request("pong", run_id=self.run_id, seq=self._seq)])
+            self._router.send_multipart(
+                [identity, wire.encode_request("pong", id=request.get("id"), run_id=self.run_id, seq=self._seq)])
         else:
             self._stats.protocol_errors += 1
             log.warning("unknown control op %r ignored", op)
@@ -460,7 +461,8 @@ class Publisher(EventSink):
         last = min(last, self._seq, first + 9_999)
         messages = self._messages(first, last) if request.get("run_id") == self.run_id else []
         self._stats.replayed_messages += len(messages)
-        reply = wire.encode_request("replay", run_id=self.run_id, first=first, last=first + len(messages) - 1)
+        reply = wire.encode_request("replay", id=request.get("id"), run_id=self.run_id, first=first,
+                                    last=first + len(messages) - 1)
         self._router.send_multipart([identity, reply, *messages])
 
     def _messages(self, first: int, last: int) -> list[bytes]:

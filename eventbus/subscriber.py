@@ -1,0 +1,380 @@
+"""Subscriber: an asyncio stream of a run's messages, in seq order, each exactly once.
+
+::
+
+    async with eventbus.Subscriber("ipc://runs/my-run/bus") as sub:
+        async for message in sub:
+            print(message.event, message.state.timestamp.batch, message.state.loss)
+
+Joining (the Clone pattern): the SUB socket connects first, then the
+subscriber asks the publisher's request service for a snapshot: the run header,
+the latest message of every event kind, and the current seq. With
+``start="latest"`` (the default) delivery begins after that seq, and
+``sub.state`` already shows the run's current state; with ``start="beginning"``
+the whole run is replayed first.
+
+Gaps (a seq missing because ZeroMQ dropped live messages for a slow reader, or
+because the subscriber joined before its subscription took effect) are filled
+from the replay service, or from the journal when the publisher is gone.
+Nothing is skipped silently: an unrecoverable gap is logged and counted.
+Malformed messages are counted as ``protocol_errors`` and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from typing import Any, AsyncIterator, Iterable, Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from eventbus import wire
+from eventbus.errors import ProtocolError
+from eventbus.events import Event
+from eventbus.journal import read_journal
+from eventbus.publisher import service_address_for
+from eventbus.snapshot import Snapshot
+
+__all__ = ["Message", "Subscriber", "SubscriberStats", "journal_messages"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One delivered message. ``state`` is the snapshot as of this message."""
+
+    kind: str
+    event: Optional[Event]
+    state: Snapshot
+    seq: int
+    run_id: str
+    rank: int
+    metrics: Optional[dict[str, Any]] = None
+    step: Optional[int] = None
+    source: Optional[str] = None
+    recovered: bool = False
+
+
+@dataclasses.dataclass
+class SubscriberStats:
+    received: int = 0
+    delivered: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    recovered: int = 0
+    lost: int = 0
+    protocol_errors: int = 0
+    buffered: int = 0
+    lag_seconds: float = 0.0
+
+
+class _Decoded:
+    """A message decoded once; the snapshot is built when it is delivered."""
+
+    __slots__ = ("envelope", "recovered")
+
+    def __init__(self, envelope: wire.Envelope, recovered: bool = False):
+        self.envelope, self.recovered = envelope, recovered
+
+
+class Subscriber:
+    """Receives one publisher's messages; see the module docstring for the guarantees.
+
+    ``events`` limits which events are yielded (all seqs are still tracked).
+    ``resume=(run_id, seq)`` continues after ``seq`` if the run is still ``run_id``.
+    ``journal`` is a path to fall back on when the replay service cannot answer
+    (by default the path announced in the run header, if it exists here).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        events: Optional[Iterable[Union[Event, str]]] = None,
+        start: str = "latest",
+        resume: Optional[tuple[str, int]] = None,
+        service_address: Optional[str] = None,
+        journal: Optional[Union[str, os.PathLike]] = None,
+        request_timeout: float = 2.0,
+        identity: Optional[str] = None,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+    ):
+        if start not in ("latest", "beginning"):
+            raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
+        self.address = address
+        self.service_address = service_address or service_address_for(address)
+        self.events = frozenset(Event(e) for e in events) if events is not None else None
+        self.identity = identity or f"subscriber-{os.getpid()}"
+        self._start = start
+        self._resume = resume
+        self._journal_path = os.fspath(journal) if journal is not None else None
+        self._timeout = request_timeout
+        self._max_bytes = max_message_bytes
+        self._stats = SubscriberStats()
+        self._ids = itertools.count(1)
+        self._ready: list[_Decoded] = []  # in seq order, waiting to be yielded
+        self._ended = False
+        self.run_id: Optional[str] = None
+        self.header: dict[str, Any] = {}
+        self.state: Optional[Snapshot] = None
+        self._next_seq: Optional[int] = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "Subscriber":
+        self._context = zmq.asyncio.Context.instance()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(self.address)
+        self._dealer = self._new_dealer()
+        await self._request_snapshot()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for sock in (getattr(self, "_sub", None), getattr(self, "_dealer", None)):
+            if sock is not None:
+                sock.close(linger=200)
+
+    def _new_dealer(self) -> zmq.asyncio.Socket:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        dealer.setsockopt(zmq.LINGER, 500)
+        dealer.connect(self.service_address)
+        return dealer
+
+    def stats(self) -> SubscriberStats:
+        self._stats.buffered = len(self._ready)
+        return dataclasses.replace(self._stats)
+
+    # ------------------------------------------------------------------ control channel
+
+    def stop_training(self, reason: str) -> None:
+        """Ask the trainer to stop at its next BATCH_END."""
+        self._send_control("stop", reason=reason, source=self.identity)
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
+        """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
+        plain = {str(k): _plain_number(v) for k, v in metrics.items()}
+        self._send_control("metrics", metrics=plain, step=step, source=source or self.identity)
+
+    def _send_control(self, op: str, **fields: Any) -> None:
+        self._dealer.send(wire.encode_request(op, **fields), zmq.NOBLOCK)
+
+    async def _request(self, op: str, **fields: Any) -> Optional[list[bytes]]:
+        """One request/reply over the DEALER; None on timeout (the socket is then replaced)."""
+        request_id = next(self._ids)
+        await self._dealer.send(wire.encode_request(op, id=request_id, **fields))
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0 or not await self._dealer.poll(remaining * 1000):
+                # A late reply must not be mistaken for the next one: start a fresh socket.
+                self._dealer.close(linger=0)
+                self._dealer = self._new_dealer()
+                return None
+            frames = await self._dealer.recv_multipart()
+            try:
+                reply = wire.decode_request(frames[0])
+            except ProtocolError:
+                self._stats.protocol_errors += 1
+                continue
+            if reply.get("id") == request_id:
+                return [frames[0], *frames[1:]]
+
+    async def _request_snapshot(self) -> None:
+        frames = await self._request("snapshot")
+        if frames is None:
+            return  # the publisher is not up yet: live messages will establish the join point
+        reply = wire.decode_request(frames[0])
+        decoded = [self._decode(frame) for frame in frames[1:]]
+        for item in decoded:
+            if item is not None:
+                self._absorb(item.envelope)
+        self.run_id = reply.get("run_id")
+        current = int(reply.get("seq", 0))
+        if self._resume is not None and self._resume[0] == self.run_id:
+            self._next_seq = self._resume[1] + 1
+        elif self._start == "beginning":
+            self._next_seq = 1
+        else:
+            self._next_seq = current + 1
+        if self._next_seq <= current:
+            await self._fill(self._next_seq, current)
+
+    # ------------------------------------------------------------------ receiving
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self
+
+    async def __anext__(self) -> Message:
+        while True:
+            if self._ready:
+                message = self._deliver(self._ready.pop(0))
+                if message is not None:
+                    return message
+                continue
+            if self._ended:
+                raise StopAsyncIteration
+            await self._receive_one()
+
+    async def _receive_one(self) -> None:
+        frame = await self._sub.recv()
+        self._stats.received += 1
+        item = self._decode(frame)
+        if item is None:
+            return
+        envelope = item.envelope
+        if self.run_id is None or self._next_seq is None:
+            # Joined before the publisher answered a snapshot: this message is the join point.
+            self.run_id = envelope.run_id
+            self._next_seq = 1 if (self._start == "beginning" or envelope.seq == 1) else envelope.seq
+            if self._resume is not None and self._resume[0] == envelope.run_id:
+                self._next_seq = self._resume[1] + 1
+        if envelope.run_id != self.run_id:
+            self._stats.protocol_errors += 1
+            log.warning("message from another run (%s) ignored; this subscriber follows %s", envelope.run_id, self.run_id)
+            return
+        if envelope.seq < self._next_seq:
+            self._stats.duplicates += 1
+            return
+        if envelope.seq > self._next_seq:
+            await self._fill(self._next_seq, envelope.seq - 1)
+        if envelope.seq == self._next_seq:
+            self._queue(item)
+
+    def _decode(self, frame: bytes) -> Optional[_Decoded]:
+        try:
+            return _Decoded(wire.decode(frame))
+        except ProtocolError as err:
+            self._stats.protocol_errors += 1
+            log.debug("malformed message skipped: %s", err)
+            return None
+
+    def _queue(self, item: _Decoded) -> None:
+        self._ready.append(item)
+        self._next_seq = item.envelope.seq + 1
+
+    async def _fill(self, first: int, last: int) -> None:
+        """Recover seqs first..last from the replay service, then from the journal."""
+        self._stats.gaps += 1
+        while first <= last:
+            frames = await self._request("replay", run_id=self.run_id, **{"from": first, "to": last})
+            recovered = 0
+            for frame in frames[1:] if frames else []:
+                item = self._decode(frame)
+                if item is None or item.envelope.seq != first:
+                    break
+                item.recovered = True
+                self._queue(item)
+                recovered += 1
+                first += 1
+            self._stats.recovered += recovered
+            if not recovered:
+                break
+        if first <= last:
+            first = self._fill_from_journal(first, last)
+        if first <= last:
+            self._stats.lost += last - first + 1
+            log.error("seqs %d..%d of run %s could not be recovered (publisher and journal unavailable)",
+                      first, last, self.run_id)
+            self._next_seq = last + 1
+
+    def _fill_from_journal(self, first: int, last: int) -> int:
+        path = self._journal_path or self.header.get("journal")
+        if not path or not os.path.exists(path):
+            return first
+        for record in read_journal(path):
+            item = self._decode(record)
+            if item is None or item.envelope.run_id != self.run_id:
+                continue
+            seq = item.envelope.seq
+            if seq == first and first <= last:
+                item.recovered = True
+                self._queue(item)
+                self._stats.recovered += 1
+                first += 1
+            elif seq > last:
+                break
+        return first
+
+    # ------------------------------------------------------------------ delivery
+
+    def _absorb(self, envelope: wire.Envelope) -> Optional[Snapshot]:
+        """Update the header or the current snapshot from a message; returns the snapshot."""
+        if envelope.kind == "header":
+            self.header = envelope.payload
+            return self.state
+        if envelope.kind == "event":
+            self.state = Snapshot(
+                run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=envelope.event,
+                wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
+                payload=envelope.payload, stop=self.stop_training,
+            )
+        return self.state
+
+    def _deliver(self, item: _Decoded) -> Optional[Message]:
+        envelope = item.envelope
+        state = self._absorb(envelope)
+        if envelope.kind == "end":
+            self._ended = True
+        if state is None:
+            state = Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=None,
+                             wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
+                             payload={}, stop=self.stop_training)
+        event = Event(envelope.event) if envelope.kind == "event" else None
+        if event is not None and self.events is not None and event not in self.events:
+            return None
+        self._stats.delivered += 1
+        self._stats.lag_seconds = max(0.0, time.time() - envelope.wall_time)
+        payload = envelope.payload
+        return Message(
+            kind=envelope.kind, event=event, state=state, seq=envelope.seq, run_id=envelope.run_id,
+            rank=envelope.rank, metrics=payload.get("metrics") if envelope.kind == "metrics" else None,
+            step=payload.get("step"), source=payload.get("source"), recovered=item.recovered,
+        )
+
+
+def _plain_number(value: Any) -> Any:
+    item = getattr(value, "item", None)
+    return item() if item is not None else value
+
+
+async def journal_messages(path: Union[str, os.PathLike]) -> AsyncIterator[Message]:
+    """A finished (or running) run's journal as the same Message stream a Subscriber yields."""
+    reader = _JournalReader()
+    for record in read_journal(path):
+        message = reader.feed(record)
+        if message is not None:
+            yield message
+        await asyncio.sleep(0)
+
+
+class _JournalReader(Subscriber):
+    """Reuses the subscriber's bookkeeping without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__("ipc://journal", service_address="ipc://journal.ctl")
+
+    def feed(self, record: bytes) -> Optional[Message]:
+        item = self._decode(record)
+        if item is None:
+            return None
+        if self.run_id is None:
+            self.run_id = item.envelope.run_id
+        self._stats.received += 1
+        return self._deliver(item)
+
+    def stop_training(self, reason: str) -> None:
+        raise RuntimeError("stop_training() has no effect when replaying a journal")

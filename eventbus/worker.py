@@ -1,0 +1,125 @@
+"""``eventbus worker``: host callbacks in a daemon that follows a training run.
+
+Callbacks are named ``module:Class`` or ``path/to/file.py:Class``, optionally
+with keyword arguments as JSON: ``workers.timing:SpeedMonitor:{"window_size": 50}``.
+SIGTERM and SIGINT stop receiving, drain the queues, and close the callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import signal
+import sys
+from typing import Any, Optional, Sequence
+
+from eventbus.callback import Callback
+from eventbus.errors import ConfigError
+from eventbus.host import CallbackHost, Cursor
+from eventbus.subscriber import Subscriber, journal_messages
+
+__all__ = ["load_callback", "run_worker", "replay_journal"]
+
+log = logging.getLogger(__name__)
+
+
+def load_callback(spec: str) -> Callback:
+    """Instantiate ``module:Class[:kwargs-json]``; ConfigError names what failed."""
+    target, _, kwargs_text = spec.partition(":{")
+    kwargs_text = "{" + kwargs_text if kwargs_text else ""
+    module_name, sep, class_name = target.rpartition(":")
+    if not sep or not module_name or not class_name:
+        raise ConfigError(f"callback {spec!r}: expected module:Class or path/to/file.py:Class")
+    try:
+        if module_name.endswith(".py"):
+            path = pathlib.Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"callback {spec!r}: file {module_name!r} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[path.stem] = module
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"callback {spec!r}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"callback {spec!r}: {module_name!r} has no attribute {class_name!r}")
+    try:
+        kwargs = json.loads(kwargs_text) if kwargs_text else {}
+    except ValueError as err:
+        raise ConfigError(f"callback {spec!r}: keyword arguments are not valid JSON: {err}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"callback {spec!r}: keyword arguments must be a JSON object")
+    try:
+        callback = cls(**kwargs)
+    except Exception as err:
+        raise ConfigError(f"callback {spec!r}: {class_name}(**{kwargs}) failed: {err}") from None
+    if not isinstance(callback, Callback):
+        raise ConfigError(f"callback {spec!r}: {class_name} is not an eventbus.Callback")
+    return callback
+
+
+def _install_signal_handlers(host: CallbackHost) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, host.stop)
+
+
+async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: Optional[str] = None,
+                     state_dir: Optional[pathlib.Path] = None, start: str = "beginning",
+                     events: Optional[Sequence[str]] = None, fail_fast: bool = False,
+                     journal: Optional[str] = None) -> int:
+    """Host ``callbacks`` on the run published at ``address`` until it ends or a signal arrives."""
+    cursor = None
+    if identity:
+        directory = state_dir or pathlib.Path.home() / ".cache" / "eventbus" / "subscribers"
+        directory.mkdir(parents=True, exist_ok=True)
+        cursor = Cursor(directory / f"{identity}.cursor.json")
+    async with Subscriber(address, events=None, start=start, identity=identity, journal=journal,
+                          resume=cursor.resume_point([type(cb).__name__ for cb in callbacks]) if cursor else None,
+                          ) as subscriber:
+        host = CallbackHost(callbacks, send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source),
+                            fail_fast=fail_fast, cursor=cursor)
+        _install_signal_handlers(host)
+        wanted = set(events) if events else None
+        messages = subscriber if wanted is None else _only(subscriber, wanted)
+        print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
+        try:
+            await host.run(messages)
+        except Exception as err:
+            print(f"eventbus worker: stopped by --fail-fast: {err}", file=sys.stderr)
+            return 1
+        stats = subscriber.stats()
+        print(f"eventbus worker: done; {stats.delivered} messages, {stats.recovered} recovered, "
+              f"{stats.lost} lost, {stats.protocol_errors} malformed", file=sys.stderr, flush=True)
+    return 0
+
+
+async def _only(messages: Any, wanted: set[str]) -> Any:
+    async for message in messages:
+        if message.kind != "event" or (message.event is not None and message.event.value in wanted):
+            yield message
+
+
+async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast: bool = False) -> int:
+    """Run callbacks over a journal: a finished run, or a running run up to now."""
+    host = CallbackHost(callbacks, fail_fast=fail_fast)
+    _install_signal_handlers(host)
+    try:
+        await host.run(journal_messages(path))
+    except Exception as err:
+        print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
+        return 1
+    return 0
