@@ -45,11 +45,13 @@ class Cursor:
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = pathlib.Path(path)
         self.run_id: Optional[str] = None
+        self.journal: Optional[str] = None
         self.seqs: dict[str, int] = {}
         if self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
                 self.run_id, self.seqs = data["run_id"], {k: int(v) for k, v in data["seqs"].items()}
+                self.journal = data.get("journal")
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("cursor file %s is unreadable; starting without it", self.path)
 
@@ -58,12 +60,13 @@ class Cursor:
             return None
         return self.run_id, min(self.seqs.get(name, 0) for name in names)
 
-    def record(self, run_id: str, name: str, seq: int) -> None:
+    def record(self, run_id: str, name: str, seq: int, journal: Optional[str] = None) -> None:
         if run_id != self.run_id:
             self.run_id, self.seqs = run_id, {}
         self.seqs[name] = seq
+        self.journal = journal or self.journal
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs}))
+        tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "journal": self.journal}))
         os.replace(tmp, self.path)
 
 
@@ -174,7 +177,8 @@ class CallbackHost:
                     continue
             slot.applied += 1
             if self.cursor is not None:
-                self.cursor.record(message.run_id, slot.name, message.seq)
+                journal = message.state.header.get("journal") if message.state is not None else None
+                self.cursor.record(message.run_id, slot.name, message.seq, journal)
 
     async def _apply(self, slot: _Slot, message: Message, loop: asyncio.AbstractEventLoop) -> None:
         callback = slot.callback

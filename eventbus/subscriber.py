@@ -128,6 +128,7 @@ class Subscriber:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> "Subscriber":
+        self._loop = asyncio.get_running_loop()
         self._context = zmq.asyncio.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
@@ -170,7 +171,9 @@ class Subscriber:
         self._send_control("metrics", metrics=plain, step=step, source=source or self.identity)
 
     def _send_control(self, op: str, **fields: Any) -> None:
-        self._dealer.send(wire.encode_request(op, **fields), zmq.NOBLOCK)
+        """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
+        data = wire.encode_request(op, **fields)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer.send(data)))
 
     async def _request(self, op: str, **fields: Any) -> Optional[list[bytes]]:
         """One request/reply over the DEALER; None on timeout (the socket is then replaced)."""
@@ -196,7 +199,10 @@ class Subscriber:
     async def _request_snapshot(self) -> None:
         frames = await self._request("snapshot")
         if frames is None:
-            return  # the publisher is not up yet: live messages will establish the join point
+            # No publisher (not up yet, or the run is over): catch up from the journal if there is
+            # one; otherwise the first live message establishes the join point.
+            self._catch_up_from_journal()
+            return
         reply = wire.decode_request(frames[0])
         decoded = [self._decode(frame) for frame in frames[1:]]
         for item in decoded:
@@ -290,6 +296,35 @@ class Subscriber:
             log.error("seqs %d..%d of run %s could not be recovered (publisher and journal unavailable)",
                       first, last, self.run_id)
             self._next_seq = last + 1
+
+    def _catch_up_from_journal(self) -> None:
+        """Queue the journal's run (the resumed one, else the latest) from the start point on."""
+        path = self._journal_path
+        if not path or not os.path.exists(path):
+            return
+        runs: dict[str, list[_Decoded]] = {}
+        for record in read_journal(path):
+            item = self._decode(record)
+            if item is not None:
+                runs.setdefault(item.envelope.run_id, []).append(item)
+        if not runs:
+            return
+        run_id = self._resume[0] if self._resume is not None and self._resume[0] in runs else list(runs)[-1]
+        items = runs[run_id]
+        self.run_id = run_id
+        if self._resume is not None and self._resume[0] == run_id:
+            self._next_seq = self._resume[1] + 1
+        elif self._start == "beginning":
+            self._next_seq = 1
+        else:
+            self._next_seq = items[-1].envelope.seq + 1
+        for item in items:
+            if item.envelope.kind == "header":
+                self.header = item.envelope.payload
+            if item.envelope.seq == self._next_seq:
+                item.recovered = True
+                self._queue(item)
+                self._stats.recovered += 1
 
     def _fill_from_journal(self, first: int, last: int) -> int:
         path = self._journal_path or self.header.get("journal")

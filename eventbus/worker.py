@@ -87,6 +87,7 @@ async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: O
         directory = state_dir or pathlib.Path.home() / ".cache" / "eventbus" / "subscribers"
         directory.mkdir(parents=True, exist_ok=True)
         cursor = Cursor(directory / f"{identity}.cursor.json")
+    journal = journal or (cursor.journal if cursor else None)
     async with Subscriber(address, events=None, start=start, identity=identity, journal=journal,
                           resume=cursor.resume_point([type(cb).__name__ for cb in callbacks]) if cursor else None,
                           ) as subscriber:

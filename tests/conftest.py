@@ -50,3 +50,104 @@ def recorder() -> EventRecorder:
 def _run_in_tmp(tmp_path, monkeypatch):
     """Trainers write run folders (journal, ipc sockets) under ./runs: keep them per test."""
     monkeypatch.chdir(tmp_path)
+
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+class Process:
+    """A real child process with its output collected line by line (for waiting on a message)."""
+
+    def __init__(self, args: list[str], cwd, env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        import threading
+
+        full_env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._threads = [threading.Thread(target=self._collect, args=(stream, lines), daemon=True)
+                         for stream, lines in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr))]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _collect(stream, lines):
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.stdout + self.stderr):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not seen; stderr:\n" + "\n".join(self.stderr[-30:]))
+
+    def finish(self, timeout: float = 120.0) -> int:
+        code = self.proc.wait(timeout=timeout)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """Start real child processes in the test's folder; any still running at the end are killed."""
+    started: list[Process] = []
+
+    def start(*args: str, env: dict | None = None) -> Process:
+        process = Process(list(args), cwd=tmp_path, env=env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.kill()
+
+
+class BackgroundTrainer:
+    """Runs ``trainer.fit()`` then ``close()`` on a thread, as a training script's main thread would."""
+
+    def __init__(self, trainer):
+        import threading
+
+        self.trainer = trainer
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import time
+
+        started = time.perf_counter()
+        try:
+            self.trainer.fit()
+        except BaseException as err:  # re-raised by join()
+            self.error = err
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.trainer.close()
+
+    def start(self) -> "BackgroundTrainer":
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float = 120.0) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "training did not finish"
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,225 @@
+"""The bus end to end: a real trainer publishing, real `eventbus worker` processes and asyncio subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import signal
+import textwrap
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from eventbus import Callback, Event, Trainer
+from eventbus import wire
+from eventbus.journal import read_journal
+from eventbus.subscriber import Subscriber
+from tests.conftest import BackgroundTrainer, make_loader, make_model
+
+DOCS_CALLBACKS = textwrap.dedent("""
+    from eventbus import Callback, Event, State, Logger
+
+    class EpochMonitor(Callback):
+        def epoch_start(self, state: State, logger: Logger):
+            print(f'Epoch: {int(state.timestamp.epoch)}')
+
+    class RunEventMonitor(Callback):
+        def run_event(self, event: Event, state: State, logger: Logger):
+            if event == Event.EPOCH_START:
+                print(f'Epoch: {int(state.timestamp.epoch)}')
+""")
+
+
+class SlowBatches(Callback):
+    """Makes the trainer take a while, so things can happen mid-run."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def batch_end(self, state, logger):
+        time.sleep(self.seconds)
+
+
+def trainer(tmp_path, **kwargs):
+    kwargs.setdefault("bus", f"ipc://{tmp_path}/bus")
+    return Trainer(make_model(), make_loader(), device="cpu", run_name="bus-test", **kwargs)
+
+
+def test_docs_callbacks_print_the_same_in_a_worker_as_in_process(tmp_path, spawn, capsys):
+    (tmp_path / "mycallbacks.py").write_text(DOCS_CALLBACKS)
+    import importlib
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        user_module = importlib.import_module("mycallbacks")
+    finally:
+        sys.path.remove(str(tmp_path))
+    in_process = trainer(tmp_path, max_duration="3ep", callbacks=[user_module.EpochMonitor()])
+    workers = [spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback", f"mycallbacks:{name}")
+               for name in ("EpochMonitor", "RunEventMonitor")]
+    for worker in workers:
+        worker.wait_for("following")
+    in_process.fit()
+    in_process.close()
+    expected = capsys.readouterr().out.splitlines()
+    assert expected == ["Epoch: 0", "Epoch: 1", "Epoch: 2"]
+    for worker in workers:
+        assert worker.finish() == 0
+        assert worker.stdout == expected
+
+
+def test_a_slow_worker_does_not_slow_training_and_gets_every_event(tmp_path, spawn):
+    counts_file = tmp_path / "counts.json"
+    # Baseline in the same test: the same run with no worker attached.
+    baseline = trainer(tmp_path, max_duration="2ba", bus=f"ipc://{tmp_path}/baseline")
+    started = time.perf_counter()
+    baseline.fit()
+    baseline_seconds = time.perf_counter() - started
+    baseline.close()
+
+    run = trainer(tmp_path, max_duration="2ba")
+    worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
+                   f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts_file}", "sleep": 0.2}}')
+    worker.wait_for("following")
+    started = time.perf_counter()
+    run.fit()
+    seconds = time.perf_counter() - started
+    run.close()
+    assert worker.finish() == 0
+    counts = json.loads(counts_file.read_text())
+    # Two batches, one epoch left unfinished: Composer's counts for "2ba".
+    expected = {"init": 1, "before_load": 1, "after_load": 1, "fit_start": 1, "iteration_start": 1,
+                "epoch_start": 1, "before_dataloader": 2, "after_dataloader": 2, "batch_start": 2,
+                "before_train_batch": 2, "before_forward": 2, "after_forward": 2, "before_loss": 2,
+                "after_loss": 2, "before_backward": 2, "after_backward": 2, "after_train_batch": 2,
+                "batch_end": 2, "batch_checkpoint": 2, "fit_end": 1}
+    assert counts == expected
+    slept = 0.2 * sum(expected.values())
+    # The worker slept 6.4 s; training must not have waited for it (a stall would show whole seconds).
+    assert seconds < baseline_seconds + 0.1 * slept, (seconds, baseline_seconds)
+
+
+async def _collect(sub: Subscriber, into: list) -> None:
+    async for message in sub:
+        into.append(message)
+
+
+async def test_late_joiner_sees_the_same_events_from_its_join_point(tmp_path):
+    run = trainer(tmp_path, max_duration="2ep", eval_dataloader=make_loader(16, 16), callbacks=[SlowBatches(0.03)])
+    address = run.publisher.address
+    early, late = [], []
+    async with Subscriber(address, start="beginning") as first:
+        early_task = asyncio.create_task(_collect(first, early))
+        background = BackgroundTrainer(run).start()
+        await asyncio.sleep(0.12)
+        async with Subscriber(address) as second:
+            assert second.state is not None and second.header["run_name"] == "bus-test"  # current state at once
+            await _collect(second, late)
+        await early_task
+        await asyncio.to_thread(background.join)
+
+    assert late and late[0].seq > 5  # really joined mid-run
+    join = late[0].seq
+    assert [(m.seq, m.kind, m.event) for m in late] == [(m.seq, m.kind, m.event) for m in early if m.seq >= join]
+    # What the early subscriber got is exactly the journal.
+    journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]
+    assert [(m.seq, m.kind, m.event, m.metrics, m.event and m.state.timestamp.state_dict()) for m in early] == [
+        (j.seq, j.kind, Event(j.event) if j.event else None, j.payload.get("metrics"), j.event and j.payload["ts"])
+        for j in journal]
+    assert first.stats().lost == 0 and second.stats().lost == 0
+
+
+async def test_subscriber_api_snapshot_names(tmp_path):
+    run = trainer(tmp_path, max_duration="1ep", eval_dataloader=make_loader(16, 16))
+    seen = {}
+    async with Subscriber(run.publisher.address, start="beginning", events=[Event.BATCH_END, Event.EVAL_END]) as sub:
+        background = BackgroundTrainer(run).start()
+        async for message in sub:
+            if message.event is not None:
+                seen[message.event] = message.state
+        await asyncio.to_thread(background.join)
+    assert set(seen) == {Event.BATCH_END, Event.EVAL_END}
+    state = seen[Event.BATCH_END]
+    assert int(state.timestamp.batch) == 4 and int(state.timestamp.epoch) == 0
+    assert state.run_name == "bus-test" and state.max_duration == "1ep" and state.dataloader_len == 4
+    assert isinstance(state.loss, float) and state.learning_rates == {"SGD": [0.1]}
+    assert state.batch_num_samples == 16 and state.world_size == 1 and state.rank == 0
+    assert state.get_elapsed_duration().value == 0.0  # epochs advance at EPOCH_END, as in Composer
+    assert seen[Event.EVAL_END].get_elapsed_duration().value == 1.0
+    assert set(seen[Event.EVAL_END].eval_metric_values["eval"]) == {"MulticlassAccuracy", "CrossEntropy"}
+    with pytest.raises(AttributeError, match="read-only"):
+        state.loss = 1.0
+
+
+def test_killed_worker_resumes_with_no_event_lost_or_applied_twice(tmp_path, spawn):
+    out = tmp_path / "seqs.txt"
+    run = trainer(tmp_path, max_duration="2ep", callbacks=[SlowBatches(0.1)])
+    args = ["-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--identity", "recorder",
+            "--state-dir", str(tmp_path / "state"), "--callback",
+            f'tests.worker_callbacks:SeqRecorder:{{"path": "{out}"}}']
+    first = spawn(*args)
+    first.wait_for("following")
+    background = BackgroundTrainer(run).start()
+    time.sleep(1.0)
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.finish()
+    recorded_before = len(out.read_text().splitlines())
+    second = spawn(*args)
+    background.join()
+    assert second.finish() == 0
+    lines = [line.split() for line in out.read_text().splitlines()]
+    seqs = [int(seq) for seq, _ in lines]
+    journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]
+    expected = [(m.seq, m.event) for m in journal if m.kind == "event"]
+    assert 0 < recorded_before < len(expected)  # the kill really happened mid-run
+    assert len(seqs) == len(set(seqs)), "an event was applied twice"
+    assert [(int(s), e) for s, e in lines] == expected
+
+
+async def test_malformed_messages_are_counted_not_fatal(tmp_path):
+    context = zmq.asyncio.Context.instance()
+    pub = context.socket(zmq.PUB)
+    address = f"ipc://{tmp_path}/fake"
+    pub.bind(address)
+    run_id = "f" * 32
+    garbage = [b"", b"\xc1", b"\x00" * 10, b"random bytes!", msgpack.packb([1, 2, 3]),
+               msgpack.packb([99, "event", run_id, 0, 2, "init", 0.0, 0.0, {}]),  # unknown version
+               wire.encode("event", run_id, 0, 2, "init", 0.0, 0.0, {})[:-4]]  # truncated
+    async with Subscriber(address, request_timeout=0.2) as sub:
+        await asyncio.sleep(0.3)  # let the subscription reach the publisher
+        received = []
+        collector = asyncio.create_task(_collect(sub, received))
+        seq = 0
+        for bad in garbage * 3:
+            seq += 1
+            await pub.send(wire.encode("event", run_id, 0, seq, "batch_end", time.time(), 0.0, {"loss": 1.0}))
+            await pub.send(bad)
+        await pub.send(wire.encode("end", run_id, 0, seq + 1, None, time.time(), 0.0, {}))
+        await asyncio.wait_for(collector, 5)
+    pub.close(0)
+    assert sub.stats().protocol_errors == len(garbage) * 3
+    assert [m.seq for m in received] == list(range(1, seq + 2))
+
+
+def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spawn, caplog):
+    run = trainer(tmp_path, max_duration="50ep", callbacks=[SlowBatches(0.02)])
+    worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
+                   'tests.worker_callbacks:PlateauStopper:{"batch": 3}')
+    worker.wait_for("following")
+    with caplog.at_level(logging.WARNING):
+        run.fit()
+    run.close()
+    assert worker.finish() == 0
+    stopped_at = run.state.timestamp.batch.value
+    assert 3 <= stopped_at < 50 * 4
+    assert "loss plateau seen by the worker" in run.state.stop_reason
+    assert "training stopped early" in caplog.text and "loss plateau" in caplog.text
+    journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]
+    republished = [m.payload for m in journal if m.kind == "metrics" and m.payload["source"] == "PlateauStopper"]
+    assert republished and republished[0]["metrics"] == {"custom/batch_seen": 1}
+    assert republished[0]["step"] == 1
