@@ -14,9 +14,18 @@ The training side is what a Composer user already knows:
 * ``model``, ``metrics``, ``evaluator``, ``batch`` -- what the trainer drives.
 * ``trainer``   -- :class:`Trainer`: fit / eval / predict, firing every event.
 
-The bus (publisher, wire format, subscriber runtime, snapshots) turns each
-event into a message that subscriber processes in ``workers/`` consume; the
-engine hands every event to it after the local callbacks ran.
+The bus carries every event out of the training process:
+
+* ``publisher`` -- the training thread captures and enqueues; a bus thread
+  numbers, journals and sends (PUB), and serves snapshot/replay/control (ROUTER).
+* ``wire``      -- the versioned msgpack envelope and its bounded decoder.
+* ``journal``   -- the append-only, crash-safe record of every message.
+* ``snapshot``  -- :class:`Snapshot`, the read-only ``state`` a subscriber-side callback sees.
+* ``subscriber``-- :class:`Subscriber`, an asyncio stream in seq order, gaps filled.
+* ``host``      -- :class:`CallbackHost`: runs ordinary Callbacks on that stream.
+* ``worker``, ``cli`` -- ``eventbus worker | replay | run``.
+
+The daemons users run (logging, timing, checkpoints) live in ``workers/``.
 
 Errors all derive from :class:`EventBusError`.
 """
@@ -30,6 +39,9 @@ from eventbus.events import Event
 from eventbus.logger import ConsoleLogger, InMemoryLogger, Logger, LoggerDestination
 from eventbus.metrics import CrossEntropy, Metric, MulticlassAccuracy
 from eventbus.model import ComposerClassifier, ComposerModel
+from eventbus.publisher import BusConfig
+from eventbus.snapshot import Snapshot
+from eventbus.subscriber import Message, Subscriber
 from eventbus.state import State
 from eventbus.time import Time, Timestamp, TimeUnit
 from eventbus.trainer import Trainer
@@ -40,5 +52,6 @@ __all__ = [
     "Algorithm", "GradientClipping", "Callback", "Engine", "ConfigError", "EventBusError",
     "ProtocolError", "Evaluator", "Event", "ConsoleLogger", "InMemoryLogger", "Logger",
     "LoggerDestination", "CrossEntropy", "Metric", "MulticlassAccuracy", "ComposerClassifier",
-    "ComposerModel", "State", "Time", "Timestamp", "TimeUnit", "Trainer",
+    "ComposerModel", "State", "Time", "Timestamp", "TimeUnit", "Trainer", "BusConfig", "Snapshot",
+    "Message", "Subscriber",
 ]
