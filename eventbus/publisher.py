@@ -153,6 +153,8 @@ def _resolve(value: Any) -> Any:
 
 
 _EVENT, _METRICS, _HEADER, _END = "event", "metrics", "header", "end"
+_CAPTURABLE = frozenset({"grad_norms", "memory", "flops"})
+_PER_BATCH = {"grad_norms": None, "memory": None, "batch_flops": None}
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
 
 
@@ -203,6 +205,9 @@ class Publisher(EventSink):
         self._stats = PublisherStats()
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._stop_requests: collections.deque[str] = collections.deque()
+        # Costly captures subscribers asked for: name -> (lease expiry on the monotonic clock, interval).
+        self._captures: dict[str, tuple[float, int]] = {}
+        self._param_names: Optional[list[str]] = None
         self._thread: Optional[threading.Thread] = None
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
@@ -250,11 +255,38 @@ class Publisher(EventSink):
             changes = changes or {}
             changes["max_duration"] = str(state.max_duration) if state.max_duration is not None else None
             changes["stop_reason"] = state.stop_reason
+        if self._captures and event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END):
+            captured = self._capture_on_demand(event, state)
+            if captured:
+                changes = dict(changes or {}, **captured)
         length = state.dataloader_len
         self._put((_EVENT, event.value, time.time(), time.monotonic(), state.timestamp,
                    state.eval_timestamp if event.is_eval else None, state.dataloader_label,
                    length.value if length is not None else None, state.batch_num_samples,
                    state.batch_num_tokens, changes))
+
+    def _leased(self, name: str, batch: int) -> bool:
+        lease = self._captures.get(name)
+        return lease is not None and lease[0] > time.monotonic() and batch % lease[1] == 0
+
+    def _capture_on_demand(self, event: Event, state: "State") -> dict[str, Any]:
+        """What costs the trainer something, captured only while a subscriber holds a lease on it."""
+        captured: dict[str, Any] = {}
+        batch = state.timestamp.batch.value
+        if event is Event.AFTER_TRAIN_BATCH and self._leased("grad_norms", batch):
+            named = [(n, p.grad) for n, p in state.model.named_parameters() if p.grad is not None]
+            if named:
+                with torch.no_grad():
+                    norms = torch.stack(torch._foreach_norm([g for _, g in named]))
+                    norms = torch.cat([norms, torch.linalg.vector_norm(norms)[None]])
+                captured["grad_norms"] = ([n for n, _ in named] + ["global"], _stage(norms))
+        elif event is Event.BATCH_END:
+            if self._leased("memory", batch) and state.device.type == "cuda":
+                captured["memory"] = dict(torch.cuda.memory_stats(state.device))  # allocator counters: no sync
+            flops = getattr(state.model, "flops_per_batch", None)
+            if flops is not None and self._leased("flops", batch):
+                captured["batch_flops"] = _stage(flops(state.batch))
+        return captured
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
         self._put((_METRICS, {k: _stage(v) for k, v in metrics.items()}, step, source, time.time(), time.monotonic()))
@@ -315,7 +347,7 @@ class Publisher(EventSink):
         self._header_bytes = b""
         self._pending: list[bytes] = []
         self._current: dict[str, Any] = {"loss": None, "lrs": {}, "eval_metrics": {}, "train_metrics": {},
-                                         "max_duration": None, "stop_reason": None}
+                                         "max_duration": None, "stop_reason": None, **_PER_BATCH}
         self._emit(_HEADER, None, time.time(), time.monotonic(), self._header_payload())
         self._flush_and_send()
         self._started.set()
@@ -365,6 +397,8 @@ class Publisher(EventSink):
         kind = item[0]
         if kind == _EVENT:
             _, event, wall, mono, ts, eval_ts, label, dl_len, samples, tokens, changes = item
+            if event == "batch_start":
+                self._current.update(_PER_BATCH)  # on-demand captures describe one batch only
             if changes:
                 self._apply_changes(changes)
             payload = dict(self._current, ts=ts.state_dict(), label=label, dl_len=dl_len, samples=samples,
@@ -385,6 +419,9 @@ class Publisher(EventSink):
             if key == "eval_metrics":
                 label, values = value
                 current["eval_metrics"] = dict(current["eval_metrics"], **{label: _resolve(values)})
+            elif key == "grad_norms":
+                names, norms = value
+                current["grad_norms"] = dict(zip(names, _resolve(norms)))
             else:
                 current[key] = _resolve(value)
 
@@ -446,6 +483,18 @@ class Publisher(EventSink):
             self._emit(_METRICS, None, time.time(), time.monotonic(),
                        {"metrics": metrics, "step": step, "source": str(request.get("source") or "subscriber")})
             self._flush_and_send()
+        elif op == "capture":
+            self._stats.control_messages += 1
+            what, ttl, interval = request.get("what"), request.get("ttl", 10.0), request.get("interval", 1)
+            if not isinstance(what, list) or not isinstance(ttl, (int, float)) or type(interval) is not int:
+                self._stats.protocol_errors += 1
+                return
+            expiry = time.monotonic() + min(float(ttl), 300.0)
+            captures = dict(self._captures)
+            for name in what:
+                if name in _CAPTURABLE:
+                    captures[name] = (expiry, max(1, interval))
+            self._captures = captures  # replaced whole: the training thread reads it without a lock
         elif op == "ping":
             self._router.send_multipart(
                 [identity, wire.encode_request("pong", id=request.get("id"), run_id=self.run_id, seq=self._seq)])

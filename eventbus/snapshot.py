@@ -26,7 +26,7 @@ class Snapshot:
         "run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "timestamp",
         "eval_timestamp", "dataloader_label", "dataloader_len", "loss", "learning_rates",
         "train_metric_values", "eval_metric_values", "batch_num_samples", "batch_num_tokens",
-        "max_duration", "stop_reason", "_stop",
+        "max_duration", "stop_reason", "grad_norms", "memory", "batch_flops", "_stop",
     )
 
     def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
@@ -55,6 +55,11 @@ class Snapshot:
         setattr_(self, "batch_num_tokens", payload.get("tokens", 0))
         setattr_(self, "max_duration", _time(payload.get("max_duration") or header.get("max_duration")))
         setattr_(self, "stop_reason", payload.get("stop_reason"))
+        # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
+        # capture to the end of that batch; otherwise None.
+        setattr_(self, "grad_norms", payload.get("grad_norms"))
+        setattr_(self, "memory", payload.get("memory"))
+        setattr_(self, "batch_flops", payload.get("batch_flops"))
         setattr_(self, "_stop", stop)
 
     def __setattr__(self, name: str, value: Any) -> None:

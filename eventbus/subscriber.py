@@ -170,6 +170,10 @@ class Subscriber:
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
         self._send_control("metrics", metrics=plain, step=step, source=source or self.identity)
 
+    def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0) -> None:
+        """Lease costly captures (``grad_norms``, ``memory``, ``flops``) for ``ttl`` seconds; renew to keep them."""
+        self._send_control("capture", what=sorted(what), interval=interval, ttl=ttl, source=self.identity)
+
     def _send_control(self, op: str, **fields: Any) -> None:
         """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
         data = wire.encode_request(op, **fields)

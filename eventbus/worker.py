@@ -94,6 +94,7 @@ async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: O
         host = CallbackHost(callbacks, send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source),
                             fail_fast=fail_fast, cursor=cursor)
         _install_signal_handlers(host)
+        renewer = asyncio.create_task(_renew_captures(subscriber, callbacks))
         wanted = set(events) if events else None
         messages = subscriber if wanted is None else _only(subscriber, wanted)
         print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
@@ -102,10 +103,23 @@ async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: O
         except Exception as err:
             print(f"eventbus worker: stopped by --fail-fast: {err}", file=sys.stderr)
             return 1
+        finally:
+            renewer.cancel()
         stats = subscriber.stats()
         print(f"eventbus worker: done; {stats.delivered} messages, {stats.recovered} recovered, "
               f"{stats.lost} lost, {stats.protocol_errors} malformed", file=sys.stderr, flush=True)
     return 0
+
+
+async def _renew_captures(subscriber: Subscriber, callbacks: Sequence[Callback], ttl: float = 10.0) -> None:
+    """Keep the trainer capturing what hosted callbacks declare in ``captures``, and only that."""
+    wanted = sorted(set().union(*(getattr(cb, "captures", ()) for cb in callbacks)))
+    if not wanted:
+        return
+    interval = min(int(getattr(cb, "capture_interval", 1)) for cb in callbacks if getattr(cb, "captures", ()))
+    while True:
+        subscriber.request_capture(wanted, interval=interval, ttl=ttl)
+        await asyncio.sleep(ttl / 3)
 
 
 async def _only(messages: Any, wanted: set[str]) -> Any:

@@ -223,3 +223,28 @@ def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spaw
     republished = [m.payload for m in journal if m.kind == "metrics" and m.payload["source"] == "PlateauStopper"]
     assert republished and republished[0]["metrics"] == {"custom/batch_seen": 1}
     assert republished[0]["step"] == 1
+
+
+async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
+    run = trainer(tmp_path, max_duration="2ep", callbacks=[SlowBatches(0.02)])
+    norms = []
+    async with Subscriber(run.publisher.address, start="beginning", events=[Event.AFTER_TRAIN_BATCH]) as sub:
+        background = BackgroundTrainer(run).start()
+        async for message in sub:
+            if message.event is Event.AFTER_TRAIN_BATCH:
+                norms.append(message.state.grad_norms)
+                if len(norms) == 2:
+                    sub.request_capture(["grad_norms"], interval=2, ttl=30)
+        await asyncio.to_thread(background.join)
+    assert norms[0] is None  # nobody asked yet: nothing computed
+    captured = [(i, n) for i, n in enumerate(norms) if n is not None]
+    assert captured, "grad norms never arrived after the request"
+    names = {name for name, _ in run.state.model.named_parameters()}
+    for _, values in captured:
+        assert set(values) == names | {"global"}
+        per_param = sum(v * v for k, v in values.items() if k != "global") ** 0.5
+        assert values["global"] == pytest.approx(per_param, rel=1e-5)
+    # Captured on batches that are multiples of the interval only (counts before the step: 0, 2, 4, 6).
+    stamps = [m.payload for m in map(wire.decode, read_journal(run.publisher.journal_path))
+              if m.event == "after_train_batch" and m.payload.get("grad_norms")]
+    assert stamps and all(p["ts"]["batch"] % 2 == 0 for p in stamps)
