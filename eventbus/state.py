@@ -95,6 +95,8 @@ class State:
         self.stop_reason = reason or self.stop_reason or "stop_training() called"
 
     @property
-    def lrs(self) -> dict[str, list[float]]:
-        """Learning rate per optimizer (keyed by class name) and parameter group."""
-        return {type(opt).__name__: [group["lr"] for group in opt.param_groups] for opt in self.optimizers}
+    def learning_rates(self) -> dict[str, list[float]]:
+        """Learning rate per optimizer (keyed by class name) and parameter group, as on a snapshot."""
+        return {type(opt).__name__: [float(group["lr"]) for group in opt.param_groups] for opt in self.optimizers}
+
+    lrs = learning_rates
