@@ -12,9 +12,10 @@ Logged metrics: a hosted callback's ``logger.log_metrics`` goes to the trainer
 over the control channel and comes back as a ``metrics`` message, which hosted
 LoggerDestinations receive like every other logged metric.
 
-With a cursor file, each callback's last applied seq is recorded after every
-event; a restarted host resumes after it, so an event is applied once, except
-one that was in flight in a callback at the instant of a SIGKILL.
+With a cursor file, each callback's last applied seq and its ``state_dict()``
+are recorded after every event; a restarted host loads that state into the new
+callback objects and resumes after that seq, so an event is applied once,
+except one that was in flight in a callback at the instant of a SIGKILL.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pathlib
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 from eventbus.callback import Callback
+from eventbus.events import Event
 from eventbus.logger import Logger, LoggerDestination
 from eventbus.subscriber import Message
 
@@ -47,11 +49,13 @@ class Cursor:
         self.run_id: Optional[str] = None
         self.journal: Optional[str] = None
         self.seqs: dict[str, int] = {}
+        self.states: dict[str, Any] = {}
         if self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
                 self.run_id, self.seqs = data["run_id"], {k: int(v) for k, v in data["seqs"].items()}
                 self.journal = data.get("journal")
+                self.states = dict(data.get("states", {}))
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("cursor file %s is unreadable; starting without it", self.path)
 
@@ -60,13 +64,16 @@ class Cursor:
             return None
         return self.run_id, min(self.seqs.get(name, 0) for name in names)
 
-    def record(self, run_id: str, name: str, seq: int, journal: Optional[str] = None) -> None:
+    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None) -> None:
+        """Remember that ``name`` applied ``seq``, with its ``state_dict()`` as of then."""
         if run_id != self.run_id:
-            self.run_id, self.seqs = run_id, {}
+            self.run_id, self.seqs, self.states = run_id, {}, {}
         self.seqs[name] = seq
+        self.states[name] = state
         self.journal = journal or self.journal
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "journal": self.journal}))
+        tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
+                                   "journal": self.journal}, default=str))
         os.replace(tmp, self.path)
 
 
@@ -97,6 +104,8 @@ class _Slot:
         self.logger = _SubscriberLogger(send_metrics, name)
         self.state: Any = None
         self.skip_through = 0  # seqs at or below were applied before a restart
+        self.seen_init = False
+        self.hyperparameters: dict[str, Any] = {}
         self.errors = 0
         self.applied = 0
 
@@ -119,6 +128,8 @@ class CallbackHost:
         self._resumed_run = cursor.run_id if cursor is not None else None
         for slot in self.slots:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
+            if cursor is not None and cursor.states.get(slot.name):
+                slot.callback.load_state_dict(cursor.states[slot.name])
 
     @property
     def names(self) -> list[str]:
@@ -178,7 +189,7 @@ class CallbackHost:
             slot.applied += 1
             if self.cursor is not None:
                 journal = message.state.header.get("journal") if message.state is not None else None
-                self.cursor.record(message.run_id, slot.name, message.seq, journal)
+                self.cursor.record(message.run_id, slot.name, message.seq, slot.callback.state_dict(), journal)
 
     async def _apply(self, slot: _Slot, message: Message, loop: asyncio.AbstractEventLoop) -> None:
         callback = slot.callback
@@ -187,8 +198,10 @@ class CallbackHost:
                 await self._call(slot, callback.log_metrics, loop, message.metrics, message.step)
             return
         if message.kind == "header" and isinstance(callback, LoggerDestination):
-            hyperparameters = message.state.hyperparameters if message.state is not None else {}
-            await self._call(slot, callback.log_hyperparameters, loop, dict(hyperparameters))
+            # The header precedes INIT on the wire; the trainer logs hyperparameters after INIT.
+            slot.hyperparameters = dict(message.state.hyperparameters) if message.state is not None else {}
+            if slot.seen_init:
+                await self._call(slot, callback.log_hyperparameters, loop, slot.hyperparameters)
             return
         if message.event is None:
             return
@@ -198,6 +211,10 @@ class CallbackHost:
             await self._call(slot, method, loop, message.event, message.state, slot.logger)
         else:
             await self._call(slot, method, loop, message.state, slot.logger)
+        if message.event is Event.INIT:
+            slot.seen_init = True
+            if slot.hyperparameters and isinstance(callback, LoggerDestination):
+                await self._call(slot, callback.log_hyperparameters, loop, slot.hyperparameters)
 
     @staticmethod
     async def _call(slot: _Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:

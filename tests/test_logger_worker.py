@@ -1,0 +1,123 @@
+"""The logging worker as users run it: a real process beside a real trainer; files read back."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import signal
+import time
+
+from eventbus import Callback, Event, Trainer
+from eventbus import wire
+from eventbus.journal import read_journal
+from eventbus.subscriber import Subscriber
+from tests.conftest import BackgroundTrainer, make_loader, make_model
+
+
+class SlowBatches(Callback):
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def batch_end(self, state, logger):
+        time.sleep(self.seconds)
+
+
+def published_metrics(journal_path):
+    """step -> every key logged for it, straight from the journal."""
+    by_step: dict[int, dict] = {}
+    for record in read_journal(journal_path):
+        message = wire.decode(record)
+        if message.kind == "metrics":
+            by_step.setdefault(message.payload["step"], {}).update(message.payload["metrics"])
+    return by_step
+
+
+async def send_metrics_back(address, into_steps):
+    """Another subscriber that logs a metric per batch, as a timing worker would."""
+    async with Subscriber(address, start="beginning", events=[Event.BATCH_END]) as sub:
+        async for message in sub:
+            if message.event is Event.BATCH_END:
+                step = int(message.state.timestamp.batch)
+                sub.log_metrics({"custom/batches_seen": step}, step=step, source="test-sender")
+                into_steps.append(step)
+
+
+def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_and_mlflow(tmp_path, spawn):
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="logged",
+                      eval_dataloader=make_loader(32, 16), bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.01)])
+    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                   "--tensorboard", "--mlflow", "--log-interval", "2")
+    worker.wait_for("following")
+    sent: list[int] = []
+
+    async def scenario():
+        sender = asyncio.create_task(send_metrics_back(trainer.publisher.address, sent))
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(lambda: BackgroundTrainer(trainer).start().join())
+        await sender
+
+    asyncio.run(scenario())
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+    folder = tmp_path / "runs" / "logged"
+    expected = published_metrics(trainer.publisher.journal_path)
+    assert any("custom/batches_seen" in m for m in expected.values())  # re-published by the trainer
+
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [line.pop("step") for line in lines]
+    assert len(steps) == len(set(steps)), "a step was written twice"
+    assert dict(zip(steps, lines)) == expected
+    keys = set().union(*lines)
+    assert {"loss/train/total", "time/batch", "metrics/eval/MulticlassAccuracy", "custom/batches_seen"} <= keys
+
+    with open(folder / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [int(r["step"]) for r in rows] == sorted(steps)
+    by_step = {int(r["step"]): r for r in rows}
+    for step, metrics in expected.items():
+        if "loss/train/total" in metrics:
+            assert float(by_step[step]["loss/train/total"]) == metrics["loss/train/total"]
+    assert json.loads((folder / "hyperparameters.json").read_text())["max_duration"] == "3ep"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder / "tensorboard"))
+    accumulator.Reload()
+    losses = {e.step: e.value for e in accumulator.Scalars("loss/train/total")}
+    published = {s: m["loss/train/total"] for s, m in expected.items() if "loss/train/total" in m}
+    assert set(losses) == set(published) and len(losses) == 12
+    assert all(abs(losses[s] - published[s]) < 1e-6 for s in published)  # TensorBoard stores float32
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+    run = client.search_runs([client.get_experiment_by_name("eventbus").experiment_id])[0]
+    assert run.info.run_name == "logged" and run.data.params["max_duration"] == "3ep"
+    history = client.get_metric_history(run.info.run_id, "metrics/eval/MulticlassAccuracy")
+    assert sorted(m.step for m in history) == sorted(
+        s for s, m in expected.items() if "metrics/eval/MulticlassAccuracy" in m)
+
+    progress = "\n".join(worker.stderr)
+    assert "epoch 1 [" in progress and "eval eval:" in progress and "done: 3 epochs, 12 batches" in progress
+
+
+def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
+    trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="restarted",
+                      bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.08)])
+    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+            "--no-console"]
+    first = spawn(*args)
+    first.wait_for("following")
+    background = BackgroundTrainer(trainer).start()
+    time.sleep(1.2)
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.finish()
+    second = spawn(*args)
+    background.join()
+    assert second.finish() == 0, "\n".join(second.stderr)
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "restarted" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines]
+    assert len(steps) == len(set(steps)), "a step was written twice"
+    assert set(steps) == set(published_metrics(trainer.publisher.journal_path))
