@@ -1,0 +1,72 @@
+"""When a periodic action is due: evaluation and checkpointing share one rule.
+
+An interval is an int (epochs), a time string or Time (``"2ep"``, ``"100ba"``,
+``"640sp"``, ``"0.25dur"``), or a callable ``(state, event) -> bool``; 0 never.
+Epoch intervals are checked at the epoch event, the others at the batch event
+(a ``dur`` fraction of an epoch-based max_duration at the epoch event); at
+FIT_END the action runs once more unless it already ran for the final batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+from eventbus.errors import ConfigError
+from eventbus.events import Event
+from eventbus.time import Time, TimeUnit, ensure_time
+
+if TYPE_CHECKING:
+    from eventbus.state import State
+
+__all__ = ["IntervalLike", "interval_scheduler"]
+
+IntervalLike = Union[int, str, Time, Callable[[Any, Event], bool]]
+
+
+def interval_scheduler(interval: IntervalLike, *, name: str, batch_event: Event = Event.BATCH_END,
+                       epoch_event: Event = Event.EPOCH_END) -> Callable[["State", Event], bool]:
+    """Turn an interval into ``due(state, event)``; ConfigError names ``name``."""
+    if callable(interval) and not isinstance(interval, Time):
+        return interval
+    if not isinstance(interval, (int, str, Time)) or isinstance(interval, bool):
+        raise ConfigError(
+            f"{name} must be an int (epochs), a time string like '2ep' or '100ba', a Time, "
+            f"or a callable (state, event) -> bool; got {type(interval).__name__} {interval!r}"
+        )
+    every = ensure_time(interval, TimeUnit.EPOCH, name=name)
+    if every.unit is TimeUnit.ITERATION:
+        raise ConfigError(f"{name}: iterations are not a supported interval")
+    if every.value == 0:
+        return lambda state, event: False
+    if every.unit is TimeUnit.DURATION and every.value > 1:
+        raise ConfigError(f"{name}: a 'dur' interval must be at most 1.0, got {every}")
+
+    last_batch_done = -1
+
+    def due(state: Any, event: Event) -> bool:
+        ts, prev = state.timestamp, state.previous_timestamp
+        if event is Event.FIT_END:
+            return ts.batch.value != last_batch_done
+        if every.unit is TimeUnit.DURATION:
+            if event not in (batch_event, epoch_event) or state.max_duration is None:
+                return False
+            unit = state.max_duration.unit
+            step = every.value * state.max_duration.value
+            before = prev.get(unit).value if prev is not None else 0
+            return int(ts.get(unit).value // step) > int(before // step)
+        if event is epoch_event:
+            return every.unit is TimeUnit.EPOCH and ts.epoch.value % every.value == 0
+        if event is not batch_event or every.unit is TimeUnit.EPOCH:
+            return False
+        now = ts.get(every.unit).value
+        before = prev.get(every.unit).value if prev is not None else 0
+        return now // every.value > before // every.value
+
+    def scheduler(state: Any, event: Event) -> bool:
+        nonlocal last_batch_done
+        if due(state, event):
+            last_batch_done = state.timestamp.batch.value
+            return True
+        return False
+
+    return scheduler
