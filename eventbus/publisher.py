@@ -27,16 +27,18 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 from urllib.parse import urlsplit
 
 import torch
 import zmq
 
 from eventbus import wire
+from eventbus.checkpoint import Staged, StagingBuffers
 from eventbus.engine import EventSink
 from eventbus.errors import ConfigError, ProtocolError
 from eventbus.events import Event
+from eventbus.interval import interval_scheduler
 from eventbus.journal import JOURNAL_NAME, JournalWriter, read_record
 from eventbus.logger import LoggerDestination
 
@@ -67,6 +69,7 @@ class BusConfig:
     send_hwm: int = 100_000
     replay_cache: int = 50_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+    checkpoint_close_timeout: float = 60.0
 
 
 def service_address_for(address: str) -> str:
@@ -153,7 +156,10 @@ def _resolve(value: Any) -> Any:
 
 
 _EVENT, _METRICS, _HEADER, _END = "event", "metrics", "header", "end"
-_CAPTURABLE = frozenset({"grad_norms", "memory", "flops"})
+_CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint"})
+_CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT,
+                                Event.FIT_END})
+_CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
 _PER_BATCH = {"grad_norms": None, "memory": None, "batch_flops": None}
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
 
@@ -207,7 +213,12 @@ class Publisher(EventSink):
         self._stop_requests: collections.deque[str] = collections.deque()
         # Costly captures subscribers asked for: name -> (lease expiry on the monotonic clock, interval).
         self._captures: dict[str, tuple[float, int]] = {}
-        self._param_names: Optional[list[str]] = None
+        # Checkpoint staging, active while a checkpoint worker holds a lease (see eventbus.checkpoint).
+        self.checkpoint_source: Optional[Callable[[], dict[str, Any]]] = None
+        self._staging: Optional[StagingBuffers] = None
+        self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
+        self._checkpoint_interval: Optional[str] = None
+        self._checkpoint_options: dict[str, str] = {}
         self._thread: Optional[threading.Thread] = None
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
@@ -255,7 +266,7 @@ class Publisher(EventSink):
             changes = changes or {}
             changes["max_duration"] = str(state.max_duration) if state.max_duration is not None else None
             changes["stop_reason"] = state.stop_reason
-        if self._captures and event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END):
+        if self._captures and event in _CAPTURE_EVENTS:
             captured = self._capture_on_demand(event, state)
             if captured:
                 changes = dict(changes or {}, **captured)
@@ -280,6 +291,13 @@ class Publisher(EventSink):
                     norms = torch.stack(torch._foreach_norm([g for _, g in named]))
                     norms = torch.cat([norms, torch.linalg.vector_norm(norms)[None]])
                 captured["grad_norms"] = ([n for n, _ in named] + ["global"], _stage(norms))
+        elif event in _CHECKPOINT_EVENTS:
+            staged = self._stage_checkpoint_if_due(event, state)
+            if staged is not None:
+                captured["checkpoint"] = staged
+        elif event is Event.BEFORE_FORWARD:
+            if self._staging is not None:
+                self._staging.wait_before_next_step()
         elif event is Event.BATCH_END:
             if self._leased("memory", batch) and state.device.type == "cuda":
                 captured["memory"] = dict(torch.cuda.memory_stats(state.device))  # allocator counters: no sync
@@ -287,6 +305,29 @@ class Publisher(EventSink):
             if flops is not None and self._leased("flops", batch):
                 captured["batch_flops"] = _stage(flops(state.batch))
         return captured
+
+    def _stage_checkpoint_if_due(self, event: Event, state: "State") -> Optional[Staged]:
+        lease = self._captures.get("checkpoint")
+        if lease is None or lease[0] <= time.monotonic() or self.checkpoint_source is None:
+            return None
+        if self._checkpoint_due is None or self._checkpoint_interval != self._checkpoint_options.get("save_interval"):
+            self._checkpoint_interval = self._checkpoint_options.get("save_interval", "1ep")
+            self._checkpoint_due = interval_scheduler(
+                self._checkpoint_interval, name="save_interval",
+                batch_event=Event.BATCH_CHECKPOINT, epoch_event=Event.EPOCH_CHECKPOINT)
+        if not self._checkpoint_due(state, event):
+            return None
+        if self._staging is None:
+            self._staging = StagingBuffers(self.run_id)
+        ts = state.timestamp
+        staged = self._staging.stage(self.checkpoint_source(), {
+            "batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
+            "token": ts.token.value, "event": event.value, "rank": self.rank, "run_name": state.run_name})
+        if staged is None:
+            log.warning("checkpoint at batch %d skipped: the checkpoint worker has not finished the previous %d",
+                        ts.batch.value, self._staging.max_buffers)
+            self.log_metrics({"checkpoint/skipped": ts.batch.value}, source="trainer")
+        return staged
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
         self._put((_METRICS, {k: _stage(v) for k, v in metrics.items()}, step, source, time.time(), time.monotonic()))
@@ -316,9 +357,11 @@ class Publisher(EventSink):
             return
         self._queue.put((_END,))
         self._closed = True
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=30 + self.config.checkpoint_close_timeout)
         if self._thread.is_alive():
-            log.error("the bus thread did not finish within 30 s; the journal may miss the last messages")
+            log.error("the bus thread did not finish; the journal may miss the last messages")
+        elif self._staging is not None:
+            self._staging.close()
 
     # ------------------------------------------------------------------ bus thread
 
@@ -385,10 +428,18 @@ class Publisher(EventSink):
                 self._serve(self._router.recv_multipart())
         self._emit(_END, None, time.time(), time.monotonic(), {"seq": self._seq + 1})
         self._flush_and_send()
-        # Late gap-fill requests still get answers while ZeroMQ flushes.
+        # Late gap-fill requests still get answers while ZeroMQ flushes, and a checkpoint worker
+        # still writing a staged checkpoint gets to finish before its buffer is removed.
         deadline = time.monotonic() + 0.2
-        while time.monotonic() < deadline and poller.poll(20):
-            self._serve(self._router.recv_multipart())
+        checkpoint_deadline = time.monotonic() + self.config.checkpoint_close_timeout
+        while True:
+            writing = self._staging is not None and self._staging.busy()
+            if time.monotonic() > (checkpoint_deadline if writing else deadline):
+                break
+            if poller.poll(20):
+                self._serve(self._router.recv_multipart())
+        if self._staging is not None and self._staging.busy():
+            log.error("closing with a staged checkpoint the checkpoint worker did not acknowledge")
 
     def _header_payload(self) -> dict[str, Any]:
         return _resolve(self._header)
@@ -399,10 +450,15 @@ class Publisher(EventSink):
             _, event, wall, mono, ts, eval_ts, label, dl_len, samples, tokens, changes = item
             if event == "batch_start":
                 self._current.update(_PER_BATCH)  # on-demand captures describe one batch only
+            staged = changes.pop("checkpoint", None) if changes else None
             if changes:
                 self._apply_changes(changes)
             payload = dict(self._current, ts=ts.state_dict(), label=label, dl_len=dl_len, samples=samples,
                            tokens=tokens)
+            if staged is not None:
+                if staged.copied is not None:
+                    staged.copied.synchronize()  # the device-to-host staging copy; releases the GIL
+                payload["checkpoint"] = staged.descriptor
             if eval_ts is not None:
                 payload["eval_ts"] = eval_ts.state_dict()
             self._emit(_EVENT, event, wall, mono, payload)
@@ -490,11 +546,29 @@ class Publisher(EventSink):
                 self._stats.protocol_errors += 1
                 return
             expiry = time.monotonic() + min(float(ttl), 300.0)
+            options = request.get("options")
+            if "checkpoint" in what and isinstance(options, dict):
+                self._checkpoint_options = {k: str(v) for k, v in options.items()}
             captures = dict(self._captures)
             for name in what:
                 if name in _CAPTURABLE:
                     captures[name] = (expiry, max(1, interval))
             self._captures = captures  # replaced whole: the training thread reads it without a lock
+        elif op == "checkpoint_ack":
+            self._stats.control_messages += 1
+            buffer, path, error = request.get("buffer"), request.get("path"), request.get("error")
+            if self._staging is None or not isinstance(buffer, str) or not self._staging.release(buffer):
+                self._stats.protocol_errors += 1
+                return
+            batch = request.get("batch") if type(request.get("batch")) is int else None
+            if error:
+                log.warning("checkpoint at batch %s failed in the checkpoint worker: %s", batch, error)
+                result = {"checkpoint/error": str(error)}
+            else:
+                result = {"checkpoint/saved": str(path)}
+            self._emit(_METRICS, None, time.time(), time.monotonic(),
+                       {"metrics": result, "step": batch, "source": str(request.get("source") or "checkpoint")})
+            self._flush_and_send()
         elif op == "ping":
             self._router.send_multipart(
                 [identity, wire.encode_request("pong", id=request.get("id"), run_id=self.run_id, seq=self._seq)])

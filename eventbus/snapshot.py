@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from eventbus.checkpoint import StagedCheckpoint
 from eventbus.time import Time, Timestamp, TimeUnit
 
 __all__ = ["Snapshot"]
@@ -26,12 +27,12 @@ class Snapshot:
         "run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "timestamp",
         "eval_timestamp", "dataloader_label", "dataloader_len", "loss", "learning_rates",
         "train_metric_values", "eval_metric_values", "batch_num_samples", "batch_num_tokens",
-        "max_duration", "stop_reason", "grad_norms", "memory", "batch_flops", "_stop",
+        "max_duration", "stop_reason", "grad_norms", "memory", "batch_flops", "checkpoint", "_control",
     )
 
     def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
                  mono_time: float, header: dict[str, Any], payload: dict[str, Any],
-                 stop: Optional[Callable[[str], None]] = None):
+                 control: Optional[Callable[[str, dict[str, Any]], None]] = None):
         setattr_ = object.__setattr__
         setattr_(self, "run_id", run_id)
         setattr_(self, "rank", rank)
@@ -60,7 +61,10 @@ class Snapshot:
         setattr_(self, "grad_norms", payload.get("grad_norms"))
         setattr_(self, "memory", payload.get("memory"))
         setattr_(self, "batch_flops", payload.get("batch_flops"))
-        setattr_(self, "_stop", stop)
+        staged = payload.get("checkpoint")
+        # A checkpoint the trainer staged at this event, for the checkpoint worker to write.
+        setattr_(self, "checkpoint", StagedCheckpoint(staged, control) if isinstance(staged, dict) else None)
+        setattr_(self, "_control", control)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
@@ -92,9 +96,9 @@ class Snapshot:
 
     def stop_training(self, reason: Optional[str] = None) -> None:
         """Ask the trainer to stop at its next BATCH_END (sent over the control channel)."""
-        if self._stop is None:
+        if self._control is None:
             raise RuntimeError("this snapshot has no control channel (replayed from a journal?)")
-        self._stop(reason or f"stop_training() from a subscriber at {self.event}")
+        self._control("stop", {"reason": reason or f"stop_training() from a subscriber at {self.event}"})
 
     def __repr__(self) -> str:
         return (f"Snapshot(run={self.run_name!r}, rank={self.rank}, seq={self.seq}, event={self.event}, "

@@ -7,7 +7,7 @@ sees the same names on a read-only snapshot (``eventbus.snapshot``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -81,6 +81,13 @@ class State:
         self.eval_metric_values: dict[str, dict[str, torch.Tensor]] = {}
 
         self.stop_reason: Optional[str] = None
+        self._state_dict: Optional[Callable[[], dict[str, Any]]] = None  # installed by the Trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full checkpoint (Composer's layout), as ``Trainer.state_dict()`` builds it."""
+        if self._state_dict is None:
+            raise RuntimeError("this State belongs to no Trainer")
+        return self._state_dict()
 
     def get_elapsed_duration(self) -> Optional[Time]:
         """Fraction of ``max_duration`` trained so far, as a ``dur`` Time; None without a duration."""

@@ -163,16 +163,22 @@ class Subscriber:
 
     def stop_training(self, reason: str) -> None:
         """Ask the trainer to stop at its next BATCH_END."""
-        self._send_control("stop", reason=reason, source=self.identity)
+        self._control("stop", {"reason": reason})
+
+    def _control(self, op: str, fields: dict[str, Any]) -> None:
+        self._send_control(op, **fields, source=self.identity)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
         """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
         self._send_control("metrics", metrics=plain, step=step, source=source or self.identity)
 
-    def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0) -> None:
-        """Lease costly captures (``grad_norms``, ``memory``, ``flops``) for ``ttl`` seconds; renew to keep them."""
-        self._send_control("capture", what=sorted(what), interval=interval, ttl=ttl, source=self.identity)
+    def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
+                        options: Optional[dict[str, Any]] = None) -> None:
+        """Lease costly captures (``grad_norms``, ``memory``, ``flops``, ``checkpoint``) for ``ttl``
+        seconds; renew to keep them. ``options`` carries e.g. the checkpoint ``save_interval``."""
+        self._send_control("capture", what=sorted(what), interval=interval, ttl=ttl, options=options or {},
+                           source=self.identity)
 
     def _send_control(self, op: str, **fields: Any) -> None:
         """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
@@ -359,7 +365,7 @@ class Subscriber:
             self.state = Snapshot(
                 run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=envelope.event,
                 wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
-                payload=envelope.payload, stop=self.stop_training,
+                payload=envelope.payload, control=self._control,
             )
         return self.state
 
@@ -371,7 +377,7 @@ class Subscriber:
         if state is None:
             state = Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=None,
                              wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
-                             payload={}, stop=self.stop_training)
+                             payload={}, control=self._control)
         event = Event(envelope.event) if envelope.kind == "event" else None
         if event is not None and self.events is not None and event not in self.events:
             return None
@@ -415,5 +421,5 @@ class _JournalReader(Subscriber):
         self._stats.received += 1
         return self._deliver(item)
 
-    def stop_training(self, reason: str) -> None:
-        raise RuntimeError("stop_training() has no effect when replaying a journal")
+    def _control(self, op: str, fields: dict[str, Any]) -> None:
+        raise RuntimeError(f"{op}: there is no trainer to talk to when replaying a journal")

@@ -113,6 +113,7 @@ class Trainer:
             world_size=world_size,
         )
         self.state.train_dataloader = train_dataloader
+        self.state._state_dict = self.state_dict
         self.state.evaluators = _evaluators(eval_dataloader, eval_interval, eval_subset_num_batches)
         for evaluator in self.state.evaluators:
             _check_not_empty(evaluator.dataloader, f"eval_dataloader {evaluator.label!r}")
@@ -512,6 +513,7 @@ class Trainer:
             "hyperparameters": self._hyperparameters, "pid": os.getpid(), "host": socket.gethostname(),
             "run_folder": str(self.run_folder.resolve()),
         })
+        publisher.checkpoint_source = self.state_dict
         self.engine.sinks.append(publisher)
         self.logger.destinations.append(publisher.metrics_destination)
         journal = f", journal {publisher.journal_path}" if publisher.journal_path else ""

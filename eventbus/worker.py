@@ -117,8 +117,11 @@ async def _renew_captures(subscriber: Subscriber, callbacks: Sequence[Callback],
     if not wanted:
         return
     interval = min(int(getattr(cb, "capture_interval", 1)) for cb in callbacks if getattr(cb, "captures", ()))
+    options: dict[str, Any] = {}
+    for cb in callbacks:
+        options.update(getattr(cb, "capture_options", {}))
     while True:
-        subscriber.request_capture(wanted, interval=interval, ttl=ttl)
+        subscriber.request_capture(wanted, interval=interval, ttl=ttl, options=options)
         await asyncio.sleep(ttl / 3)
 
 
