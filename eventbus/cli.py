@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--journal", help="journal to recover from if the trainer's replay service is gone")
     worker.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
 
+    monitor = commands.add_parser(
+        "monitor", help="attach a live terminal dashboard to a run (or show a finished run's journal)",
+        description="A live dashboard of a running trainer; attaching and detaching has no effect on the run.",
+        add_help=False)
+    monitor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
     replay = commands.add_parser("replay", help="run callbacks over a run's journal",
                                  description="Run callbacks over a finished or running run's events.journal.")
     replay.add_argument("journal", type=pathlib.Path, help="path to events.journal")
@@ -71,6 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return asyncio.run(run_worker(args.connect, callbacks, identity=args.identity,
                                           state_dir=args.state_dir, start=args.start, events=args.events,
                                           fail_fast=args.fail_fast, journal=args.journal))
+        if args.command == "monitor":
+            from workers.monitor import main as monitor_main
+
+            return monitor_main(args.rest)
         if args.command == "replay":
             from eventbus.worker import load_callback, replay_journal
 

@@ -213,6 +213,8 @@ class Publisher(EventSink):
         self._stop_requests: collections.deque[str] = collections.deque()
         # Costly captures subscribers asked for: name -> (lease expiry on the monotonic clock, interval).
         self._captures: dict[str, tuple[float, int]] = {}
+        # Subscribers heard from on the control channel: identity -> last seen, latest stats.
+        self._subscribers: dict[str, dict[str, Any]] = {}
         # Checkpoint staging, active while a checkpoint worker holds a lease (see eventbus.checkpoint).
         self.checkpoint_source: Optional[Callable[[], dict[str, Any]]] = None
         self._staging: Optional[StagingBuffers] = None
@@ -345,6 +347,11 @@ class Publisher(EventSink):
             return
         self._stats.captured += 1
         self._queue.put(item)
+
+    def subscribers(self, within: float = 15.0) -> list[str]:
+        """Identities heard from in the last ``within`` seconds (workers send a heartbeat every 3 s)."""
+        now = time.time()
+        return [name for name, seen in list(self._subscribers.items()) if now - seen.get("last_seen", 0) <= within]
 
     def stats(self) -> PublisherStats:
         self._stats.queue_depth = self._queue.qsize()
@@ -516,7 +523,20 @@ class Publisher(EventSink):
             log.warning("bad control request ignored: %s", err)
             return
         op = request["op"]
-        if op == "snapshot":
+        source = request.get("source")
+        if isinstance(source, str):
+            seen = self._subscribers.setdefault(source[:100], {"first_seen": time.time()})
+            seen["last_seen"] = time.time()
+            if op == "hello":
+                seen["stats"], seen["callbacks"] = request.get("stats"), request.get("callbacks")
+        if op == "hello":
+            return
+        if op == "stats":
+            reply = wire.encode_request("stats", id=request.get("id"), run_id=self.run_id, seq=self._seq,
+                                        publisher=dataclasses.asdict(self.stats()),
+                                        subscribers=self._subscribers, now=time.time())
+            self._router.send_multipart([identity, reply])
+        elif op == "snapshot":
             self._stats.snapshot_requests += 1
             latest = [m for m in self._latest.values()]
             reply = wire.encode_request("snapshot", id=request.get("id"), run_id=self.run_id, seq=self._seq)

@@ -28,7 +28,7 @@ import itertools
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Iterable, Optional, Sequence, Union
 
 import zmq
 import zmq.asyncio
@@ -172,6 +172,16 @@ class Subscriber:
         """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
         self._send_control("metrics", metrics=plain, step=step, source=source or self.identity)
+
+    def hello(self, callbacks: Sequence[str] = ()) -> None:
+        """A heartbeat with this subscriber's stats; the trainer's ``stats`` request reports it."""
+        stats = dataclasses.asdict(self.stats())
+        self._send_control("hello", stats=stats, callbacks=list(callbacks), source=self.identity)
+
+    async def trainer_stats(self) -> Optional[dict[str, Any]]:
+        """The publisher's counters and the subscribers it heard from recently; None if it does not answer."""
+        frames = await self._request("stats")
+        return wire.decode_request(frames[0]) if frames else None
 
     def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
                         options: Optional[dict[str, Any]] = None) -> None:

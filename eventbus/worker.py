@@ -94,7 +94,7 @@ async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: O
         host = CallbackHost(callbacks, send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source),
                             fail_fast=fail_fast, cursor=cursor)
         _install_signal_handlers(host)
-        renewer = asyncio.create_task(_renew_captures(subscriber, callbacks))
+        renewer = asyncio.create_task(_heartbeat(subscriber, callbacks))
         wanted = set(events) if events else None
         messages = subscriber if wanted is None else _only(subscriber, wanted)
         print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
@@ -111,18 +111,21 @@ async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: O
     return 0
 
 
-async def _renew_captures(subscriber: Subscriber, callbacks: Sequence[Callback], ttl: float = 10.0) -> None:
-    """Keep the trainer capturing what hosted callbacks declare in ``captures``, and only that."""
+async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], every: float = 3.0) -> None:
+    """Tell the trainer this worker is alive (with its stats, for monitors), and keep it capturing
+    what hosted callbacks declare in ``captures``, and only that."""
     wanted = sorted(set().union(*(getattr(cb, "captures", ()) for cb in callbacks)))
-    if not wanted:
-        return
-    interval = min(int(getattr(cb, "capture_interval", 1)) for cb in callbacks if getattr(cb, "captures", ()))
+    interval = min((int(getattr(cb, "capture_interval", 1)) for cb in callbacks if getattr(cb, "captures", ())),
+                   default=1)
     options: dict[str, Any] = {}
     for cb in callbacks:
         options.update(getattr(cb, "capture_options", {}))
+    names = [type(cb).__name__ for cb in callbacks]
     while True:
-        subscriber.request_capture(wanted, interval=interval, ttl=ttl, options=options)
-        await asyncio.sleep(ttl / 3)
+        subscriber.hello(names)
+        if wanted:
+            subscriber.request_capture(wanted, interval=interval, ttl=every * 3, options=options)
+        await asyncio.sleep(every)
 
 
 async def _only(messages: Any, wanted: set[str]) -> Any:
