@@ -23,9 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from eventbus.job import add_run_arguments
 
-    run = commands.add_parser("run", help="train the bundled character-level model (the main job)",
+    run = commands.add_parser("run", help="train the bundled character-level model with the daemons (the main job)",
                               description="Train a small character-level Transformer on Python's bundled "
-                                          "documentation text, printing progress.")
+                                          "documentation text, with the logging, timing and checkpoint daemons "
+                                          "as child processes. Results go to runs/<run_name>/.")
     add_run_arguments(run)
 
     worker = commands.add_parser(

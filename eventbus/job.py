@@ -1,84 +1,256 @@
-"""The main job behind ``eventbus run``: train the bundled character model end to end."""
+"""The main job behind ``eventbus run``: the trainer plus its daemons, on the bundled task.
+
+One command trains the character-level model in ``eventbus.demo`` with the
+trainer publishing on a local endpoint, and starts the logging, timing and
+checkpoint daemons (``workers/``) as child processes. Everything lands in
+``runs/<run_name>/``; Ctrl-C stops the trainer and every child cleanly.
+Options come from the command line and/or a TOML (or YAML) file; the command
+line wins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import time
 from typing import Any, Optional
 
 import torch
 
-from eventbus.callback import Callback
 from eventbus.demo import CharLM, CharLMConfig, make_dataloaders
-from eventbus.logger import ConsoleLogger, Logger
-from eventbus.state import State
+from eventbus.errors import ConfigError
+from eventbus.logger import ConsoleLogger
 from eventbus.trainer import Trainer
 
-__all__ = ["add_run_arguments", "run_job"]
+__all__ = ["JobConfig", "add_run_arguments", "run_job"]
+
+DAEMONS = ("logger", "timing", "checkpoint")
 
 
-class EpochPrinter(Callback):
-    """The printing callback from Composer's documentation."""
+@dataclasses.dataclass
+class JobConfig:
+    """Everything ``eventbus run`` can be told; field names are the config-file keys."""
 
-    def epoch_start(self, state: State, logger: Logger) -> None:
-        print(f"Epoch: {int(state.timestamp.epoch)}", flush=True)
+    max_duration: str = "2ep"
+    batch_size: int = 32
+    seq_len: int = 64
+    d_model: int = 64
+    layers: int = 2
+    lr: float = 3e-3
+    device: Optional[str] = None
+    precision: str = "fp32"
+    eval_interval: str = "1ep"
+    run_name: Optional[str] = None
+    runs_dir: str = "runs"
+    seed: int = 17
+    bus: Optional[str] = None
+    daemons: list[str] = dataclasses.field(default_factory=lambda: list(DAEMONS))
+    save_interval: str = "1ep"
+    keep: int = 3
+    resume: bool = False
+    daemon_timeout: float = 60.0
+
+
+def load_config_file(path: pathlib.Path) -> dict[str, Any]:
+    """Read a TOML or YAML file into JobConfig keys; ConfigError names the problem."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            try:
+                import yaml  # type: ignore[import-untyped]
+            except ImportError:
+                raise ConfigError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use TOML") from None
+            data = yaml.safe_load(text) or {}
+        else:
+            import tomllib
+
+            data = tomllib.loads(text)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a table of options")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    known = {f.name for f in dataclasses.fields(JobConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"config file {str(path)!r}: unknown option(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    return data
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-duration", default="2ep", help="how long to train: '2ep', '500ba', ... (default: 2ep)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch (default: 32)")
-    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence (default: 64)")
-    parser.add_argument("--d-model", type=int, default=64, help="model width (default: 64)")
-    parser.add_argument("--layers", type=int, default=2, help="Transformer layers (default: 2)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    parser.add_argument("--device", default=None, help="cpu, gpu or cuda:N (default: gpu when available)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "amp_bf16"])
-    parser.add_argument("--eval-interval", default="1ep", help="when to evaluate (default: 1ep)")
-    parser.add_argument("--log-interval", default="50ba", help="console progress interval (default: 50ba)")
-    parser.add_argument("--run-name", default=None, help="name of the run folder under --runs-dir")
-    parser.add_argument("--runs-dir", default="runs", type=pathlib.Path, help="where run folders go (default: runs)")
-    parser.add_argument("--seed", type=int, default=17)
+    defaults = JobConfig()
+    parser.add_argument("--config", type=pathlib.Path, help="a TOML or YAML file with any of these options")
+    parser.add_argument("--max-duration", help=f"how long to train: '2ep', '500ba', ... (default: {defaults.max_duration})")
+    parser.add_argument("--batch-size", type=int, help=f"sequences per batch (default: {defaults.batch_size})")
+    parser.add_argument("--seq-len", type=int, help=f"characters per sequence (default: {defaults.seq_len})")
+    parser.add_argument("--d-model", type=int, help=f"model width (default: {defaults.d_model})")
+    parser.add_argument("--layers", type=int, help=f"Transformer layers (default: {defaults.layers})")
+    parser.add_argument("--lr", type=float, help=f"AdamW learning rate (default: {defaults.lr})")
+    parser.add_argument("--device", help="cpu, gpu or cuda:N (default: gpu when available)")
+    parser.add_argument("--precision", choices=["fp32", "amp_bf16"], help="(default: fp32)")
+    parser.add_argument("--eval-interval", help=f"when to evaluate (default: {defaults.eval_interval})")
+    parser.add_argument("--run-name", help="the run folder's name (default: generated)")
+    parser.add_argument("--runs-dir", help=f"where run folders go (default: {defaults.runs_dir})")
+    parser.add_argument("--seed", type=int, help=f"(default: {defaults.seed})")
+    parser.add_argument("--bus", help="the address to publish on (default: ipc://<run folder>/bus)")
+    parser.add_argument("--daemons", help="comma-separated daemons to start: logger,timing,checkpoint, or none "
+                                          "(default: all three)")
+    parser.add_argument("--save-interval", help=f"checkpoint interval (default: {defaults.save_interval})")
+    parser.add_argument("--keep", type=int, help=f"checkpoints to keep (default: {defaults.keep})")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue --run-name (default: the latest run) from its latest checkpoint")
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    for field in dataclasses.fields(JobConfig):
+        given = getattr(args, field.name, None)
+        if given is not None:
+            values[field.name] = given
+    daemons = values.get("daemons", list(DAEMONS))
+    if isinstance(daemons, str):
+        daemons = [] if daemons.strip() in ("", "none") else [d.strip() for d in daemons.split(",")]
+    bad = sorted(set(daemons) - set(DAEMONS))
+    if bad:
+        raise ConfigError(f"daemons: unknown {', '.join(bad)}; choose from {', '.join(DAEMONS)} or none")
+    values["daemons"] = daemons
+    try:
+        return JobConfig(**values)
+    except TypeError as err:
+        raise ConfigError(f"bad options: {err}") from None
+
+
+def _latest_checkpoint(config: JobConfig) -> tuple[str, pathlib.Path]:
+    runs = pathlib.Path(config.runs_dir)
+    candidates = ([runs / config.run_name] if config.run_name else
+                  sorted((p for p in runs.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True))
+    for folder in candidates:
+        latest = folder / "checkpoints" / "latest-rank0.pt"
+        if latest.exists():
+            return folder.name, latest
+    where = f"run {config.run_name!r}" if config.run_name else f"any run under {runs}"
+    raise ConfigError(f"--resume: no checkpoint found for {where} (expected <run>/checkpoints/latest-rank0.pt)")
+
+
+def _daemon_command(name: str, address: str, run_folder: pathlib.Path, config: JobConfig) -> list[str]:
+    command = [sys.executable, "-m", f"workers.{name}", "--connect", address,
+               "--state-dir", str((run_folder / ".workers").resolve())]
+    if name == "checkpoint":
+        command += ["--save-interval", config.save_interval, "--keep", str(config.keep), "--overwrite"]
+    return command
+
+
+def _start_daemons(trainer: Trainer, config: JobConfig) -> list[subprocess.Popen]:
+    names = [n for n in config.daemons if n != "timing" or importlib.util.find_spec("workers.timing")]
+    assert trainer.publisher is not None
+    children = []
+    for name in names:
+        command = _daemon_command(name, trainer.publisher.address, trainer.run_folder, config)
+        # Own session: Ctrl-C reaches the trainer, which then ends the run for the daemons.
+        children.append(subprocess.Popen(command, start_new_session=True, preexec_fn=_exit_with_parent))
+    deadline = time.monotonic() + config.daemon_timeout
+    waiting = set(names)
+    print(f"eventbus run: starting daemons: {', '.join(names)}", file=sys.stderr, flush=True)
+    while waiting and time.monotonic() < deadline:
+        waiting -= set(trainer.publisher.subscribers())
+        if any(child.poll() is not None for child in children):
+            raise ConfigError("a daemon exited while starting; see its error above")
+        time.sleep(0.1)
+    if waiting:
+        print(f"eventbus run: {', '.join(sorted(waiting))} not connected after {config.daemon_timeout:.0f}s; "
+              "training anyway (they will catch up from the journal)", file=sys.stderr, flush=True)
+    return children
+
+
+def _exit_with_parent() -> None:
+    """In the child: if the job dies without ending the run (SIGKILL), get SIGTERM instead of lingering."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stop_daemons(children: list[subprocess.Popen], timeout: float = 60.0) -> None:
+    """They exit by themselves at the end of the run; SIGTERM (then SIGKILL) the ones that do not."""
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGTERM)
+    for child in children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 def run_job(args: argparse.Namespace) -> int:
-    """Build the trainer from parsed arguments, train, and say where the results are."""
-    config = CharLMConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers)
-    torch.manual_seed(args.seed)
-    train_loader, eval_loader, vocab_size = make_dataloaders(config, args.batch_size)
-    model = CharLM(vocab_size, config)
+    """Train with the daemons, then say where everything is."""
+    config = config_from_args(args)
+    load_path = None
+    if config.resume:
+        config.run_name, load_path = _latest_checkpoint(config)
+        print(f"eventbus run: resuming {config.run_name} from {load_path.resolve()}", file=sys.stderr, flush=True)
+    model_config = CharLMConfig(seq_len=config.seq_len, d_model=config.d_model, n_layers=config.layers)
+    torch.manual_seed(config.seed)
+    train_loader, eval_loader, vocab_size = make_dataloaders(model_config, config.batch_size)
+    model = CharLM(vocab_size, model_config)
+    run_name = config.run_name or time.strftime("charlm-%Y%m%d-%H%M%S")
+    run_folder = pathlib.Path(config.runs_dir) / run_name
     trainer = Trainer(
-        model,
-        train_loader,
-        max_duration=args.max_duration,
-        eval_dataloader=eval_loader,
-        eval_interval=args.eval_interval,
-        optimizers=torch.optim.AdamW(model.parameters(), lr=args.lr),
-        callbacks=[EpochPrinter()],
-        loggers=[ConsoleLogger(args.log_interval)],
-        run_name=args.run_name,
-        seed=args.seed,
-        device=args.device,
-        precision=args.precision,
+        model, train_loader, max_duration=config.max_duration, eval_dataloader=eval_loader,
+        eval_interval=config.eval_interval, optimizers=torch.optim.AdamW(model.parameters(), lr=config.lr),
+        loggers=[] if "logger" in config.daemons else [ConsoleLogger("50ba")],
+        run_name=run_name, run_folder=run_folder, seed=config.seed, device=config.device,
+        precision=config.precision, bus=config.bus, load_path=load_path,
     )
-    run_folder = args.runs_dir / trainer.state.run_name
-    run_folder.mkdir(parents=True, exist_ok=True)
+    children: list[subprocess.Popen] = []
+    interrupted = False
     started = time.perf_counter()
     try:
+        children = _start_daemons(trainer, config) if config.daemons else []
         trainer.fit()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\neventbus run: interrupted; stopping the trainer and the daemons cleanly", file=sys.stderr, flush=True)
     finally:
-        trainer.close()
-    checkpoint = run_folder / "final.pt"
-    torch.save(trainer.state_dict(), checkpoint)
+        trainer.close()  # publishes the end of the run: the daemons finish their work and exit
+        _stop_daemons(children)
+    _summary(trainer, config, time.perf_counter() - started, interrupted)
+    return 130 if interrupted else 0
+
+
+def _summary(trainer: Trainer, config: JobConfig, seconds: float, interrupted: bool) -> None:
     ts = trainer.state.timestamp
-    values: dict[str, Any] = trainer.state.eval_metric_values.get("eval", {})
-    summary = ", ".join(f"{name} {float(value):.4f}" for name, value in values.items())
-    print(
-        f"\nTrained {ts.batch.value} batches ({ts.sample.value} samples, {ts.token.value} tokens) "
-        f"in {time.perf_counter() - started:.1f}s. Eval: {summary or 'none'}.\n"
-        f"Final state: {checkpoint}  (resume with Trainer(load_path=...))",
-        flush=True,
-    )
-    return 0
-
-
+    folder = trainer.run_folder
+    values = trainer.state.eval_metric_values.get("eval", {})
+    evaluation = ", ".join(f"{name} {float(value):.4f}" for name, value in values.items()) or "none"
+    latest = folder / "checkpoints" / "latest-rank0.pt"
+    assert trainer.publisher is not None
+    lines = [
+        "",
+        f"{'Stopped' if interrupted else 'Finished'} {trainer.state.run_name}: {ts.batch.value} batches, "
+        f"{ts.sample.value} samples, {ts.token.value} tokens in {seconds:.1f}s. Eval: {evaluation}.",
+        f"  metrics:     {folder / 'metrics.jsonl'} and metrics.csv" if "logger" in config.daemons else "",
+        f"  journal:     {trainer.publisher.journal_path}",
+        f"  checkpoints: {latest if latest.exists() else folder / 'checkpoints'}" if "checkpoint" in config.daemons
+        else "",
+        f"  monitor:     eventbus monitor {trainer.publisher.journal_path}   "
+        f"(live, while training: eventbus monitor {trainer.publisher.address})",
+        f"  resume:      eventbus run --run-name {trainer.state.run_name} --resume",
+    ]
+    print("\n".join(line for line in lines if line != ""), flush=True)
