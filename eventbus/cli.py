@@ -53,6 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False)
     monitor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
+    keys = commands.add_parser("keys", help="CURVE keys for a bus reachable over the network",
+                               description="Generate ZeroMQ CURVE key pairs (secret files are mode 0600).")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    generate = keys_commands.add_parser(
+        "generate", help="write key pairs into DIR",
+        description="Without --name: a server pair, a client pair, and DIR/authorized/client.key (the "
+                    "allow-list the trainer reads). With --name: one more pair to hand to another client "
+                    "(copy its .key into the allow-list).")
+    generate.add_argument("directory", type=pathlib.Path)
+    generate.add_argument("--name", help="write only this pair")
+
+    status = commands.add_parser("status", help="ask a running trainer for its bus statistics",
+                                 description="Print the publisher's counters and its live subscribers as JSON; "
+                                             "exit 0 if it answered (a healthcheck), 1 if not.")
+    status.add_argument("address", help="the trainer's bus address")
+    status.add_argument("--subscriber", action="append", default=[],
+                        help="also require that this subscriber identity sent a heartbeat recently")
+    status.add_argument("--timeout", type=float, default=3.0)
+
     replay = commands.add_parser("replay", help="run callbacks over a run's journal",
                                  description="Run callbacks over a finished or running run's events.journal.")
     replay.add_argument("journal", type=pathlib.Path, help="path to events.journal")
@@ -82,6 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from workers.monitor import main as monitor_main
 
             return monitor_main(args.rest)
+        if args.command == "keys":
+            from eventbus.security import generate_keys
+
+            for path in generate_keys(args.directory, args.name):
+                print(path)
+            return 0
+        if args.command == "status":
+            from eventbus.worker import bus_status
+
+            return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
         if args.command == "replay":
             from eventbus.worker import load_callback, replay_journal
 

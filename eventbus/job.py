@@ -54,6 +54,7 @@ class JobConfig:
     save_interval: str = "1ep"
     keep: int = 3
     resume: bool = False
+    wait_for: list[str] = dataclasses.field(default_factory=list)
     daemon_timeout: float = 60.0
 
 
@@ -108,6 +109,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                                           "(default: all three)")
     parser.add_argument("--save-interval", help=f"checkpoint interval (default: {defaults.save_interval})")
     parser.add_argument("--keep", type=int, help=f"checkpoints to keep (default: {defaults.keep})")
+    parser.add_argument("--wait-for", help="comma-separated subscriber identities started elsewhere (e.g. by "
+                                           "docker compose) to wait for before training")
+    parser.add_argument("--daemon-timeout", type=float, help="seconds to wait for daemons (default: 60)")
     parser.add_argument("--resume", action="store_true", default=None,
                         help="continue --run-name (default: the latest run) from its latest checkpoint")
 
@@ -125,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     if bad:
         raise ConfigError(f"daemons: unknown {', '.join(bad)}; choose from {', '.join(DAEMONS)} or none")
     values["daemons"] = daemons
+    wait_for = values.get("wait_for", [])
+    values["wait_for"] = [w.strip() for w in wait_for.split(",") if w.strip()] if isinstance(wait_for, str) else wait_for
     try:
         return JobConfig(**values)
     except TypeError as err:
@@ -159,18 +165,25 @@ def _start_daemons(trainer: Trainer, config: JobConfig) -> list[subprocess.Popen
         command = _daemon_command(name, trainer.publisher.address, trainer.run_folder, config)
         # Own session: Ctrl-C reaches the trainer, which then ends the run for the daemons.
         children.append(subprocess.Popen(command, start_new_session=True, preexec_fn=_exit_with_parent))
-    deadline = time.monotonic() + config.daemon_timeout
-    waiting = set(names)
     print(f"eventbus run: starting daemons: {', '.join(names)}", file=sys.stderr, flush=True)
+    _wait_for_subscribers(trainer, names, config.daemon_timeout, children)
+    return children
+
+
+def _wait_for_subscribers(trainer: Trainer, names: list[str], timeout: float,
+                          children: list[subprocess.Popen] = ()) -> None:
+    """Wait until each named subscriber sent a heartbeat, so none misses a checkpoint lease."""
+    assert trainer.publisher is not None
+    deadline = time.monotonic() + timeout
+    waiting = set(names)
     while waiting and time.monotonic() < deadline:
         waiting -= set(trainer.publisher.subscribers())
         if any(child.poll() is not None for child in children):
             raise ConfigError("a daemon exited while starting; see its error above")
         time.sleep(0.1)
     if waiting:
-        print(f"eventbus run: {', '.join(sorted(waiting))} not connected after {config.daemon_timeout:.0f}s; "
+        print(f"eventbus run: {', '.join(sorted(waiting))} not connected after {timeout:.0f}s; "
               "training anyway (they will catch up from the journal)", file=sys.stderr, flush=True)
-    return children
 
 
 def _exit_with_parent() -> None:
@@ -223,6 +236,9 @@ def run_job(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         children = _start_daemons(trainer, config) if config.daemons else []
+        if config.wait_for:
+            print(f"eventbus run: waiting for {', '.join(config.wait_for)}", file=sys.stderr, flush=True)
+            _wait_for_subscribers(trainer, config.wait_for, config.daemon_timeout)
         trainer.fit()
     except KeyboardInterrupt:
         interrupted = True

@@ -41,6 +41,7 @@ from eventbus.events import Event
 from eventbus.interval import interval_scheduler
 from eventbus.journal import JOURNAL_NAME, JournalWriter, read_record
 from eventbus.logger import LoggerDestination
+from eventbus.security import ServerKeys
 
 if TYPE_CHECKING:
     from eventbus.state import State
@@ -70,6 +71,15 @@ class BusConfig:
     replay_cache: int = 50_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     checkpoint_close_timeout: float = 60.0
+    server_key: Optional[str] = None  # the server's .key_secret file: turns on CURVE
+    authorized_keys: Optional[str] = None  # folder of client .key files allowed in
+
+    @classmethod
+    def from_environment(cls, address: Optional[str] = None) -> "BusConfig":
+        """EVENTBUS_BUS, EVENTBUS_SERVER_SECRET_KEY and EVENTBUS_AUTHORIZED_KEYS fill what is not given."""
+        return cls(address=address or os.environ.get("EVENTBUS_BUS") or None,
+                   server_key=os.environ.get("EVENTBUS_SERVER_SECRET_KEY") or None,
+                   authorized_keys=os.environ.get("EVENTBUS_AUTHORIZED_KEYS") or None)
 
 
 def service_address_for(address: str) -> str:
@@ -85,14 +95,15 @@ def service_address_for(address: str) -> str:
     raise ConfigError(f"bus address {address!r}: use ipc://PATH or tcp://HOST:PORT")
 
 
-def _check_bindable(address: str) -> None:
+def _check_bindable(address: str, secured: bool) -> None:
     parts = urlsplit(address)
     if parts.scheme == "tcp":
         host = parts.netloc.rpartition(":")[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        if host not in ("127.0.0.1", "localhost", "::1") and not secured:
             raise ConfigError(
                 f"refusing to bind {address!r} without CURVE keys: only loopback addresses are open by "
-                "default; use tcp://127.0.0.1:PORT or an ipc:// path"
+                "default; use tcp://127.0.0.1:PORT or an ipc:// path, or pass server_key and authorized_keys "
+                "(eventbus keys generate DIR)"
             )
     elif parts.scheme == "ipc":
         path = address[len("ipc://"):]
@@ -235,8 +246,11 @@ class Publisher(EventSink):
     def start(self, header: dict[str, Any]) -> None:
         """Bind the sockets and open the journal on the bus thread; raises if that fails."""
         self.run_folder.mkdir(parents=True, exist_ok=True)
-        _check_bindable(self.address)
-        _check_bindable(self.service_address)
+        if bool(self.config.server_key) != bool(self.config.authorized_keys):
+            raise ConfigError("CURVE needs both server_key (a .key_secret file) and authorized_keys (a folder)")
+        self._keys = ServerKeys(self.config.server_key, self.config.authorized_keys) if self.config.server_key else None
+        _check_bindable(self.address, self._keys is not None)
+        _check_bindable(self.service_address, self._keys is not None)
         self._header = dict(header, service_address=self.service_address,
                             journal=str(self.journal_path.resolve()) if self.journal_path else None)
         self._thread = threading.Thread(target=self._run, name=f"eventbus-bus-rank{self.rank}", daemon=True)
@@ -373,13 +387,21 @@ class Publisher(EventSink):
     # ------------------------------------------------------------------ bus thread
 
     def _run(self) -> None:
-        context = zmq.Context.instance()
+        # A context of its own: the CURVE authenticator guards exactly this publisher's sockets.
+        context = zmq.Context()
+        authenticator = None
         try:
+            if self._keys is not None:
+                authenticator = self._keys.start_authenticator(context)
             pub = context.socket(zmq.PUB)
+            if self._keys is not None:
+                self._keys.apply(pub)
             pub.setsockopt(zmq.SNDHWM, self.config.send_hwm)
             pub.setsockopt(zmq.LINGER, 2000)
             pub.bind(self.address)
             router = context.socket(zmq.ROUTER)
+            if self._keys is not None:
+                self._keys.apply(router)
             router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
             router.setsockopt(zmq.LINGER, 1000)
             router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -387,6 +409,9 @@ class Publisher(EventSink):
             journal = JournalWriter(self.journal_path) if self.journal_path else None
         except Exception as err:  # reported to the training thread by start()
             self._start_error = err
+            if authenticator is not None:
+                authenticator.stop()
+            context.destroy(linger=0)
             self._started.set()
             return
         self._pub, self._router, self._journal = pub, router, journal
@@ -410,6 +435,9 @@ class Publisher(EventSink):
                 sock.close()
             if journal is not None:
                 journal.close()
+            if authenticator is not None:
+                authenticator.stop()
+            context.term()
 
     def _loop(self) -> None:
         poller = zmq.Poller()

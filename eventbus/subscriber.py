@@ -38,6 +38,7 @@ from eventbus.errors import ProtocolError
 from eventbus.events import Event
 from eventbus.journal import read_journal
 from eventbus.publisher import service_address_for
+from eventbus.security import ClientKeys
 from eventbus.snapshot import Snapshot
 
 __all__ = ["Message", "Subscriber", "SubscriberStats", "journal_messages"]
@@ -104,6 +105,7 @@ class Subscriber:
         request_timeout: float = 2.0,
         identity: Optional[str] = None,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        keys: Optional[ClientKeys] = None,
     ):
         if start not in ("latest", "beginning"):
             raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
@@ -116,6 +118,8 @@ class Subscriber:
         self._journal_path = os.fspath(journal) if journal is not None else None
         self._timeout = request_timeout
         self._max_bytes = max_message_bytes
+        # CURVE keys for a secured bus; by default from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY.
+        self._keys = keys if keys is not None else ClientKeys.from_environment()
         self._stats = SubscriberStats()
         self._ids = itertools.count(1)
         self._ready: list[_Decoded] = []  # in seq order, waiting to be yielded
@@ -131,6 +135,8 @@ class Subscriber:
         self._loop = asyncio.get_running_loop()
         self._context = zmq.asyncio.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
+        if self._keys is not None:
+            self._keys.apply(self._sub)
         self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -150,6 +156,8 @@ class Subscriber:
 
     def _new_dealer(self) -> zmq.asyncio.Socket:
         dealer = self._context.socket(zmq.DEALER)
+        if self._keys is not None:
+            self._keys.apply(dealer)
         dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
         dealer.setsockopt(zmq.LINGER, 500)
         dealer.connect(self.service_address)

@@ -496,9 +496,9 @@ class Trainer:
         if bus is False:
             return None
         if bus is None or bus is True:
-            config = BusConfig()
+            config = BusConfig.from_environment()
         elif isinstance(bus, str):
-            config = BusConfig(address=bus)
+            config = BusConfig.from_environment(address=bus)
         elif isinstance(bus, BusConfig):
             config = bus
         else:

@@ -23,7 +23,7 @@ from eventbus.errors import ConfigError
 from eventbus.host import CallbackHost, Cursor
 from eventbus.subscriber import Subscriber, journal_messages
 
-__all__ = ["load_callback", "run_worker", "replay_journal"]
+__all__ = ["load_callback", "run_worker", "replay_journal", "bus_status"]
 
 log = logging.getLogger(__name__)
 
@@ -142,5 +142,22 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
         await host.run(journal_messages(path))
     except Exception as err:
         print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def bus_status(address: str, required: Sequence[str], timeout: float) -> int:
+    """Print the trainer's bus statistics; 0 if it answered and every required subscriber is live."""
+    async with Subscriber(address, request_timeout=timeout, identity="eventbus-status") as subscriber:
+        stats = await subscriber.trainer_stats()
+    if stats is None:
+        print(f"eventbus status: no answer from {address} within {timeout:g}s", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True, default=str))
+    now = stats.get("now", 0)
+    live = {name for name, seen in stats.get("subscribers", {}).items() if now - seen.get("last_seen", 0) < 15}
+    missing = sorted(set(required) - live)
+    if missing:
+        print(f"eventbus status: no recent heartbeat from {', '.join(missing)}", file=sys.stderr)
         return 1
     return 0
