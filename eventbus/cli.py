@@ -11,15 +11,23 @@ from typing import Optional, Sequence
 
 from eventbus.errors import ConfigError, EventBusError
 
-__all__ = ["main"]
+__all__ = ["main", "OneLineErrorParser"]
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments: one line naming the problem (``--help`` shows the rest), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="eventbus",
         description="Composer-style training whose callbacks run in subscriber processes.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=OneLineErrorParser)
 
     from eventbus.job import add_run_arguments
 
@@ -55,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = commands.add_parser("keys", help="CURVE keys for a bus reachable over the network",
                                description="Generate ZeroMQ CURVE key pairs (secret files are mode 0600).")
-    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION",
+                                        parser_class=OneLineErrorParser)
     generate = keys_commands.add_parser(
         "generate", help="write key pairs into DIR",
         description="Without --name: a server pair, a client pair, and DIR/authorized/client.key (the "

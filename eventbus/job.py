@@ -98,7 +98,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, help=f"model width (default: {defaults.d_model})")
     parser.add_argument("--layers", type=int, help=f"Transformer layers (default: {defaults.layers})")
     parser.add_argument("--lr", type=float, help=f"AdamW learning rate (default: {defaults.lr})")
-    parser.add_argument("--device", help="cpu, gpu or cuda:N (default: gpu when available)")
+    parser.add_argument("--device", help="cpu, gpu, cuda:N or auto (default: auto, the GPU when there is one)")
     parser.add_argument("--precision", choices=["fp32", "amp_bf16"], help="(default: fp32)")
     parser.add_argument("--eval-interval", help=f"when to evaluate (default: {defaults.eval_interval})")
     parser.add_argument("--run-name", help="the run folder's name (default: generated)")
@@ -131,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     values["daemons"] = daemons
     wait_for = values.get("wait_for", [])
     values["wait_for"] = [w.strip() for w in wait_for.split(",") if w.strip()] if isinstance(wait_for, str) else wait_for
+    if values.get("device") == "auto":
+        values["device"] = None
     try:
         return JobConfig(**values)
     except TypeError as err:

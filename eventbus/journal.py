@@ -19,6 +19,7 @@ from eventbus.errors import ConfigError
 __all__ = ["JournalWriter", "read_journal", "JOURNAL_NAME"]
 
 JOURNAL_NAME = "events.journal"
+MAGIC = b"EVBJOURNAL1\n"  # first bytes of every journal file
 _HEADER = struct.Struct("<II")
 _MAX_RECORD = 1 << 30
 
@@ -34,6 +35,10 @@ class JournalWriter:
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: BinaryIO = open(self.path, "ab")
+        if self._file.tell() == 0:
+            self._file.write(MAGIC)
+        else:
+            _check_magic(self.path)  # appending to a journal from an earlier run of the same name
         self.offset = self._file.tell()
 
     def append(self, message: bytes) -> int:
@@ -69,12 +74,20 @@ def read_record(file: BinaryIO) -> Optional[bytes]:
     return body
 
 
+def _check_magic(path: pathlib.Path) -> None:
+    with open(path, "rb") as file:
+        if file.read(len(MAGIC)) != MAGIC:
+            raise ConfigError(f"{str(path)!r} is not an eventbus journal (it does not start with the journal "
+                              "header); point at <run folder>/events.journal")
+
+
 def read_journal(path: Union[str, os.PathLike], start_offset: int = 0) -> Iterator[bytes]:
     """Yield every complete record's message bytes, stopping at a torn tail."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"journal {str(path)!r} does not exist (expected <run folder>/{JOURNAL_NAME})")
+    _check_magic(path)
     with open(path, "rb") as file:
-        file.seek(start_offset)
+        file.seek(max(start_offset, len(MAGIC)))
         while (record := read_record(file)) is not None:
             yield record

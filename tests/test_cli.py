@@ -65,3 +65,29 @@ def test_worker_stops_cleanly_on_signals_and_closes_its_callbacks(tmp_path, spaw
     assert worker.finish(timeout=30) == 0
     assert json.loads(counts.read_text())["init"] == 1  # close() ran and wrote what it had seen
     trainer.close()
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["run", "--batch-size", "x"], "invalid int value"),
+    (["run", "--daemons", "logger,coffee"], "unknown coffee"),
+    (["worker", "--callback", "json:JSONDecoder"], "--connect"),
+    (["replay"], "journal"),
+    (["frobnicate"], "invalid choice"),
+    (["run", "--config", "missing.toml"], "does not exist"),
+])
+def test_bad_arguments_are_one_line_errors_with_exit_code_2(tmp_path, args, problem):
+    result = eventbus(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert problem in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("module", ["workers.logger", "workers.checkpoint"])
+def test_daemons_reject_bad_arguments_in_one_line(module, tmp_path):
+    result = subprocess.run([sys.executable, "-m", module, "--connect"], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    keys = subprocess.run([sys.executable, "-m", module, "--connect", "tcp://10.0.0.1:5555"], capture_output=True,
+                          text=True, cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin",
+                                                        "EVENTBUS_CLIENT_SECRET_KEY": str(tmp_path / "none")})
+    assert keys.returncode == 2 and "EVENTBUS_SERVER_PUBLIC_KEY" in keys.stderr
+    assert len(keys.stderr.strip().splitlines()) == 1

@@ -24,9 +24,12 @@ def test_torn_tail_is_ignored_and_everything_before_it_reads_back(tmp_path):
     assert list(read_journal(path)) == records[:-1]
 
 
-def test_missing_journal_is_a_clear_error(tmp_path):
+def test_missing_or_foreign_journal_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         list(read_journal(tmp_path / "nope.journal"))
+    (tmp_path / "notes.txt").write_text("not a journal")
+    with pytest.raises(ConfigError, match="is not an eventbus journal"):
+        list(read_journal(tmp_path / "notes.txt"))
 
 
 def test_journal_holds_every_event_the_trainer_fired_in_seq_order():

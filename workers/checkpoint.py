@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 from eventbus import Callback, Event, Time
 from eventbus.checkpoint import save_atomically
 from eventbus.interval import interval_scheduler
+from eventbus.cli import OneLineErrorParser
+from eventbus.errors import EventBusError
 from eventbus.logger import Logger
 
 __all__ = ["CheckpointSaver", "main"]
@@ -168,7 +170,7 @@ class CheckpointSaver(Callback):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m workers.checkpoint",
         description="Write the checkpoints a trainer stages, off its training thread. Stops at the end of the "
                     "run (after the final checkpoint) or on SIGTERM.")
@@ -190,11 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from eventbus.worker import run_worker
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     saver = CheckpointSaver(folder=args.folder, filename=args.filename, latest_filename=args.latest_filename or None,
                             save_interval=args.save_interval, num_checkpoints_to_keep=args.keep,
                             overwrite=args.overwrite, weights_only=args.weights_only, runs_dir=args.runs_dir)
-    return asyncio.run(run_worker(args.connect, [saver], identity=args.identity, state_dir=args.state_dir))
+    try:
+        return asyncio.run(run_worker(args.connect, [saver], identity=args.identity, state_dir=args.state_dir))
+    except EventBusError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

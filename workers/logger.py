@@ -24,6 +24,8 @@ import time
 from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import Event, LoggerDestination
+from eventbus.cli import OneLineErrorParser
+from eventbus.errors import EventBusError
 from eventbus.logger import Logger, to_number
 
 __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLogger", "main"]
@@ -329,7 +331,7 @@ class MLflowLogger(LoggerDestination):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m workers.logger",
         description="Log a training run: progress on the console, metrics.jsonl and metrics.csv in the run "
                     "folder, and optionally TensorBoard and MLflow. Stops at the end of the run or on SIGTERM.")
@@ -349,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from eventbus.worker import run_worker
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     destinations: list[LoggerDestination] = [MetricsFileLogger(args.output)]
     if not args.no_console:
         destinations.append(ProgressLogger(log_interval=args.log_interval))
@@ -357,7 +360,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         destinations.append(TensorBoardLogger(args.output / "tensorboard" if args.output else None))
     if args.mlflow:
         destinations.append(MLflowLogger(args.mlflow_uri))
-    return asyncio.run(run_worker(args.connect, destinations, identity=args.identity, state_dir=args.state_dir))
+    try:
+        return asyncio.run(run_worker(args.connect, destinations, identity=args.identity, state_dir=args.state_dir))
+    except EventBusError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
