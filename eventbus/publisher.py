@@ -402,7 +402,7 @@ class Publisher(EventSink):
             router = context.socket(zmq.ROUTER)
             if self._keys is not None:
                 self._keys.apply(router)
-            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+            router.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + 64 * 1024)
             router.setsockopt(zmq.LINGER, 1000)
             router.setsockopt(zmq.ROUTER_MANDATORY, 0)
             router.bind(self.service_address)
@@ -545,7 +545,7 @@ class Publisher(EventSink):
     def _serve(self, frames: list[bytes]) -> None:
         identity, body = frames[0], frames[-1]
         try:
-            request = wire.decode_request(body)
+            request = wire.decode_request(body, self.config.max_message_bytes)
         except ProtocolError as err:
             self._stats.protocol_errors += 1
             log.warning("bad control request ignored: %s", err)

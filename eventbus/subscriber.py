@@ -45,6 +45,8 @@ __all__ = ["Message", "Subscriber", "SubscriberStats", "journal_messages"]
 
 log = logging.getLogger(__name__)
 
+_SOCKET_SLACK = 64 * 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class Message:
@@ -137,7 +139,9 @@ class Subscriber:
         self._sub = self._context.socket(zmq.SUB)
         if self._keys is not None:
             self._keys.apply(self._sub)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        # ZeroMQ drops the connection beyond this; a little over the decoder's limit so that a
+        # slightly oversized message is counted as a ProtocolError instead.
+        self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + _SOCKET_SLACK)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -158,7 +162,7 @@ class Subscriber:
         dealer = self._context.socket(zmq.DEALER)
         if self._keys is not None:
             self._keys.apply(dealer)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + _SOCKET_SLACK)
         dealer.setsockopt(zmq.LINGER, 500)
         dealer.connect(self.service_address)
         return dealer
@@ -290,7 +294,7 @@ class Subscriber:
 
     def _decode(self, frame: bytes) -> Optional[_Decoded]:
         try:
-            return _Decoded(wire.decode(frame))
+            return _Decoded(wire.decode(frame, self._max_bytes))
         except ProtocolError as err:
             self._stats.protocol_errors += 1
             log.debug("malformed message skipped: %s", err)

@@ -61,11 +61,11 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack extension type {code} is not allowed")
 
 
-def _unpack(data: bytes, what: str) -> Any:
+def _unpack(data: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{what}: {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{what}: {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
@@ -94,9 +94,9 @@ def _check_plain(value: Any, depth: int, where: str) -> None:
         raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
 
 
-def decode(data: bytes) -> Envelope:
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
     """Parse and validate one message; raises ProtocolError saying what is wrong."""
-    obj = _unpack(data, "message")
+    obj = _unpack(data, "message", max_bytes)
     if not isinstance(obj, list) or len(obj) != 9:
         raise ProtocolError("message: expected a 9-field envelope array")
     version, kind, run_id, rank, seq, event, wall, mono, payload = obj
@@ -125,9 +125,9 @@ def encode_request(op: str, **fields: Any) -> bytes:
     return _packer.pack({"v": PROTOCOL_VERSION, "op": op, **fields})
 
 
-def decode_request(data: bytes) -> dict[str, Any]:
+def decode_request(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
     """A control request: a map with ``v`` and ``op``; ProtocolError otherwise."""
-    obj = _unpack(data, "request")
+    obj = _unpack(data, "request", max_bytes)
     if not isinstance(obj, dict):
         raise ProtocolError("request: expected a map")
     if obj.get("v") != PROTOCOL_VERSION:
