@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--events", nargs="+", metavar="EVENT", help="only these events (default: all)")
     worker.add_argument("--journal", help="journal to recover from if the trainer's replay service is gone")
     worker.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
+    worker.add_argument("--follow", action="store_true",
+                        help="keep going when the run ends: follow the next run on the same address with fresh "
+                             "callbacks (a restarted trainer)")
 
     monitor = commands.add_parser(
         "monitor", help="attach a live terminal dashboard to a run (or show a finished run's journal)",
@@ -102,10 +105,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "worker":
             from eventbus.worker import load_callback, run_worker
 
-            callbacks = [load_callback(spec) for spec in args.callback]
-            return asyncio.run(run_worker(args.connect, callbacks, identity=args.identity,
+            specs = args.callback
+            make = lambda: [load_callback(spec) for spec in specs]  # noqa: E731  (fresh objects per run)
+            make()  # a bad spec fails now, not at the first event
+            return asyncio.run(run_worker(args.connect, make, identity=args.identity,
                                           state_dir=args.state_dir, start=args.start, events=args.events,
-                                          fail_fast=args.fail_fast, journal=args.journal))
+                                          fail_fast=args.fail_fast, journal=args.journal, follow=args.follow))
         if args.command == "monitor":
             from workers.monitor import main as monitor_main
 

@@ -135,6 +135,10 @@ class CallbackHost:
     def names(self) -> list[str]:
         return [slot.name for slot in self.slots]
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def stop(self) -> None:
         """Stop receiving; queued events are still applied, then callbacks close."""
         self._stopping.set()

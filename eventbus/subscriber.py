@@ -108,6 +108,7 @@ class Subscriber:
         identity: Optional[str] = None,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         keys: Optional[ClientKeys] = None,
+        follow: bool = False,
     ):
         if start not in ("latest", "beginning"):
             raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
@@ -126,6 +127,10 @@ class Subscriber:
         self._ids = itertools.count(1)
         self._ready: list[_Decoded] = []  # in seq order, waiting to be yielded
         self._ended = False
+        # follow=True: when the trainer restarts on the same address (a new run_id), switch to the
+        # new run from its first message instead of ending.
+        self._follow = follow
+        self._finished_runs: set[str] = set()
         self.run_id: Optional[str] = None
         self.header: dict[str, Any] = {}
         self.state: Optional[Snapshot] = None
@@ -263,7 +268,7 @@ class Subscriber:
                 if message is not None:
                     return message
                 continue
-            if self._ended:
+            if self._ended and not self._follow:
                 raise StopAsyncIteration
             await self._receive_one()
 
@@ -281,9 +286,14 @@ class Subscriber:
             if self._resume is not None and self._resume[0] == envelope.run_id:
                 self._next_seq = self._resume[1] + 1
         if envelope.run_id != self.run_id:
-            self._stats.protocol_errors += 1
-            log.warning("message from another run (%s) ignored; this subscriber follows %s", envelope.run_id, self.run_id)
-            return
+            if not self._follow or envelope.run_id in self._finished_runs:
+                self._stats.protocol_errors += 1
+                log.warning("message from another run (%s) ignored; following %s", envelope.run_id, self.run_id)
+                return
+            log.info("the trainer restarted: following run %s from its start", envelope.run_id)
+            assert self.run_id is not None
+            self._finished_runs.add(self.run_id)
+            self.run_id, self.header, self.state, self._next_seq, self._ended = envelope.run_id, {}, None, 1, False
         if envelope.seq < self._next_seq:
             self._stats.duplicates += 1
             return

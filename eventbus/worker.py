@@ -16,7 +16,7 @@ import os
 import pathlib
 import signal
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus.callback import Callback
 from eventbus.errors import ConfigError
@@ -77,34 +77,43 @@ def _install_signal_handlers(host: CallbackHost) -> None:
         loop.add_signal_handler(sig, host.stop)
 
 
-async def run_worker(address: str, callbacks: Sequence[Callback], *, identity: Optional[str] = None,
-                     state_dir: Optional[pathlib.Path] = None, start: str = "beginning",
-                     events: Optional[Sequence[str]] = None, fail_fast: bool = False,
-                     journal: Optional[str] = None) -> int:
-    """Host ``callbacks`` on the run published at ``address`` until it ends or a signal arrives."""
+async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable[[], Sequence[Callback]]], *,
+                     identity: Optional[str] = None, state_dir: Optional[pathlib.Path] = None,
+                     start: str = "beginning", events: Optional[Sequence[str]] = None, fail_fast: bool = False,
+                     journal: Optional[str] = None, follow: bool = False) -> int:
+    """Host callbacks on the run published at ``address`` until it ends or a signal arrives.
+
+    With ``follow``, ``callbacks`` is a factory: each new run (the trainer restarted on the
+    same address) gets fresh callback objects, and the worker keeps going.
+    """
+    make = callbacks if callable(callbacks) else (lambda: callbacks)
+    current = list(make())
     cursor = None
     if identity:
         directory = state_dir or pathlib.Path.home() / ".cache" / "eventbus" / "subscribers"
         directory.mkdir(parents=True, exist_ok=True)
         cursor = Cursor(directory / f"{identity}.cursor.json")
     journal = journal or (cursor.journal if cursor else None)
-    async with Subscriber(address, events=None, start=start, identity=identity, journal=journal,
-                          resume=cursor.resume_point([type(cb).__name__ for cb in callbacks]) if cursor else None,
+    async with Subscriber(address, events=None, start=start, identity=identity, journal=journal, follow=follow,
+                          resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None,
                           ) as subscriber:
-        host = CallbackHost(callbacks, send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source),
-                            fail_fast=fail_fast, cursor=cursor)
-        _install_signal_handlers(host)
-        renewer = asyncio.create_task(_heartbeat(subscriber, callbacks))
-        wanted = set(events) if events else None
-        messages = subscriber if wanted is None else _only(subscriber, wanted)
-        print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
-        try:
-            await host.run(messages)
-        except Exception as err:
-            print(f"eventbus worker: stopped by --fail-fast: {err}", file=sys.stderr)
-            return 1
-        finally:
-            renewer.cancel()
+        stream = _Runs(subscriber, set(events) if events else None)
+        while True:
+            host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
+                                send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source))
+            _install_signal_handlers(host)
+            heartbeat = asyncio.create_task(_heartbeat(subscriber, current))
+            print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
+            try:
+                await host.run(stream.one_run())
+            except Exception as err:
+                print(f"eventbus worker: stopped by --fail-fast: {err}", file=sys.stderr)
+                return 1
+            finally:
+                heartbeat.cancel()
+            if not follow or host.stopping:
+                break
+            current = list(make())
         stats = subscriber.stats()
         print(f"eventbus worker: done; {stats.delivered} messages, {stats.recovered} recovered, "
               f"{stats.lost} lost, {stats.protocol_errors} malformed", file=sys.stderr, flush=True)
@@ -128,10 +137,32 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], ever
         await asyncio.sleep(every)
 
 
-async def _only(messages: Any, wanted: set[str]) -> Any:
-    async for message in messages:
-        if message.kind != "event" or (message.event is not None and message.event.value in wanted):
-            yield message
+class _Runs:
+    """Splits a following subscriber's stream into one stream per run."""
+
+    def __init__(self, subscriber: Subscriber, events: Optional[set[str]]):
+        self._subscriber = subscriber
+        self._events = events
+        self._next: Optional[Any] = None  # the first message of the next run, read ahead
+
+    async def one_run(self) -> Any:
+        run_id = None
+        while True:
+            if self._next is not None:
+                message, self._next = self._next, None
+            else:
+                try:
+                    message = await self._subscriber.__anext__()
+                except StopAsyncIteration:
+                    return
+            if run_id is not None and message.run_id != run_id:
+                self._next = message  # the trainer restarted without ending this run
+                return
+            run_id = message.run_id
+            if message.kind != "event" or self._events is None or message.event.value in self._events:
+                yield message
+            if message.kind == "end":
+                return
 
 
 async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast: bool = False) -> int:

@@ -165,7 +165,9 @@ def test_killed_worker_resumes_with_no_event_lost_or_applied_twice(tmp_path, spa
     first = spawn(*args)
     first.wait_for("following")
     background = BackgroundTrainer(run).start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 5):
+        time.sleep(0.05)  # kill it mid-run, once it has applied a few events (machines vary in speed)
     os.kill(first.proc.pid, signal.SIGKILL)
     first.finish()
     recorded_before = len(out.read_text().splitlines())
@@ -248,3 +250,50 @@ async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
     stamps = [m.payload for m in map(wire.decode, read_journal(run.publisher.journal_path))
               if m.event == "after_train_batch" and m.payload.get("grad_norms")]
     assert stamps and all(p["ts"]["batch"] % 2 == 0 for p in stamps)
+
+
+TRAINER_SCRIPT = """
+import sys, time
+from eventbus import Callback, Trainer
+from tests.conftest import make_loader, make_model
+
+class Slow(Callback):
+    def batch_end(self, state, logger):
+        time.sleep(0.05)
+
+Trainer(make_model(), make_loader(), max_duration="50ep", device="cpu", bus=sys.argv[1],
+        callbacks=[Slow()]).fit()
+"""
+
+
+def test_worker_follows_a_trainer_restarted_on_the_same_address(tmp_path, spawn):
+    out = tmp_path / "seqs.txt"
+    address = f"ipc://{tmp_path}/bus"
+    crashed = spawn("-c", TRAINER_SCRIPT, address)
+    crashed.wait_for("publishing on")
+    worker = spawn("-m", "eventbus", "worker", "--connect", address, "--follow", "--callback",
+                   f'tests.worker_callbacks:SeqRecorder:{{"path": "{out}", "sleep": 0}}')
+    worker.wait_for("following")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or "batch_end" not in out.read_text()):
+        time.sleep(0.05)
+    os.kill(crashed.proc.pid, signal.SIGKILL)  # no end of run is ever published
+    crashed.finish()
+
+    restarted = trainer(tmp_path, max_duration="1ep")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not restarted.publisher.subscribers():
+        time.sleep(0.05)  # the worker reconnects (ZeroMQ retries every 100 ms) and sends its heartbeat
+    restarted.fit()
+    restarted.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "fit_end" not in out.read_text():
+        time.sleep(0.05)
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.finish() == 0
+    lines = out.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.endswith(" init")]
+    assert len(starts) == 2, "the worker did not pick up the restarted run:\n" + "\n".join(worker.stderr[-20:])
+    second_run = [line.split()[1] for line in lines[starts[1]:]]
+    assert second_run.count("batch_end") == 4 and second_run[-1] == "fit_end"
+    assert [int(line.split()[0]) for line in lines[starts[1]:]] == sorted(int(l.split()[0]) for l in lines[starts[1]:])

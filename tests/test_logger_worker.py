@@ -111,7 +111,11 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
     first = spawn(*args)
     first.wait_for("following")
     background = BackgroundTrainer(trainer).start()
-    time.sleep(1.2)
+    cursor = tmp_path / "s" / "logger.cursor.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (cursor.exists() and '"MetricsFileLogger": ' in cursor.read_text()
+                                                and json.loads(cursor.read_text())["seqs"]["MetricsFileLogger"] > 60):
+        time.sleep(0.05)  # kill it mid-run, once it has applied some metrics
     os.kill(first.proc.pid, signal.SIGKILL)
     first.finish()
     second = spawn(*args)
