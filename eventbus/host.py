@@ -108,6 +108,7 @@ class _Slot:
         self.hyperparameters: dict[str, Any] = {}
         self.errors = 0
         self.applied = 0
+        self.last_seq = 0
 
 
 class CallbackHost:
@@ -130,6 +131,11 @@ class CallbackHost:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
             if cursor is not None and cursor.states.get(slot.name):
                 slot.callback.load_state_dict(cursor.states[slot.name])
+
+    @property
+    def applied_seq(self) -> int:
+        """Every callback has applied every message up to this seq."""
+        return min((slot.last_seq for slot in self.slots), default=0)
 
     @property
     def names(self) -> list[str]:
@@ -165,6 +171,7 @@ class CallbackHost:
         async for message in messages:
             for slot in self.slots:
                 if message.run_id == self._resumed_run and message.seq <= slot.skip_through:
+                    slot.last_seq = message.seq
                     continue  # applied before a restart
                 await slot.queue.put(message)
             if message.kind == "end":
@@ -191,6 +198,7 @@ class CallbackHost:
                     self.stop()
                     continue
             slot.applied += 1
+            slot.last_seq = message.seq
             if self.cursor is not None:
                 journal = message.state.header.get("journal") if message.state is not None else None
                 self.cursor.record(message.run_id, slot.name, message.seq, slot.callback.state_dict(), journal)

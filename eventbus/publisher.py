@@ -71,6 +71,7 @@ class BusConfig:
     replay_cache: int = 50_000
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     checkpoint_close_timeout: float = 60.0
+    drain_timeout: float = 30.0  # at close, how long live workers may take to catch up
     server_key: Optional[str] = None  # the server's .key_secret file: turns on CURVE
     authorized_keys: Optional[str] = None  # folder of client .key files allowed in
 
@@ -461,6 +462,7 @@ class Publisher(EventSink):
             self._flush_and_send()
             while poller.poll(0):
                 self._serve(self._router.recv_multipart())
+        self._drain_subscribers(poller)
         self._emit(_END, None, time.time(), time.monotonic(), {"seq": self._seq + 1})
         self._flush_and_send()
         # Late gap-fill requests still get answers while ZeroMQ flushes, and a checkpoint worker
@@ -475,6 +477,22 @@ class Publisher(EventSink):
                 self._serve(self._router.recv_multipart())
         if self._staging is not None and self._staging.busy():
             log.error("closing with a staged checkpoint the checkpoint worker did not acknowledge")
+
+    def _drain_subscribers(self, poller: zmq.Poller) -> None:
+        """Before the end of the run: let live workers apply everything and send back their last
+        metrics (journaled and published before END), for at most ``drain_timeout`` seconds."""
+        last = self._seq
+        deadline = time.monotonic() + self.config.drain_timeout
+        while time.monotonic() < deadline:
+            now = time.time()
+            behind = [name for name, seen in self._subscribers.items()
+                      if "applied" in seen and now - seen.get("last_seen", 0) < 15 and seen["applied"] < last]
+            if not behind:
+                return
+            if poller.poll(20):
+                self._serve(self._router.recv_multipart())
+        log.warning("closing before %s applied the whole run (drain_timeout=%ss)", ", ".join(behind),
+                    self.config.drain_timeout)
 
     def _header_payload(self) -> dict[str, Any]:
         return _resolve(self._header)
@@ -557,7 +575,9 @@ class Publisher(EventSink):
             seen["last_seen"] = time.time()
             if op == "hello":
                 seen["stats"], seen["callbacks"] = request.get("stats"), request.get("callbacks")
-        if op == "hello":
+            if type(request.get("applied")) is int:
+                seen["applied"] = request["applied"]
+        if op in ("hello", "progress"):
             return
         if op == "stats":
             reply = wire.encode_request("stats", id=request.get("id"), run_id=self.run_id, seq=self._seq,

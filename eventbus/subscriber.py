@@ -190,10 +190,15 @@ class Subscriber:
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
         self._send_control("metrics", metrics=plain, step=step, source=source or self.identity)
 
-    def hello(self, callbacks: Sequence[str] = ()) -> None:
+    def hello(self, callbacks: Sequence[str] = (), applied: Optional[int] = None) -> None:
         """A heartbeat with this subscriber's stats; the trainer's ``stats`` request reports it."""
         stats = dataclasses.asdict(self.stats())
-        self._send_control("hello", stats=stats, callbacks=list(callbacks), source=self.identity)
+        extra = {"applied": applied} if applied is not None else {}
+        self._send_control("hello", stats=stats, callbacks=list(callbacks), source=self.identity, **extra)
+
+    def progress(self, applied: int) -> None:
+        """Everything up to seq ``applied`` is applied: the trainer waits for this before ending a run."""
+        self._send_control("progress", applied=applied, source=self.identity)
 
     async def trainer_stats(self) -> Optional[dict[str, Any]]:
         """The publisher's counters and the subscribers it heard from recently; None if it does not answer."""

@@ -102,7 +102,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
                                 send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source))
             _install_signal_handlers(host)
-            heartbeat = asyncio.create_task(_heartbeat(subscriber, current))
+            heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host))
             print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
             try:
                 await host.run(stream.one_run())
@@ -120,21 +120,34 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     return 0
 
 
-async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], every: float = 3.0) -> None:
-    """Tell the trainer this worker is alive (with its stats, for monitors), and keep it capturing
+async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host: CallbackHost,
+                     every: float = 3.0) -> None:
+    """Tell the trainer this worker is alive (with its stats, for monitors) and how far it has
+    applied the run (so the run ends after its last metrics), and keep the trainer capturing
     what hosted callbacks declare in ``captures``, and only that."""
-    wanted = sorted(set().union(*(getattr(cb, "captures", ()) for cb in callbacks)))
-    interval = min((int(getattr(cb, "capture_interval", 1)) for cb in callbacks if getattr(cb, "captures", ())),
-                   default=1)
+    intervals: dict[str, int] = {}  # capture -> the most frequent interval any callback needs
+    for cb in callbacks:
+        for name in getattr(cb, "captures", ()):
+            intervals[name] = min(intervals.get(name, 1 << 30), int(getattr(cb, "capture_interval", 1)))
+    by_interval: dict[int, list[str]] = {}
+    for name, interval in sorted(intervals.items()):
+        by_interval.setdefault(interval, []).append(name)
     options: dict[str, Any] = {}
     for cb in callbacks:
         options.update(getattr(cb, "capture_options", {}))
     names = [type(cb).__name__ for cb in callbacks]
+    loop = asyncio.get_running_loop()
+    next_hello, reported = 0.0, -1
     while True:
-        subscriber.hello(names)
-        if wanted:
-            subscriber.request_capture(wanted, interval=interval, ttl=every * 3, options=options)
-        await asyncio.sleep(every)
+        if loop.time() >= next_hello:
+            subscriber.hello(names, applied=host.applied_seq)
+            for interval, names_at_interval in by_interval.items():
+                subscriber.request_capture(names_at_interval, interval=interval, ttl=every * 3, options=options)
+            next_hello = loop.time() + every
+        elif host.applied_seq != reported:
+            subscriber.progress(host.applied_seq)
+        reported = host.applied_seq
+        await asyncio.sleep(0.1)
 
 
 class _Runs:

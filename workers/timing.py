@@ -1,0 +1,277 @@
+"""The timing worker: Composer's speed, runtime, learning-rate, optimizer and memory monitors.
+
+Every number comes from the snapshot: the trainer's own wall clock
+(``timestamp.batch_wct``, ``total_wct``) and counters, so a slow or restarted
+worker still reports the trainer's true speed. What costs the trainer
+something to capture (gradient norms, CUDA memory statistics) is declared in
+``captures`` and captured only while this worker runs. The metrics go back to
+the trainer over the control channel, so the logger and the monitor show them.
+
+    python -m workers.timing --connect ipc://runs/my-run/bus
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import pathlib
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from eventbus import Callback
+from eventbus.cli import OneLineErrorParser
+from eventbus.errors import EventBusError
+from eventbus.logger import Logger
+
+__all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
+
+log = logging.getLogger(__name__)
+
+_DIVIDERS = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
+
+
+def _wall_time(state: Any) -> float:
+    """When the trainer fired the event: the snapshot's publish time, or now when in process."""
+    return getattr(state, "wall_time", None) or time.time()
+
+
+def _divider(time_unit: str) -> float:
+    if time_unit not in _DIVIDERS:
+        raise ValueError(f"time_unit must be one of {', '.join(_DIVIDERS)}, got {time_unit!r}")
+    return _DIVIDERS[time_unit]
+
+
+class SpeedMonitor(Callback):
+    """Throughput over the last ``window_size`` batches, and train/eval/total time.
+
+    Logs ``throughput/batches_per_sec``, ``throughput/samples_per_sec`` (and
+    ``throughput/tokens_per_sec`` when tokens are counted), their
+    ``throughput/device/*`` per-rank versions, ``throughput/flops_per_sec`` and
+    ``throughput/device/mfu`` when the model reports flops and
+    ``gpu_flops_available`` is known; throughput once the window is full. Every
+    batch: ``time/train``, ``time/val``, ``time/total`` in ``time_unit``.
+    """
+
+    captures = frozenset({"flops"})
+
+    def __init__(self, window_size: int = 100, gpu_flops_available: Optional[float] = None,
+                 time_unit: str = "hours"):
+        if window_size < 1:
+            raise ValueError(f"window_size must be positive, got {window_size}")
+        self.window_size = window_size
+        self.gpu_flops_available = gpu_flops_available
+        self.divider = _divider(time_unit)
+        self._window: collections.deque[tuple[int, int, float, Optional[float]]] = collections.deque(
+            maxlen=window_size)
+        self._eval_seconds = 0.0
+        self._eval_started: Optional[float] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"eval_seconds": self._eval_seconds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._eval_seconds = float(state.get("eval_seconds", 0.0))
+
+    def eval_start(self, state: Any, logger: Logger) -> None:
+        self._eval_started = _wall_time(state)
+
+    def eval_end(self, state: Any, logger: Logger) -> None:
+        if self._eval_started is not None:
+            self._eval_seconds += _wall_time(state) - self._eval_started
+        self._eval_started = None
+
+    def batch_end(self, state: Any, logger: Logger) -> None:
+        ts = state.timestamp
+        flops = getattr(state, "batch_flops", None)
+        self._window.append((state.batch_num_samples, state.batch_num_tokens, ts.batch_wct.total_seconds(), flops))
+        metrics: dict[str, float] = {}
+        if len(self._window) == self.window_size:
+            seconds = sum(w[2] for w in self._window)
+            if seconds > 0:
+                world = max(int(state.world_size), 1)
+                rates = {"batches_per_sec": len(self._window) / seconds,
+                         "samples_per_sec": sum(w[0] for w in self._window) / seconds}
+                tokens = sum(w[1] for w in self._window)
+                if tokens:
+                    rates["tokens_per_sec"] = tokens / seconds
+                if all(w[3] is not None for w in self._window):
+                    rates["flops_per_sec"] = sum(w[3] for w in self._window) / seconds
+                for name, value in rates.items():
+                    metrics[f"throughput/{name}"] = value
+                    metrics[f"throughput/device/{name}"] = value / world
+                if "flops_per_sec" in rates and self.gpu_flops_available:
+                    metrics["throughput/device/mfu"] = rates["flops_per_sec"] / world / self.gpu_flops_available
+        train = ts.total_wct.total_seconds()
+        metrics["time/train"] = train / self.divider
+        metrics["time/val"] = self._eval_seconds / self.divider
+        metrics["time/total"] = (train + self._eval_seconds) / self.divider
+        logger.log_metrics(metrics)
+
+
+def _fraction_done(state: Any) -> Optional[float]:
+    """Elapsed fraction of max_duration, at batch resolution when the epoch length is known."""
+    max_duration = state.max_duration
+    if max_duration is None:
+        return None
+    ts = state.timestamp
+    if max_duration.unit.value == "ep" and state.dataloader_len is not None and int(state.dataloader_len):
+        per_epoch = int(state.dataloader_len)
+        return min(1.0, (int(ts.epoch) * per_epoch + int(ts.batch_in_epoch)) / (max_duration.value * per_epoch))
+    elapsed = state.get_elapsed_duration()
+    return None if elapsed is None else float(elapsed.value)
+
+
+class RuntimeEstimator(Callback):
+    """``time/remaining_estimate``: training time left at the rate since ``skip_batches`` batches in.
+
+    The first batches (compilation, warm-up) are skipped. Uses the trainer's
+    clock, which excludes evaluation; the average evaluation time so far is
+    added once per evaluation still to come at the same cadence.
+    """
+
+    def __init__(self, skip_batches: int = 1, time_unit: str = "hours"):
+        self.skip_batches = skip_batches
+        self.divider = _divider(time_unit)
+        self._start: Optional[tuple[float, float]] = None  # (training seconds, fraction) after the skip
+        self._eval_seconds: list[float] = []
+        self._eval_started: Optional[float] = None
+
+    def eval_start(self, state: Any, logger: Logger) -> None:
+        self._eval_started = _wall_time(state)
+
+    def eval_end(self, state: Any, logger: Logger) -> None:
+        if self._eval_started is not None:
+            self._eval_seconds.append(_wall_time(state) - self._eval_started)
+        self._eval_started = None
+
+    def batch_end(self, state: Any, logger: Logger) -> None:
+        fraction = _fraction_done(state)
+        if fraction is None:
+            return
+        seconds = state.timestamp.total_wct.total_seconds()
+        if int(state.timestamp.batch) < self.skip_batches:
+            return
+        if self._start is None:
+            self._start = (seconds, fraction)
+            return
+        done = fraction - self._start[1]
+        if done <= 0:
+            return
+        remaining = (seconds - self._start[0]) / done * (1.0 - fraction)
+        if self._eval_seconds and fraction > 0:
+            evals_left = len(self._eval_seconds) / fraction * (1.0 - fraction)
+            remaining += evals_left * sum(self._eval_seconds) / len(self._eval_seconds)
+        logger.log_metrics({"time/remaining_estimate": remaining / self.divider})
+
+
+class LRMonitor(Callback):
+    """``lr-<OptimizerClass>/group<i>`` at every batch."""
+
+    def batch_end(self, state: Any, logger: Logger) -> None:
+        logger.log_metrics({f"lr-{name}/group{i}": float(lr)
+                            for name, lrs in state.learning_rates.items() for i, lr in enumerate(lrs)})
+
+
+class OptimizerMonitor(Callback):
+    """``l2_norm/grad/global`` and ``l2_norm/grad/<parameter>`` every ``batch_log_interval`` batches.
+
+    The trainer computes the norms on the device (after the backward passes,
+    before the optimizer step) only while this monitor runs somewhere.
+    """
+
+    captures = frozenset({"grad_norms"})
+
+    def __init__(self, batch_log_interval: int = 10):
+        if batch_log_interval < 1:
+            raise ValueError(f"batch_log_interval must be positive, got {batch_log_interval}")
+        self.batch_log_interval = batch_log_interval
+
+    @property
+    def capture_interval(self) -> int:
+        return self.batch_log_interval
+
+    def batch_end(self, state: Any, logger: Logger) -> None:
+        norms = getattr(state, "grad_norms", None)
+        if norms:
+            logger.log_metrics({f"l2_norm/grad/{name}": float(value) for name, value in norms.items()})
+
+
+_MEMORY_KEYS = {
+    "allocated_bytes.all.current": "current_allocated_mem",
+    "active_bytes.all.current": "current_active_mem",
+    "inactive_split_bytes.all.current": "current_inactive_mem",
+    "reserved_bytes.all.current": "current_reserved_mem",
+    "num_alloc_retries": "current_alloc_retries",
+    "allocated_bytes.all.peak": "peak_allocated_mem",
+    "active_bytes.all.peak": "peak_active_mem",
+    "reserved_bytes.all.peak": "peak_reserved_mem",
+}
+
+
+class MemoryMonitor(Callback):
+    """CUDA allocator statistics as ``memory/*`` (GB, as Composer logs them); nothing on CPU runs."""
+
+    captures = frozenset({"memory"})
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def batch_end(self, state: Any, logger: Logger) -> None:
+        stats = getattr(state, "memory", None)
+        if not stats:
+            if not self._warned and "cuda" not in str(getattr(state, "device", "")):
+                log.warning("MemoryMonitor: the run is not on a CUDA device; no memory statistics")
+                self._warned = True
+            return
+        metrics = {}
+        for key, name in _MEMORY_KEYS.items():
+            if key in stats:
+                value = float(stats[key])
+                metrics[f"memory/{name}"] = value if name.endswith("retries") else value / 1e9
+        logger.log_metrics(metrics)
+
+
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(
+        prog="python -m workers.timing",
+        description="Report a run's throughput, remaining time, learning rates, gradient norms and CUDA memory, "
+                    "computed from the trainer's own clock. Stops at the end of the run or on SIGTERM.")
+    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
+    parser.add_argument("--identity", default="timing", help="resume name for restarts (default: timing)")
+    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+    parser.add_argument("--window-size", type=int, default=100, help="SpeedMonitor window (default: 100)")
+    parser.add_argument("--gpu-flops-available", type=float, help="peak flops per device, for MFU")
+    parser.add_argument("--skip-batches", type=int, default=1, help="RuntimeEstimator warm-up (default: 1)")
+    parser.add_argument("--time-unit", default="hours", choices=list(_DIVIDERS))
+    parser.add_argument("--optimizer-interval", type=int, default=10,
+                        help="batches between gradient-norm logs (default: 10; 0 disables)")
+    parser.add_argument("--follow", action="store_true", help="follow the next run when this one ends")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from eventbus.worker import run_worker
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def callbacks() -> list[Callback]:
+        made: list[Callback] = [SpeedMonitor(args.window_size, args.gpu_flops_available, args.time_unit),
+                                RuntimeEstimator(args.skip_batches, args.time_unit), LRMonitor(), MemoryMonitor()]
+        if args.optimizer_interval > 0:
+            made.append(OptimizerMonitor(args.optimizer_interval))
+        return made
+
+    try:
+        callbacks()
+        return asyncio.run(run_worker(args.connect, callbacks, identity=args.identity, state_dir=args.state_dir,
+                                      follow=args.follow))
+    except (EventBusError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
