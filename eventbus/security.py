@@ -69,8 +69,22 @@ class ServerKeys:
     def start_authenticator(self, context: zmq.Context) -> ThreadAuthenticator:
         authenticator = ThreadAuthenticator(context)
         authenticator.start()
-        authenticator.configure_curve(domain=ZAP_DOMAIN, location=str(self.authorized))
+        authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
         return authenticator
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """ZAP check for one connection: the allow-list folder is read each time, so a key added
+        there (or removed) takes effect without restarting the trainer."""
+        if domain != ZAP_DOMAIN:
+            return False
+        for path in self.authorized.glob("*.key"):
+            try:
+                public, _ = zmq.auth.load_certificate(str(path))
+            except (OSError, ValueError):
+                continue
+            if public == client_key:
+                return True
+        return False
 
     def apply(self, socket: zmq.Socket) -> None:
         socket.curve_secretkey = self.secret

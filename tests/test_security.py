@@ -87,3 +87,19 @@ async def test_only_an_authorized_client_gets_anything(tmp_path, keys):
     assert good_count > 50
     for count, stats in refused:
         assert count == 0 and stats.received == 0
+
+
+async def test_a_key_added_to_the_allow_list_works_without_a_restart(tmp_path, keys):
+    import shutil
+
+    port = free_port()
+    config = BusConfig(address=f"tcp://0.0.0.0:{port}", server_key=str(keys / "server.key_secret"),
+                       authorized_keys=str(keys / "authorized"))
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", device="cpu", bus=config)
+    laptop = ClientKeys(tmp_path / "stranger" / "stranger.key_secret", keys / "server.key")
+    count, _ = await _receive(f"tcp://127.0.0.1:{port}", laptop, 2)
+    assert count == 0
+    shutil.copy(tmp_path / "stranger" / "stranger.key", keys / "authorized" / "laptop.key")
+    count, _ = await _receive(f"tcp://127.0.0.1:{port}", laptop, 2)
+    assert count >= 3  # the run header, INIT, ... as a late joiner from the beginning
+    trainer.close()
