@@ -21,14 +21,14 @@ def _time(text: Optional[str]) -> Optional[Time]:
 
 
 class Snapshot:
-    """A read-only view of the training state at one event."""
+    """A read-only view of the training state at one event.
 
-    __slots__ = (
-        "run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "timestamp",
-        "eval_timestamp", "dataloader_label", "dataloader_len", "loss", "learning_rates",
-        "train_metric_values", "eval_metric_values", "batch_num_samples", "batch_num_tokens",
-        "max_duration", "stop_reason", "grad_norms", "memory", "batch_flops", "checkpoint", "_control",
-    )
+    Fields are read from the message payload when first used (a subscriber
+    that looks at two fields does not pay for fourteen).
+    """
+
+    __slots__ = ("run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "_payload", "_control",
+                 "_cache")
 
     def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
                  mono_time: float, header: dict[str, Any], payload: dict[str, Any],
@@ -41,30 +41,54 @@ class Snapshot:
         setattr_(self, "wall_time", wall_time)
         setattr_(self, "mono_time", mono_time)
         setattr_(self, "header", header)
-        ts = payload.get("ts")
-        setattr_(self, "timestamp", Timestamp.from_state_dict(ts) if ts else Timestamp())
-        eval_ts = payload.get("eval_ts")
-        setattr_(self, "eval_timestamp", Timestamp.from_state_dict(eval_ts) if eval_ts else Timestamp())
-        setattr_(self, "dataloader_label", payload.get("label"))
-        dl_len = payload.get("dl_len")
-        setattr_(self, "dataloader_len", Time(dl_len, TimeUnit.BATCH) if dl_len is not None else None)
-        setattr_(self, "loss", payload.get("loss"))
-        setattr_(self, "learning_rates", payload.get("lrs") or {})
-        setattr_(self, "train_metric_values", payload.get("train_metrics") or {})
-        setattr_(self, "eval_metric_values", payload.get("eval_metrics") or {})
-        setattr_(self, "batch_num_samples", payload.get("samples", 0))
-        setattr_(self, "batch_num_tokens", payload.get("tokens", 0))
-        setattr_(self, "max_duration", _time(payload.get("max_duration") or header.get("max_duration")))
-        setattr_(self, "stop_reason", payload.get("stop_reason"))
-        # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
-        # capture to the end of that batch; otherwise None.
-        setattr_(self, "grad_norms", payload.get("grad_norms"))
-        setattr_(self, "memory", payload.get("memory"))
-        setattr_(self, "batch_flops", payload.get("batch_flops"))
-        staged = payload.get("checkpoint")
-        # A checkpoint the trainer staged at this event, for the checkpoint worker to write.
-        setattr_(self, "checkpoint", StagedCheckpoint(staged, control) if isinstance(staged, dict) else None)
+        setattr_(self, "_payload", payload)
         setattr_(self, "_control", control)
+        setattr_(self, "_cache", {})
+
+    def _cached(self, name: str, build: Callable[[], Any]) -> Any:
+        if name not in self._cache:
+            self._cache[name] = build()
+        return self._cache[name]
+
+    @property
+    def timestamp(self) -> Timestamp:
+        ts = self._payload.get("ts")
+        return self._cached("timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
+
+    @property
+    def eval_timestamp(self) -> Timestamp:
+        ts = self._payload.get("eval_ts")
+        return self._cached("eval_timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
+
+    @property
+    def max_duration(self) -> Optional[Time]:
+        return self._cached("max_duration",
+                            lambda: _time(self._payload.get("max_duration") or self.header.get("max_duration")))
+
+    @property
+    def dataloader_len(self) -> Optional[Time]:
+        length = self._payload.get("dl_len")
+        return Time(length, TimeUnit.BATCH) if length is not None else None
+
+    @property
+    def checkpoint(self) -> Optional[StagedCheckpoint]:
+        """A checkpoint the trainer staged at this event, for the checkpoint worker to write."""
+        staged = self._payload.get("checkpoint")
+        return StagedCheckpoint(staged, self._control) if isinstance(staged, dict) else None
+
+    dataloader_label = property(lambda self: self._payload.get("label"))
+    loss = property(lambda self: self._payload.get("loss"))
+    learning_rates = property(lambda self: self._payload.get("lrs") or {})
+    train_metric_values = property(lambda self: self._payload.get("train_metrics") or {})
+    eval_metric_values = property(lambda self: self._payload.get("eval_metrics") or {})
+    batch_num_samples = property(lambda self: self._payload.get("samples", 0))
+    batch_num_tokens = property(lambda self: self._payload.get("tokens", 0))
+    stop_reason = property(lambda self: self._payload.get("stop_reason"))
+    # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
+    # capture to the end of that batch; otherwise None.
+    grad_norms = property(lambda self: self._payload.get("grad_norms"))
+    memory = property(lambda self: self._payload.get("memory"))
+    batch_flops = property(lambda self: self._payload.get("batch_flops"))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")

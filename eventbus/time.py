@@ -295,9 +295,13 @@ class Timestamp:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Union[int, float]]) -> "Timestamp":
-        values: dict[str, Any] = {f: int(state[f]) for f in _COUNTERS if f in state}
-        values.update({f: datetime.timedelta(seconds=float(state[f])) for f in _CLOCKS if f in state})
-        return cls(**values)
+        timestamp = object.__new__(cls)  # the fast path: subscribers build one per message
+        set_field = object.__setattr__
+        for field in _COUNTERS:
+            set_field(timestamp, "_" + field, int(state.get(field, 0)))
+        for field in _CLOCKS:
+            set_field(timestamp, "_" + field, datetime.timedelta(seconds=float(state.get(field, 0.0))))
+        return timestamp
 
     def _compare_value(self, other: object) -> tuple[Union[int, float], Union[int, float]]:
         if not isinstance(other, Time):

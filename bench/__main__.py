@@ -1,0 +1,28 @@
+"""``python -m bench [publish_cost|slow_callbacks|throughput|checkpoint_stall|gpu ...] [--quick]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from bench.common import machine
+
+BENCHMARKS = ["publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "gpu"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("names", nargs="*", choices=BENCHMARKS + [[]], help="which to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    print("machine:", machine(), flush=True)
+    for name in args.names or BENCHMARKS:
+        importlib.import_module(f"bench.{name}").run(args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

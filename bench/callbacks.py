@@ -1,0 +1,25 @@
+"""Callbacks the slow-callback benchmark hosts in process and in workers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from eventbus import Callback
+
+
+class SleepyCounter(Callback):
+    """Sleeps 50 ms at every BATCH_END; counts every event; writes the counts at close."""
+
+    def __init__(self, path: str = "", sleep: float = 0.05):
+        self.path, self.sleep, self.counts = path, sleep, {}
+
+    def run_event(self, event, state, logger):
+        self.counts[event.value] = self.counts.get(event.value, 0) + 1
+        if event.value == "batch_end":
+            time.sleep(self.sleep)
+
+    def close(self, state, logger):
+        if self.path:
+            with open(self.path, "w") as file:
+                json.dump(self.counts, file)

@@ -1,0 +1,58 @@
+"""Shared helpers: a table printer, the JSON line, statistics, the machine description."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from typing import Any, Sequence
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(memory, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in header]] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for i, row in enumerate(cells):
+        print("  " + "  ".join(cell.rjust(w) if j else cell.ljust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def emit(name: str, result: dict[str, Any]) -> None:
+    print("BENCH_JSON " + json.dumps({"bench": name, **result}, sort_keys=True), flush=True)
+
+
+def python_env() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def spawn(*args: str, cwd: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=python_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)

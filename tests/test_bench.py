@@ -1,0 +1,27 @@
+"""The benchmarks' quick versions run as smoke tests: tables and JSON lines, no timing assertions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT
+
+
+def test_quick_benchmarks_print_tables_and_json(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "bench", "--quick"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line.removeprefix("BENCH_JSON ")) for line in result.stdout.splitlines()
+             if line.startswith("BENCH_JSON ")]
+    by_name = {line["bench"]: line for line in lines}
+    assert set(by_name) == {"publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "gpu"}
+    assert {"median_us", "p99_us", "raw_send_us", "bare_call_us"} <= set(by_name["publish_cost"])
+    assert {"b_over_a", "c_over_a", "d_over_a", "trainer_bus_ms_per_batch"} <= set(by_name["slow_callbacks"])
+    assert by_name["slow_callbacks"]["every_event_delivered_in_c"] is True
+    assert by_name["throughput"]["subscribers_4"]["complete"] is True
+    assert "10MB" in by_name["checkpoint_stall"]
+    for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "5. GPU"):
+        assert title in result.stdout
