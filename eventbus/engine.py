@@ -62,7 +62,8 @@ class Engine:
     def run_event(self, event: Union[Event, str]) -> None:
         if self._closed:
             raise RuntimeError(f"the engine is closed; cannot run {event}. Create a new Trainer.")
-        event = Event(event)
+        if event.__class__ is not Event:
+            event = Event(event)
         state, logger = self.state, self.logger
         algorithms: Sequence["Algorithm"] = state.algorithms
         if algorithms:

@@ -16,7 +16,7 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 from eventbus.errors import ConfigError
 
-__all__ = ["JournalWriter", "read_journal", "JOURNAL_NAME"]
+__all__ = ["JournalWriter", "read_journal", "read_journal_at", "JOURNAL_NAME"]
 
 JOURNAL_NAME = "events.journal"
 MAGIC = b"EVBJOURNAL1\n"  # first bytes of every journal file
@@ -44,8 +44,7 @@ class JournalWriter:
     def append(self, message: bytes) -> int:
         """Write one record; returns its offset in the file."""
         offset = self.offset
-        self._file.write(_HEADER.pack(len(message), zlib.crc32(message)))
-        self._file.write(message)
+        self._file.write(_HEADER.pack(len(message), zlib.crc32(message)) + message)
         self.offset += _HEADER.size + len(message)
         return offset
 
@@ -83,11 +82,19 @@ def _check_magic(path: pathlib.Path) -> None:
 
 def read_journal(path: Union[str, os.PathLike], start_offset: int = 0) -> Iterator[bytes]:
     """Yield every complete record's message bytes, stopping at a torn tail."""
+    for _, record in read_journal_at(path, start_offset):
+        yield record
+
+
+def read_journal_at(path: Union[str, os.PathLike], start_offset: int = 0) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(offset, message bytes)`` from ``start_offset`` on, stopping at a torn tail."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"journal {str(path)!r} does not exist (expected <run folder>/{JOURNAL_NAME})")
     _check_magic(path)
     with open(path, "rb") as file:
-        file.seek(max(start_offset, len(MAGIC)))
+        offset = max(start_offset, len(MAGIC))
+        file.seek(offset)
         while (record := read_record(file)) is not None:
-            yield record
+            yield offset, record
+            offset += _HEADER.size + len(record)

@@ -23,6 +23,7 @@ Malformed messages are counted as ``protocol_errors`` and skipped.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -36,7 +37,7 @@ import zmq.asyncio
 from eventbus import wire
 from eventbus.errors import ProtocolError
 from eventbus.events import Event
-from eventbus.journal import read_journal
+from eventbus.journal import read_journal, read_journal_at
 from eventbus.publisher import service_address_for
 from eventbus.security import ClientKeys
 from eventbus.snapshot import Snapshot
@@ -125,7 +126,12 @@ class Subscriber:
         self._keys = keys if keys is not None else ClientKeys.from_environment()
         self._stats = SubscriberStats()
         self._ids = itertools.count(1)
-        self._ready: list[_Decoded] = []  # in seq order, waiting to be yielded
+        self._ready: collections.deque[_Decoded] = collections.deque()  # in seq order, to be yielded
+        self._service_down_until = 0.0
+        self._idle_check = 1.0  # seconds without a message before asking whether the tail was lost
+        self._journal_index_path: Optional[str] = None
+        self._journal_index: dict[int, int] = {}
+        self._journal_scanned = 0
         self._ended = False
         # follow=True: when the trainer restarts on the same address (a new run_id), switch to the
         # new run from its first message instead of ending.
@@ -269,7 +275,7 @@ class Subscriber:
     async def __anext__(self) -> Message:
         while True:
             if self._ready:
-                message = self._deliver(self._ready.pop(0))
+                message = self._deliver(self._ready.popleft())
                 if message is not None:
                     return message
                 continue
@@ -278,6 +284,9 @@ class Subscriber:
             await self._receive_one()
 
     async def _receive_one(self) -> None:
+        if not await self._sub.poll(self._idle_check * 1000):
+            await self._catch_up_tail()
+            return
         frame = await self._sub.recv()
         self._stats.received += 1
         item = self._decode(frame)
@@ -322,8 +331,11 @@ class Subscriber:
     async def _fill(self, first: int, last: int) -> None:
         """Recover seqs first..last from the replay service, then from the journal."""
         self._stats.gaps += 1
-        while first <= last:
+        loop = asyncio.get_running_loop()
+        while first <= last and loop.time() >= self._service_down_until:
             frames = await self._request("replay", run_id=self.run_id, **{"from": first, "to": last})
+            if frames is None:  # no answer: go to the journal for a while instead of waiting each time
+                self._service_down_until = loop.time() + 10.0
             recovered = 0
             for frame in frames[1:] if frames else []:
                 item = self._decode(frame)
@@ -373,22 +385,51 @@ class Subscriber:
                 self._queue(item)
                 self._stats.recovered += 1
 
+    async def _catch_up_tail(self) -> None:
+        """Nothing arrived for a while: were the last messages (the end of the run, say) dropped?
+        Ask the publisher how far it is; if it is gone, look in the journal."""
+        if self._next_seq is None or self.run_id is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._service_down_until:
+            frames = await self._request("ping")
+            if frames is not None:
+                reply = wire.decode_request(frames[0])
+                current = reply.get("seq")
+                if reply.get("run_id") == self.run_id and isinstance(current, int) and current >= self._next_seq:
+                    await self._fill(self._next_seq, current)
+                return
+            self._service_down_until = loop.time() + 10.0
+        before = self._next_seq
+        self._fill_from_journal(self._next_seq, 1 << 62)
+        if self._next_seq != before:
+            self._stats.gaps += 1
+
     def _fill_from_journal(self, first: int, last: int) -> int:
+        """Recover from the journal, indexing it (seq -> offset) as far as it has been read."""
         path = self._journal_path or self.header.get("journal")
         if not path or not os.path.exists(path):
             return first
-        for record in read_journal(path):
+        if self._journal_index_path != path:
+            self._journal_index_path, self._journal_index, self._journal_scanned = path, {}, 0
+        if first not in self._journal_index or last not in self._journal_index:
+            for offset, record in read_journal_at(path, self._journal_scanned):
+                self._journal_scanned = offset + 8 + len(record)
+                item = self._decode(record)
+                if item is not None and item.envelope.run_id == self.run_id:
+                    self._journal_index[item.envelope.seq] = offset
+        if first not in self._journal_index:
+            return first
+        for offset, record in read_journal_at(path, self._journal_index[first]):
             item = self._decode(record)
             if item is None or item.envelope.run_id != self.run_id:
                 continue
-            seq = item.envelope.seq
-            if seq == first and first <= last:
-                item.recovered = True
-                self._queue(item)
-                self._stats.recovered += 1
-                first += 1
-            elif seq > last:
+            if item.envelope.seq != first or first > last:
                 break
+            item.recovered = True
+            self._queue(item)
+            self._stats.recovered += 1
+            first += 1
         return first
 
     # ------------------------------------------------------------------ delivery
