@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 from eventbus.events import Event
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
 import pathlib
 import signal
 import subprocess

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import torch
 
-from eventbus import Subscriber, wire
+from eventbus import wire
 from eventbus.journal import read_journal
 from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 from tests.test_job import SMALL, leftover_daemons

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
-from eventbus import Event, LoggerDestination
+from eventbus import LoggerDestination
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
 from eventbus.logger import Logger, to_number
