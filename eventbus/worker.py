@@ -19,7 +19,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus.callback import Callback
-from eventbus.errors import ConfigError
+from eventbus.errors import ConfigError, EventBusError
 from eventbus.host import CallbackHost, Cursor
 from eventbus.subscriber import Subscriber, journal_messages
 
@@ -106,6 +106,8 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
             try:
                 await host.run(stream.one_run())
+            except EventBusError:
+                raise
             except Exception as err:
                 print(f"eventbus worker: stopped by --fail-fast: {err}", file=sys.stderr)
                 return 1
@@ -184,6 +186,8 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     _install_signal_handlers(host)
     try:
         await host.run(journal_messages(path))
+    except EventBusError:
+        raise
     except Exception as err:
         print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
         return 1

@@ -91,3 +91,17 @@ def test_daemons_reject_bad_arguments_in_one_line(module, tmp_path):
                                                         "EVENTBUS_CLIENT_SECRET_KEY": str(tmp_path / "none")})
     assert keys.returncode == 2 and "EVENTBUS_SERVER_PUBLIC_KEY" in keys.stderr
     assert len(keys.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_checkpoint_and_journal_are_one_line_errors(tmp_path):
+    checkpoints = tmp_path / "runs" / "broken" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "latest-rank0.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    result = eventbus("run", "--run-name", "broken", "--resume", cwd=tmp_path)
+    assert result.returncode == 2 and "is not a readable checkpoint" in result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1, result.stderr
+    (tmp_path / "garbage.journal").write_bytes(b"\x00" * 100)
+    replay = eventbus("replay", str(tmp_path / "garbage.journal"), "--callback", "tests.worker_callbacks:EventCollector",
+                      cwd=tmp_path)
+    assert replay.returncode == 2 and "is not an eventbus journal" in replay.stderr
+    assert len(replay.stderr.strip().splitlines()) == 1, replay.stderr
