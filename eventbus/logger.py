@@ -101,7 +101,7 @@ class ConsoleLogger(LoggerDestination):
     meaning epochs); evaluation metrics are always printed.
     """
 
-    def __init__(self, log_interval: "int | str | Time" = "1ba", stream: TextIO | str = "stdout"):
+    def __init__(self, log_interval: "int | str | Time" = "1ba", stream: TextIO | str = "stderr"):
         self.log_interval = ensure_time(log_interval, TimeUnit.EPOCH, name="log_interval")
         if self.log_interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH) or self.log_interval.value < 1:
             raise ValueError(f"log_interval must be a positive number of epochs or batches, got {log_interval!r}")

@@ -97,8 +97,10 @@ class State:
         return Time(min(done / self.max_duration.value, 1.0) if self.max_duration.value else 1.0, TimeUnit.DURATION)
 
     def stop_training(self, reason: Optional[str] = None) -> None:
-        """End ``fit`` after the current batch (Composer: max_duration becomes the batch count)."""
-        self.max_duration = self.timestamp.batch
+        """End ``fit`` after the current batch: max_duration becomes "now", in its own unit
+        (batches for epoch durations), as in Composer."""
+        unit = self.max_duration.unit if self.max_duration is not None else TimeUnit.EPOCH
+        self.max_duration = self.timestamp.batch if unit is TimeUnit.EPOCH else self.timestamp.get(unit)
         self.stop_reason = reason or self.stop_reason or "stop_training() called"
 
     @property

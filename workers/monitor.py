@@ -215,11 +215,12 @@ def render(view: ViewModel, width: int = 100, height: int = 40) -> list[str]:
     """
     width, height = max(20, int(width)), max(1, int(height))
     rule = "─" * width if not view.ascii_only else "-" * width
+    dot, ellipsis = ("|", "~") if view.ascii_only else ("·", "…")
     name = view.run_name or "?"
     status = {"waiting": "waiting for the trainer", "journal": "journal (no end record yet: running or crashed)"}
-    head = f"eventbus monitor · run {name} · {status.get(view.status, view.status)}"
+    head = f"eventbus monitor {dot} run {name} {dot} {status.get(view.status, view.status)}"
     if view.target:
-        head += f" · {view.target}"
+        head += f" {dot} {view.target}"
     lines = [head, rule]
 
     if not view.has_state:
@@ -247,7 +248,7 @@ def render(view: ViewModel, width: int = 100, height: int = 40) -> list[str]:
             parts.append(f"total batch {view.batch}" + (f"/{view.batches_total}" if view.batches_total is not None else ""))
         if view.sample is not None:
             parts.append(f"sample {view.sample}")
-        lines.append(_row("position", "  ·  ".join(parts)))
+        lines.append(_row("position", f"  {dot}  ".join(parts)))
         if view.stop_reason:
             lines.append(_row("stopped early", view.stop_reason))
     lines.append(rule)
@@ -260,7 +261,7 @@ def render(view: ViewModel, width: int = 100, height: int = 40) -> list[str]:
         room = width - key_width - 1 - 11 - len(extent) - 1
         if room < 8:
             extent, room = "", width - key_width - 1 - 11 - 1
-        label = series.key if len(series.key) <= key_width else "…" + series.key[-(key_width - 1):]
+        label = series.key if len(series.key) <= key_width else ellipsis + series.key[-(key_width - 1):]
         plot = sparkline(points, max(0, room), view.ascii_only)
         lines.append(f"{label:<{key_width}} {value:>10} {plot}{extent}")
     if view.throughput:
@@ -337,11 +338,7 @@ def render(view: ViewModel, width: int = 100, height: int = 40) -> list[str]:
         keep = max(0, room - 1)
         daemon_lines = daemon_lines[:keep] + ([f"  ... {len(daemon_lines) - keep} more daemons"] if room > 0 else [])
     lines += daemon_lines + notes
-    return [_clip(line, width) for line in lines[:height]]
-
-
-def _clip(line: str, width: int) -> str:
-    return line if len(line) <= width else line[: width - 1] + "…"
+    return [line if len(line) <= width else line[: width - 1] + ellipsis for line in lines[:height]]
 
 
 # --------------------------------------------------------------------------- state tracking
