@@ -8,10 +8,11 @@ pass, so the step that follows cannot change what is being saved.
 
 The bus thread announces the staged checkpoint on the event it belongs to
 (``state.checkpoint`` on the subscriber side). The checkpoint worker maps the
-buffer, writes the file (temporary name, fsync, rename, then the ``latest``
-link) and acknowledges; only then may the buffer be reused. A buffer still
-being written is never overwritten: when every buffer is busy, that
-checkpoint is skipped and reported.
+buffer (same host) or fetches it over the request service (another host: the
+buffer goes out as one zero-copy ZeroMQ frame), writes the file (temporary
+name, fsync, rename, then the ``latest`` link) and acknowledges. A buffer is
+reused only when it is acknowledged *and* ZeroMQ has let go of every frame
+sent from it; when every buffer is busy, that checkpoint is skipped and reported.
 
 The file is Composer's layout, ``{"state": {...}, "rng": [...]}``, made only of
 tensors and plain Python values, so ``torch.load(path, weights_only=True)`` reads it.
@@ -25,6 +26,7 @@ import os
 import pathlib
 import tempfile
 import threading
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import msgpack
@@ -32,7 +34,9 @@ import torch
 
 from eventbus.errors import ConfigError
 
-__all__ = ["StagingBuffers", "StagedCheckpoint", "flatten", "unflatten", "save_atomically"]
+__all__ = ["StagingBuffers", "StagedCheckpoint", "TRANSFERS", "flatten", "unflatten", "save_atomically"]
+
+TRANSFERS = ("auto", "shm", "fetch")
 
 _ALIGN = 64
 
@@ -76,7 +80,15 @@ class _Buffer:
     size: int
     file: Any
     view: mmap.mmap
-    busy: bool = False
+    busy: bool = False  # staged and not yet acknowledged
+    sending: list[Any] = dataclasses.field(default_factory=list)  # zmq.MessageTrackers of frames from it
+
+    def idle(self) -> bool:
+        """Free to overwrite: acknowledged, and no frame of it is still queued in ZeroMQ."""
+        if self.busy:
+            return False
+        self.sending = [tracker for tracker in self.sending if not tracker.done]
+        return not self.sending
 
 
 @dataclasses.dataclass
@@ -124,11 +136,11 @@ class StagingBuffers:
 
     def _acquire(self, size: int) -> Optional[_Buffer]:
         with self._lock:
-            for buffer in self._buffers:
-                if not buffer.busy and buffer.size >= size:
+            free = [b for b in self._buffers if b.idle()]
+            for buffer in free:
+                if buffer.size >= size:
                     buffer.busy = True
                     return buffer
-            free = [b for b in self._buffers if not b.busy]
             if len(self._buffers) >= self.max_buffers and not free:
                 return None
             for buffer in free:  # too small: replace it
@@ -174,7 +186,19 @@ class StagingBuffers:
 
     def busy(self) -> bool:
         with self._lock:
-            return any(buffer.busy for buffer in self._buffers)
+            return not all(buffer.idle() for buffer in self._buffers)
+
+    def send(self, socket: Any, envelope: list[bytes], path: str) -> bool:
+        """Bus thread: send a staged (unacknowledged) buffer as the last frame of a multipart
+        message, without copying it; it stays in use until ZeroMQ reports the frame sent.
+        False when ``path`` is not a staged buffer (unknown, or already acknowledged)."""
+        with self._lock:
+            for buffer in self._buffers:
+                if str(buffer.path) == path and buffer.busy:
+                    tracker = socket.send_multipart([*envelope, memoryview(buffer.view)], copy=False, track=True)
+                    buffer.sending.append(tracker)
+                    return True
+        return False
 
     def release(self, path: str) -> bool:
         with self._lock:
@@ -186,7 +210,10 @@ class StagingBuffers:
 
     def _drop(self, buffer: _Buffer) -> None:
         self._buffers.remove(buffer)
-        buffer.view.close()
+        try:
+            buffer.view.close()
+        except BufferError:
+            pass  # ZeroMQ's last reference to a sent frame is released later; the map goes with it
         buffer.file.close()
         buffer.path.unlink(missing_ok=True)
 
@@ -197,33 +224,57 @@ class StagingBuffers:
 
 
 class StagedCheckpoint:
-    """The subscriber side of a staged checkpoint: ``load()`` the state dict, then ``ack``."""
+    """The subscriber side of a staged checkpoint: ``load()`` the state dict, then ``ack``.
 
-    def __init__(self, descriptor: dict[str, Any], send: Optional[Callable[[str, dict[str, Any]], None]] = None):
+    ``fetch(descriptor)`` returns the buffer's bytes from the trainer's request
+    service, for a worker that cannot see the trainer's shared memory.
+    """
+
+    def __init__(self, descriptor: dict[str, Any], send: Optional[Callable[[str, dict[str, Any]], None]] = None,
+                 fetch: Optional[Callable[[dict[str, Any]], Any]] = None):
         self.descriptor = descriptor
         self._send = send
+        self._fetch = fetch
 
     @property
     def batch(self) -> int:
         return int(self.descriptor["batch"])
 
-    def load(self) -> dict[str, Any]:
-        """The checkpoint dict, its tensors copied out of the shared buffer."""
+    def load(self, transfer: str = "auto") -> dict[str, Any]:
+        """The checkpoint dict. ``transfer``: ``shm`` maps the trainer's shared buffer (same host),
+        ``fetch`` receives it over the network, ``auto`` maps it when it is visible here."""
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
         path = self.descriptor["buffer"]
+        if transfer == "fetch" or (transfer == "auto" and not os.path.exists(path)):
+            if self._fetch is None:
+                raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
+                                  "trainer to fetch it from")
+            return self._unpack(self._fetch(self.descriptor), copy=False)
         if not os.path.exists(path):
-            raise ConfigError(f"staged checkpoint buffer {path} is gone (is the worker on another host "
-                              "without the trainer's /dev/shm?)")
+            raise ConfigError(f"staged checkpoint buffer {path} is gone (a worker on another host needs "
+                              "--transfer fetch, or the trainer's /dev/shm)")
         with open(path, "rb") as file:
             view = mmap.mmap(file.fileno(), self.descriptor["size"], access=mmap.ACCESS_COPY)
+        try:
+            return self._unpack(view, copy=True)  # the trainer reuses the buffer after the ack
+        finally:
+            view.close()
+
+    def _unpack(self, data: Any, copy: bool) -> dict[str, Any]:
+        if len(data) < self.descriptor["size"]:
+            raise ConfigError(f"staged checkpoint buffer has {len(data)} bytes, expected {self.descriptor['size']}")
         tensors = []
-        for dtype, shape, offset, nbytes in self.descriptor["layout"]:
-            torch_dtype = getattr(torch, dtype)
-            if nbytes == 0:
-                tensors.append(torch.empty(shape, dtype=torch_dtype))
-                continue
-            raw = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=offset)
-            tensors.append(raw.view(torch_dtype).view(shape).clone())
-        view.close()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given buffer is not writable")  # a received frame: read only
+            for dtype, shape, offset, nbytes in self.descriptor["layout"]:
+                torch_dtype = getattr(torch, dtype)
+                if nbytes == 0:
+                    tensors.append(torch.empty(shape, dtype=torch_dtype))
+                    continue
+                raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+                tensor = raw.view(torch_dtype).view(shape)
+                tensors.append(tensor.clone() if copy else tensor)
         skeleton = msgpack.unpackb(self.descriptor["skeleton"], raw=False, strict_map_key=False)
         return unflatten(skeleton, tensors)
 

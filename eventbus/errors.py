@@ -5,7 +5,7 @@ Every message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["EventBusError", "ConfigError", "ProtocolError"]
+__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError"]
 
 
 class EventBusError(Exception):
@@ -18,3 +18,7 @@ class ConfigError(EventBusError, ValueError):
 
 class ProtocolError(EventBusError):
     """A message that is malformed, too large, or of an unknown protocol version."""
+
+
+class TransferError(EventBusError):
+    """Data the trainer was asked for (a staged checkpoint) did not arrive."""

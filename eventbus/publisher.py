@@ -189,6 +189,7 @@ class PublisherStats:
     replayed_messages: int = 0
     snapshot_requests: int = 0
     control_messages: int = 0
+    checkpoint_fetches: int = 0
     protocol_errors: int = 0
     queue_depth: int = 0
 
@@ -647,6 +648,15 @@ class Publisher(EventSink):
             self._emit(_METRICS, None, time.time(), time.monotonic(),
                        {"metrics": result, "step": batch, "source": str(request.get("source") or "checkpoint")})
             self._flush_and_send()
+        elif op == "checkpoint_fetch":
+            self._stats.checkpoint_fetches += 1
+            buffer = request.get("buffer")
+            reply = wire.encode_request("checkpoint_fetch", id=request.get("id"), run_id=self.run_id)
+            if self._staging is None or not isinstance(buffer, str) or \
+                    not self._staging.send(self._router, [identity, reply], buffer):
+                error = "no such staged checkpoint (already acknowledged, or from another run)"
+                self._router.send_multipart([identity, wire.encode_request(
+                    "checkpoint_fetch", id=request.get("id"), run_id=self.run_id, error=error)])
         elif op == "ping":
             self._router.send_multipart(
                 [identity, wire.encode_request("pong", id=request.get("id"), run_id=self.run_id, seq=self._seq)])

@@ -28,11 +28,12 @@ class Snapshot:
     """
 
     __slots__ = ("run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "_payload", "_control",
-                 "_cache")
+                 "_fetch", "_cache")
 
     def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
                  mono_time: float, header: dict[str, Any], payload: dict[str, Any],
-                 control: Optional[Callable[[str, dict[str, Any]], None]] = None):
+                 control: Optional[Callable[[str, dict[str, Any]], None]] = None,
+                 fetch: Optional[Callable[[dict[str, Any]], Any]] = None):
         setattr_ = object.__setattr__
         setattr_(self, "run_id", run_id)
         setattr_(self, "rank", rank)
@@ -43,6 +44,7 @@ class Snapshot:
         setattr_(self, "header", header)
         setattr_(self, "_payload", payload)
         setattr_(self, "_control", control)
+        setattr_(self, "_fetch", fetch)
         setattr_(self, "_cache", {})
 
     def _cached(self, name: str, build: Callable[[], Any]) -> Any:
@@ -74,7 +76,7 @@ class Snapshot:
     def checkpoint(self) -> Optional[StagedCheckpoint]:
         """A checkpoint the trainer staged at this event, for the checkpoint worker to write."""
         staged = self._payload.get("checkpoint")
-        return StagedCheckpoint(staged, self._control) if isinstance(staged, dict) else None
+        return StagedCheckpoint(staged, self._control, self._fetch) if isinstance(staged, dict) else None
 
     dataloader_label = property(lambda self: self._payload.get("label"))
     loss = property(lambda self: self._payload.get("loss"))

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from eventbus import wire
-from eventbus.errors import ProtocolError
+from eventbus.errors import ProtocolError, TransferError
 from eventbus.events import Event
 from eventbus.journal import read_journal, read_journal_at
 from eventbus.publisher import service_address_for
@@ -217,6 +217,32 @@ class Subscriber:
         seconds; renew to keep them. ``options`` carries e.g. the checkpoint ``save_interval``."""
         self._send_control("capture", what=sorted(what), interval=interval, ttl=ttl, options=options or {},
                            source=self.identity)
+
+    def fetch_checkpoint(self, descriptor: dict[str, Any], timeout: float = 600.0) -> memoryview:
+        """The bytes of a staged checkpoint buffer, from the trainer's request service.
+
+        Blocking, on the calling thread (a hosted callback's own), with a socket of its own:
+        the buffer arrives as one frame and is used in place, without a copy.
+        """
+        context = zmq.Context()
+        try:
+            dealer = context.socket(zmq.DEALER)
+            if self._keys is not None:
+                self._keys.apply(dealer)
+            dealer.setsockopt(zmq.MAXMSGSIZE, int(descriptor["size"]) + _SOCKET_SLACK)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.service_address)
+            dealer.send(wire.encode_request("checkpoint_fetch", id=1, buffer=descriptor["buffer"],
+                                            source=self.identity))
+            if not dealer.poll(timeout * 1000):
+                raise TransferError(f"no checkpoint from {self.service_address} within {timeout:.0f}s")
+            frames = dealer.recv_multipart(copy=False)
+            reply = wire.decode_request(frames[0].bytes)
+            if reply.get("error") or len(frames) != 2:
+                raise TransferError(f"the trainer could not send the checkpoint: {reply.get('error')}")
+            return frames[1].buffer
+        finally:
+            context.destroy(linger=0)
 
     def _send_control(self, op: str, **fields: Any) -> None:
         """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
@@ -443,7 +469,7 @@ class Subscriber:
             self.state = Snapshot(
                 run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=envelope.event,
                 wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
-                payload=envelope.payload, control=self._control,
+                payload=envelope.payload, control=self._control, fetch=self.fetch_checkpoint,
             )
         return self.state
 
@@ -455,7 +481,7 @@ class Subscriber:
         if state is None:
             state = Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=None,
                              wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
-                             payload={}, control=self._control)
+                             payload={}, control=self._control, fetch=self.fetch_checkpoint)
         event = Event(envelope.event) if envelope.kind == "event" else None
         if event is not None and self.events is not None and event not in self.events:
             return None

@@ -55,6 +55,22 @@ def _run_in_tmp(tmp_path, monkeypatch):
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    """A free loopback TCP port whose successor (the request service's port) is free too."""
+    import socket
+
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+
+
 class Process:
     """A real child process with its output collected line by line (for waiting on a message)."""
 

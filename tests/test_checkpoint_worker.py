@@ -13,7 +13,7 @@ import torch
 from eventbus import Callback, Trainer
 from eventbus import wire
 from eventbus.journal import read_journal
-from tests.conftest import make_loader, make_model
+from tests.conftest import free_port, make_loader, make_model
 from workers.checkpoint import CheckpointSaver
 
 FSIZE_WRAPPER = (
@@ -141,3 +141,84 @@ def test_in_process_saver_writes_on_the_training_thread(tmp_path):
     assert set(checkpoint["state"]) == {"model"}
     with pytest.raises(FileExistsError):
         CheckpointSaver(runs_dir=tmp_path / "runs")._write(trainer.state, trainer.state_dict(), trainer.logger)
+
+
+def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spawn):
+    """--transfer fetch: the worker never maps the trainer's shared memory; bytes come over tcp."""
+    watcher = WeightsAt()
+    port = free_port()
+    trainer = make_trainer(tmp_path, duration="2ep", callbacks=[watcher], bus=f"tcp://127.0.0.1:{port}")
+    worker = spawn("-m", "workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
+                   "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    trainer.fit()
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    saved = [pathlib.Path(p).name for p in metrics_from(trainer.publisher.journal_path, "checkpoint/saved")]
+    assert saved == ["ep0-ba3-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]  # 8: after EPOCH_END
+    assert trainer.publisher.stats().checkpoint_fetches == len(saved)
+    folder = tmp_path / "runs" / "ckpt" / "checkpoints"
+    for batch in (3, 6):
+        checkpoint = torch.load(folder / f"ep{(batch - 1) // 4}-ba{batch}-rank0.pt", weights_only=True)
+        for name, value in watcher.weights[batch].items():
+            assert torch.equal(checkpoint["state"]["model"][name], value)
+
+
+FETCH = """
+import sys, zlib, zmq
+from eventbus import wire
+dealer = zmq.Context().socket(zmq.DEALER)
+dealer.setsockopt(zmq.RCVHWM, 1)
+dealer.setsockopt(zmq.RCVBUF, 64 * 1024)
+dealer.connect(sys.argv[1])
+dealer.send(wire.encode_request("checkpoint_fetch", id=1, buffer=sys.argv[2]))
+frames = dealer.recv_multipart()
+print("crc", zlib.crc32(frames[1]), flush=True)
+"""
+
+
+def test_a_buffer_zeromq_still_sends_is_not_reused_even_after_the_ack(tmp_path, spawn):
+    """The trainer may acknowledge-and-reuse only when ZeroMQ has let go of the zero-copy frame."""
+    import signal
+    import zlib
+
+    import zmq
+
+    from eventbus.checkpoint import StagingBuffers
+
+    staging = StagingBuffers("fetch-test", max_buffers=2, directory=tmp_path)
+    weights = {"w": torch.arange(16 * 2**20, dtype=torch.float32)}  # 64 MiB: more than any socket buffer
+    first = staging.stage(weights, {"batch": 1}).descriptor
+    expected = zlib.crc32(pathlib.Path(first["buffer"]).read_bytes())
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDBUF, 64 * 1024)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    reader = spawn("-c", FETCH, f"tcp://127.0.0.1:{port}", first["buffer"])
+    try:
+        assert router.poll(30_000), "no request from the reader"
+        identity, request = router.recv_multipart()
+        assert wire.decode_request(request)["op"] == "checkpoint_fetch"
+        reader.proc.send_signal(signal.SIGSTOP)  # a reader on a slow link: the frame cannot leave
+        assert staging.send(router, [identity, b"reply"], first["buffer"])
+        time.sleep(0.5)
+        assert staging.release(first["buffer"])  # the worker's ack arrives while the frame is in flight
+        assert staging.busy()
+        second = staging.stage(weights, {"batch": 2}).descriptor
+        assert second["buffer"] != first["buffer"], "a buffer still being sent was overwritten"
+        assert staging.stage(weights, {"batch": 3}) is None and staging.skipped == 1  # skipped, not overwritten
+        reader.proc.send_signal(signal.SIGCONT)
+        reader.wait_for("crc")
+        assert f"crc {expected}" in reader.stdout
+        assert staging.release(second["buffer"])
+        deadline = time.monotonic() + 10
+        while staging.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not staging.busy()
+        assert staging.stage(weights, {"batch": 4}).descriptor["buffer"] in (first["buffer"], second["buffer"])
+    finally:
+        reader.kill()
+        router.close(linger=0)
+        context.term()
+        staging.close()

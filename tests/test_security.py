@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -13,16 +12,7 @@ import pytest
 
 from eventbus import BusConfig, ConfigError, Subscriber, Trainer
 from eventbus.security import ClientKeys, generate_keys
-from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with socket.socket() as probe:  # the service port is the next one: make sure it is free too
-        probe.bind(("127.0.0.1", port + 1))
-    return port
+from tests.conftest import REPO_ROOT, BackgroundTrainer, free_port, make_loader, make_model
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 ``CheckpointSaver`` follows Composer's arguments. Out of process it asks the
 trainer (over the control channel) to stage a checkpoint at each due
 ``*_CHECKPOINT`` event and at the end of training; the trainer copies its state
-into shared memory and carries on; this worker writes the file (temporary
+into shared memory and carries on; this worker maps that memory (or, on
+another host, fetches it as one zero-copy frame), writes the file (temporary
 name, fsync, rename, then the ``latest`` link), applies retention, and
 acknowledges so the buffer can be reused. A failed write (disk full,
 permission denied) is acknowledged with the reason: the trainer logs it and
@@ -26,7 +27,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
-from eventbus.checkpoint import save_atomically
+from eventbus.checkpoint import TRANSFERS, save_atomically
 from eventbus.interval import interval_scheduler
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
@@ -66,7 +67,10 @@ class CheckpointSaver(Callback):
         overwrite: bool = False,
         weights_only: bool = False,
         runs_dir: Optional[Union[str, os.PathLike]] = None,
+        transfer: str = "auto",
     ):
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
         self.folder = folder
         self.filename = filename
         self.latest_filename = latest_filename
@@ -75,6 +79,7 @@ class CheckpointSaver(Callback):
         self.overwrite = overwrite
         self.weights_only = weights_only
         self.runs_dir = runs_dir
+        self.transfer = transfer
         self.saved: list[str] = []
         self.last_batch_saved = -1
         self._due = interval_scheduler(save_interval, name="save_interval", batch_event=Event.BATCH_CHECKPOINT,
@@ -116,7 +121,7 @@ class CheckpointSaver(Callback):
 
     def _write_staged(self, state: Any, staged: Any, logger: Logger) -> None:
         try:
-            path = self._write(state, staged.load(), logger)
+            path = self._write(state, staged.load(self.transfer), logger)
         except Exception as err:  # reported to the trainer, which logs and re-publishes it
             log.error("checkpoint at batch %d not written: %s: %s", staged.batch, type(err).__name__, err)
             staged.ack(error=f"{type(err).__name__}: {err}")
@@ -186,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep", type=int, default=-1, help="checkpoints to keep (default: all)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing files")
     parser.add_argument("--weights-only", action="store_true", help="save the model weights only")
+    parser.add_argument("--transfer", choices=TRANSFERS, default="auto",
+                        help="how staged checkpoints reach this worker: 'shm' maps the trainer's /dev/shm (same "
+                             "host), 'fetch' receives them over the bus as zero-copy frames (another host); "
+                             "'auto' maps when the buffer is visible here (default)")
     return parser
 
 
@@ -196,7 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     saver = CheckpointSaver(folder=args.folder, filename=args.filename, latest_filename=args.latest_filename or None,
                             save_interval=args.save_interval, num_checkpoints_to_keep=args.keep,
-                            overwrite=args.overwrite, weights_only=args.weights_only, runs_dir=args.runs_dir)
+                            overwrite=args.overwrite, weights_only=args.weights_only, runs_dir=args.runs_dir,
+                            transfer=args.transfer)
     try:
         return asyncio.run(run_worker(args.connect, [saver], identity=args.identity, state_dir=args.state_dir))
     except EventBusError as err:
