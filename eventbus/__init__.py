@@ -22,8 +22,11 @@ The bus carries every event out of the training process:
 * ``journal``   -- the append-only, crash-safe record of every message.
 * ``snapshot``  -- :class:`Snapshot`, the read-only ``state`` a subscriber-side callback sees.
 * ``subscriber``-- :class:`Subscriber`, an asyncio stream in seq order, gaps filled.
+* ``ranks``     -- :class:`AllRanks`: every torchrun rank's stream, merged.
+* ``distributed`` -- torchrun's process group and the per-batch agreement between ranks.
+* ``proxy``     -- ``eventbus proxy``: one address for all ranks of a job.
 * ``host``      -- :class:`CallbackHost`: runs ordinary Callbacks on that stream.
-* ``worker``, ``cli`` -- ``eventbus worker | replay | run``.
+* ``worker``, ``cli`` -- ``eventbus worker | replay | run | proxy``.
 
 The daemons users run (logging, timing, checkpoints) live in ``workers/``.
 
@@ -40,6 +43,7 @@ from eventbus.logger import ConsoleLogger, InMemoryLogger, Logger, LoggerDestina
 from eventbus.metrics import CrossEntropy, Metric, MulticlassAccuracy
 from eventbus.model import ComposerClassifier, ComposerModel
 from eventbus.publisher import BusConfig
+from eventbus.ranks import AllRanks
 from eventbus.snapshot import Snapshot
 from eventbus.subscriber import Message, Subscriber
 from eventbus.state import State
@@ -53,5 +57,5 @@ __all__ = [
     "ProtocolError", "Evaluator", "Event", "ConsoleLogger", "InMemoryLogger", "Logger",
     "LoggerDestination", "CrossEntropy", "Metric", "MulticlassAccuracy", "ComposerClassifier",
     "ComposerModel", "State", "Time", "Timestamp", "TimeUnit", "Trainer", "BusConfig", "Snapshot",
-    "Message", "Subscriber",
+    "Message", "Subscriber", "AllRanks",
 ]

@@ -84,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also require that this subscriber identity sent a heartbeat recently")
     status.add_argument("--timeout", type=float, default=3.0)
 
+    proxy = commands.add_parser(
+        "proxy", help="one address for all ranks of a torchrun job",
+        description="Forward every rank's events (ZeroMQ's own proxy) and route requests to the rank they name, "
+                    "so subscribers, workers and monitors connect to one address. Ranks are read from rank 0's "
+                    "run header. Stops on SIGTERM/SIGINT. CURVE: EVENTBUS_CLIENT_SECRET_KEY and "
+                    "EVENTBUS_SERVER_PUBLIC_KEY towards the ranks, EVENTBUS_SERVER_SECRET_KEY and "
+                    "EVENTBUS_AUTHORIZED_KEYS towards subscribers.")
+    proxy.add_argument("--connect", required=True, metavar="ADDR", help="rank 0's bus address")
+    proxy.add_argument("--bind", required=True, metavar="ADDR",
+                       help="the address subscribers connect to (its request service is the next port, or .ctl)")
+    proxy.add_argument("--wait", type=float, default=300.0, metavar="SECONDS",
+                       help="how long to wait for rank 0 to answer (default: 300)")
+
     replay = commands.add_parser("replay", help="run callbacks over a run's journal",
                                  description="Run callbacks over a finished or running run's events.journal.")
     replay.add_argument("journal", type=pathlib.Path, help="path to events.journal")
@@ -125,6 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from eventbus.worker import bus_status
 
             return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
+        if args.command == "proxy":
+            return _run_proxy(args)
         if args.command == "replay":
             from eventbus.worker import load_callback, replay_journal
 
@@ -140,6 +155,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    import os
+    import signal
+
+    from eventbus.proxy import RankProxy, discover_ranks
+    from eventbus.security import ClientKeys, ServerKeys
+
+    client_keys = ClientKeys.from_environment()
+    secret, allowed = os.environ.get("EVENTBUS_SERVER_SECRET_KEY"), os.environ.get("EVENTBUS_AUTHORIZED_KEYS")
+    server_keys = ServerKeys(secret, allowed) if secret and allowed else None
+    ranks = discover_ranks(args.connect, client_keys, args.wait)
+    proxy = RankProxy(ranks, args.bind, server_keys=server_keys, client_keys=client_keys)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: proxy.stop())
+    print(f"eventbus proxy: {len(ranks)} ranks on {args.bind} (requests on {proxy.service_address})",
+          file=sys.stderr, flush=True)
+    proxy.run()
+    print(f"eventbus proxy: stopped; {proxy.forwarded_requests} requests forwarded, {proxy.bad_requests} refused",
+          file=sys.stderr, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

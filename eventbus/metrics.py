@@ -36,6 +36,17 @@ class _Mean:
         self._total = self._total + total.detach().float()
         self._count = self._count + count
 
+    def sync(self) -> None:
+        """Sum the accumulators over the ranks of torch.distributed (call once, before ``compute``)."""
+        import torch.distributed as dist
+
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        values = torch.stack([torch.as_tensor(self._total, dtype=torch.float64, device=device),
+                              torch.as_tensor(self._count, dtype=torch.float64, device=device)])
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        self._total, self._count = values[0].float(), int(values[1].item())
+
     def compute(self) -> torch.Tensor:
         if isinstance(self._total, float):
             return torch.tensor(float("nan"))

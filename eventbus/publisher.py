@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import torch
 import zmq
 
-from eventbus import wire
+from eventbus import distributed, wire
 from eventbus.checkpoint import Staged, StagingBuffers
 from eventbus.engine import EventSink
 from eventbus.errors import ConfigError, ProtocolError
@@ -95,6 +95,28 @@ def service_address_for(address: str) -> str:
     if parts.scheme == "ipc":
         return address + ".ctl"
     raise ConfigError(f"bus address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def address_for_rank(address: str, rank: int) -> str:
+    """Each torchrun rank binds its own endpoints: tcp ports two apart, or ``-rank<N>`` ipc paths."""
+    if rank == 0:
+        return address
+    parts = urlsplit(address)
+    if parts.scheme == "tcp":
+        host, _, port = parts.netloc.rpartition(":")
+        if not port.isdigit():
+            raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
+        return f"tcp://{host}:{int(port) + 2 * rank}"
+    return f"{address}-rank{rank}"
+
+
+def advertised(address: str) -> str:
+    """The address others connect to: a wildcard host becomes EVENTBUS_ADVERTISE_HOST or the host name."""
+    parts = urlsplit(address)
+    host, _, port = parts.netloc.rpartition(":")
+    if parts.scheme == "tcp" and host in ("0.0.0.0", "*", "[::]"):
+        return f"tcp://{os.environ.get('EVENTBUS_ADVERTISE_HOST') or socket.gethostname()}:{port}"
+    return address
 
 
 def _check_bindable(address: str, secured: bool) -> None:
@@ -217,9 +239,10 @@ class Publisher(EventSink):
                  run_id: Optional[str] = None):
         self.config = config
         self.run_folder = pathlib.Path(run_folder)
-        self.address = config.address or default_address(self.run_folder)
+        self.address = address_for_rank(config.address or default_address(self.run_folder), rank)
         self.service_address = service_address_for(self.address)
-        self.journal_path = self.run_folder / JOURNAL_NAME if config.journal else None
+        journal_name = JOURNAL_NAME if rank == 0 else JOURNAL_NAME.replace(".journal", f"-rank{rank}.journal")
+        self.journal_path = self.run_folder / journal_name if config.journal else None
         self.run_id = run_id or uuid.uuid4().hex
         self.rank = rank
         self.metrics_destination = _MetricsForwarder(self)
@@ -244,6 +267,28 @@ class Publisher(EventSink):
         self._last_loss: Any = None
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
+        # Under torchrun, stopping and checkpointing must happen at the same batch on every rank:
+        # the trainer agrees on them once per batch (eventbus.distributed) and calls ``agree``.
+        self.distributed = False
+        self._agreed_stop = False
+        self._agreed_checkpoint = False
+
+    def endpoint(self) -> dict[str, Any]:
+        """How subscribers reach this rank (listed in rank 0's run header)."""
+        return {"rank": self.rank, "address": advertised(self.address),
+                "service_address": advertised(self.service_address),
+                "journal": str(self.journal_path.resolve()) if self.journal_path else None}
+
+    def wants_stop(self) -> bool:
+        return bool(self._stop_requests)
+
+    def holds_checkpoint_lease(self) -> bool:
+        lease = self._captures.get("checkpoint")
+        return lease is not None and lease[0] > time.monotonic() and self.checkpoint_source is not None
+
+    def agree(self, *, stop: bool, checkpoint: bool) -> None:
+        """What all ranks decided for this batch: stop at its BATCH_END; stage its checkpoints."""
+        self._agreed_stop, self._agreed_checkpoint = stop, checkpoint
 
     # ------------------------------------------------------------------ training thread
 
@@ -265,8 +310,10 @@ class Publisher(EventSink):
 
     def publish(self, event: Event, state: "State") -> None:
         """Capture one event; called by the engine after the local callbacks. Never blocks."""
-        if event is Event.BATCH_END and self._stop_requests:
-            state.stop_training(self._stop_requests.popleft())
+        if event is Event.BATCH_END and (self._agreed_stop if self.distributed else self._stop_requests):
+            self._agreed_stop = False
+            state.stop_training(self._stop_requests.popleft() if self._stop_requests
+                                else "a subscriber asked another rank to stop")
         changes: Optional[dict[str, Any]] = None
         if state.loss is not self._last_loss:
             self._last_loss = state.loss
@@ -286,7 +333,7 @@ class Publisher(EventSink):
             changes = changes or {}
             changes["max_duration"] = str(state.max_duration) if state.max_duration is not None else None
             changes["stop_reason"] = state.stop_reason
-        if self._captures and event in _CAPTURE_EVENTS:
+        if (self._captures or self._agreed_checkpoint) and event in _CAPTURE_EVENTS:
             captured = self._capture_on_demand(event, state)
             if captured:
                 changes = dict(changes or {}, **captured)
@@ -327,20 +374,20 @@ class Publisher(EventSink):
         return captured
 
     def _stage_checkpoint_if_due(self, event: Event, state: "State") -> Optional[Staged]:
-        lease = self._captures.get("checkpoint")
-        if lease is None or lease[0] <= time.monotonic() or self.checkpoint_source is None:
+        if not (self._agreed_checkpoint if self.distributed else self.holds_checkpoint_lease()):
             return None
-        if self._checkpoint_due is None or self._checkpoint_interval != self._checkpoint_options.get("save_interval"):
-            self._checkpoint_interval = self._checkpoint_options.get("save_interval", "1ep")
-            self._checkpoint_due = interval_scheduler(
-                self._checkpoint_interval, name="save_interval",
-                batch_event=Event.BATCH_CHECKPOINT, epoch_event=Event.EPOCH_CHECKPOINT)
-        if not self._checkpoint_due(state, event):
+        due = self.rank == 0 and self._checkpoint_is_due(event, state)
+        if self.distributed:
+            due = distributed.broadcast_flag(due)  # the worker's interval reached rank 0 only
+        if not due:
             return None
+        source = self.checkpoint_source()  # under torchrun, a collective (every rank's RNG state)
+        if self.rank != 0:
+            return None  # DDP: rank 0's state is the whole model; rank 0 stages the one file
         if self._staging is None:
             self._staging = StagingBuffers(self.run_id)
         ts = state.timestamp
-        staged = self._staging.stage(self.checkpoint_source(), {
+        staged = self._staging.stage(source, {
             "batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
             "token": ts.token.value, "event": event.value, "rank": self.rank, "run_name": state.run_name})
         if staged is None:
@@ -348,6 +395,14 @@ class Publisher(EventSink):
                         ts.batch.value, self._staging.max_buffers)
             self.log_metrics({"checkpoint/skipped": ts.batch.value}, source="trainer")
         return staged
+
+    def _checkpoint_is_due(self, event: Event, state: "State") -> bool:
+        if self._checkpoint_due is None or self._checkpoint_interval != self._checkpoint_options.get("save_interval"):
+            self._checkpoint_interval = self._checkpoint_options.get("save_interval", "1ep")
+            self._checkpoint_due = interval_scheduler(
+                self._checkpoint_interval, name="save_interval",
+                batch_event=Event.BATCH_CHECKPOINT, epoch_event=Event.EPOCH_CHECKPOINT)
+        return self._checkpoint_due(state, event)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
         self._put((_METRICS, {k: _stage(v) for k, v in metrics.items()}, step, source, time.time(), time.monotonic()))
@@ -572,7 +627,7 @@ class Publisher(EventSink):
     # ------------------------------------------------------------------ request service
 
     def _serve(self, frames: list[bytes]) -> None:
-        identity, body = frames[0], frames[-1]
+        route, body = frames[:-1], frames[-1]  # route: the identities a proxy put in front
         try:
             request = wire.decode_request(body, self.config.max_message_bytes)
         except ProtocolError as err:
@@ -580,6 +635,10 @@ class Publisher(EventSink):
             log.warning("bad control request ignored: %s", err)
             return
         op = request["op"]
+        if request.get("rank", self.rank) != self.rank:
+            self._stats.protocol_errors += 1
+            log.warning("a %s request for rank %r reached rank %d; ignored", op, request.get("rank"), self.rank)
+            return
         source = request.get("source")
         if isinstance(source, str):
             seen = self._subscribers.setdefault(source[:100], {"first_seen": time.time()})
@@ -594,15 +653,16 @@ class Publisher(EventSink):
             reply = wire.encode_request("stats", id=request.get("id"), run_id=self.run_id, seq=self._seq,
                                         publisher=dataclasses.asdict(self.stats()),
                                         subscribers=self._subscribers, now=time.time())
-            self._router.send_multipart([identity, reply])
+            self._router.send_multipart([*route, reply])
         elif op == "snapshot":
             self._stats.snapshot_requests += 1
             latest = [m for m in self._latest.values()]
-            reply = wire.encode_request("snapshot", id=request.get("id"), run_id=self.run_id, seq=self._seq)
-            self._router.send_multipart([identity, reply, self._header_bytes, *latest])
+            reply = wire.encode_request("snapshot", id=request.get("id"), run_id=self.run_id, seq=self._seq,
+                                        rank=self.rank)
+            self._router.send_multipart([*route, reply, self._header_bytes, *latest])
         elif op == "replay":
             self._stats.replay_requests += 1
-            self._reply_replay(identity, request)
+            self._reply_replay(route, request)
         elif op == "stop":
             self._stats.control_messages += 1
             reason = str(request.get("reason") or "stop requested by a subscriber")
@@ -653,18 +713,18 @@ class Publisher(EventSink):
             buffer = request.get("buffer")
             reply = wire.encode_request("checkpoint_fetch", id=request.get("id"), run_id=self.run_id)
             if self._staging is None or not isinstance(buffer, str) or \
-                    not self._staging.send(self._router, [identity, reply], buffer):
+                    not self._staging.send(self._router, [*route, reply], buffer):
                 error = "no such staged checkpoint (already acknowledged, or from another run)"
-                self._router.send_multipart([identity, wire.encode_request(
+                self._router.send_multipart([*route, wire.encode_request(
                     "checkpoint_fetch", id=request.get("id"), run_id=self.run_id, error=error)])
         elif op == "ping":
             self._router.send_multipart(
-                [identity, wire.encode_request("pong", id=request.get("id"), run_id=self.run_id, seq=self._seq)])
+                [*route, wire.encode_request("pong", id=request.get("id"), run_id=self.run_id, seq=self._seq)])
         else:
             self._stats.protocol_errors += 1
             log.warning("unknown control op %r ignored", op)
 
-    def _reply_replay(self, identity: bytes, request: dict[str, Any]) -> None:
+    def _reply_replay(self, route: list[bytes], request: dict[str, Any]) -> None:
         first, last = request.get("from"), request.get("to")
         if type(first) is not int or type(last) is not int or first < 1:
             self._stats.protocol_errors += 1
@@ -674,7 +734,7 @@ class Publisher(EventSink):
         self._stats.replayed_messages += len(messages)
         reply = wire.encode_request("replay", id=request.get("id"), run_id=self.run_id, first=first,
                                     last=first + len(messages) - 1)
-        self._router.send_multipart([identity, reply, *messages])
+        self._router.send_multipart([*route, reply, *messages])
 
     def _messages(self, first: int, last: int) -> list[bytes]:
         if first > last:

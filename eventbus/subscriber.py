@@ -74,6 +74,7 @@ class SubscriberStats:
     recovered: int = 0
     lost: int = 0
     protocol_errors: int = 0
+    other_ranks: int = 0
     buffered: int = 0
     lag_seconds: float = 0.0
 
@@ -110,6 +111,7 @@ class Subscriber:
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         keys: Optional[ClientKeys] = None,
         follow: bool = False,
+        rank: Optional[int] = None,
     ):
         if start not in ("latest", "beginning"):
             raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
@@ -137,6 +139,10 @@ class Subscriber:
         # new run from its first message instead of ending.
         self._follow = follow
         self._finished_runs: set[str] = set()
+        # Under torchrun each rank publishes its own stream. ``rank`` picks one (through an
+        # ``eventbus proxy`` all ranks share one address); None: the rank that answers.
+        self.rank = rank
+        self.via_proxy = False
         self.run_id: Optional[str] = None
         self.header: dict[str, Any] = {}
         self.state: Optional[Snapshot] = None
@@ -232,8 +238,8 @@ class Subscriber:
             dealer.setsockopt(zmq.MAXMSGSIZE, int(descriptor["size"]) + _SOCKET_SLACK)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.service_address)
-            dealer.send(wire.encode_request("checkpoint_fetch", id=1, buffer=descriptor["buffer"],
-                                            source=self.identity))
+            dealer.send(wire.encode_request("checkpoint_fetch", **self._routed(
+                {"id": 1, "buffer": descriptor["buffer"], "source": self.identity})))
             if not dealer.poll(timeout * 1000):
                 raise TransferError(f"no checkpoint from {self.service_address} within {timeout:.0f}s")
             frames = dealer.recv_multipart(copy=False)
@@ -246,13 +252,17 @@ class Subscriber:
 
     def _send_control(self, op: str, **fields: Any) -> None:
         """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
-        data = wire.encode_request(op, **fields)
+        data = wire.encode_request(op, **self._routed(fields))
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer.send(data)))
+
+    def _routed(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Requests name their rank: a proxy routes on it, and a rank refuses another's."""
+        return fields if self.rank is None else dict(fields, rank=self.rank)
 
     async def _request(self, op: str, **fields: Any) -> Optional[list[bytes]]:
         """One request/reply over the DEALER; None on timeout (the socket is then replaced)."""
         request_id = next(self._ids)
-        await self._dealer.send(wire.encode_request(op, id=request_id, **fields))
+        await self._dealer.send(wire.encode_request(op, id=request_id, **self._routed(fields)))
         deadline = asyncio.get_running_loop().time() + self._timeout
         while True:
             remaining = deadline - asyncio.get_running_loop().time()
@@ -278,6 +288,9 @@ class Subscriber:
             self._catch_up_from_journal()
             return
         reply = wire.decode_request(frames[0])
+        if self.rank is None and type(reply.get("rank")) is int:
+            self.rank = reply["rank"]
+        self.via_proxy = reply.get("via_proxy") is True
         decoded = [self._decode(frame) for frame in frames[1:]]
         for item in decoded:
             if item is not None:
@@ -319,6 +332,11 @@ class Subscriber:
         if item is None:
             return
         envelope = item.envelope
+        if self.rank is None:
+            self.rank = envelope.rank
+        elif envelope.rank != self.rank:
+            self._stats.other_ranks += 1  # through a proxy: another rank's stream
+            return
         if self.run_id is None or self._next_seq is None:
             # Joined before the publisher answered a snapshot: this message is the join point.
             self.run_id = envelope.run_id

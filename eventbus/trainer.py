@@ -17,10 +17,14 @@ import random
 import socket
 import sys
 import time
+import uuid
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from torch.nn.parallel import DistributedDataParallel
+
+from eventbus import distributed
 from eventbus.algorithm import Algorithm
 from eventbus.batch import num_samples, num_tokens, split_batch, to_device
 from eventbus.callback import Callback
@@ -81,6 +85,11 @@ class Trainer:
                 "wrap a plain nn.Module in eventbus.ComposerClassifier"
             )
         self._device = _resolve_device(device)
+        rank, world_size = distributed.initialize(self._device.type)
+        if self._device.type == "cuda" and world_size > 1 and self._device.index is None:
+            self._device = torch.device("cuda", distributed.local_rank())  # torchrun: one GPU per rank
+        if self._device.type == "cuda" and self._device.index is not None:
+            torch.cuda.set_device(self._device)
         if precision not in _PRECISIONS:
             raise ConfigError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         _check_microbatch_size(device_train_microbatch_size)
@@ -89,17 +98,21 @@ class Trainer:
         if train_dataloader is not None:
             _check_not_empty(train_dataloader, "train_dataloader")
 
+        # Every rank uses rank 0's seed and run name (Composer's rule); each rank seeds with seed + rank.
         seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFF_FFFF
-        _seed_everything(seed)
+        seed, run_name = distributed.broadcast_object((seed, run_name or _generate_run_name()))
+        _seed_everything(seed + rank)
         model = model.to(self._device)
+        # The model the callbacks see stays the ComposerModel; its DDP wrapper is used to train.
+        self._ddp = (DistributedDataParallel(model, device_ids=[self._device.index] if self._device.type == "cuda"
+                                             else None) if world_size > 1 else None)
         optimizers = _as_list(optimizers) or [torch.optim.SGD(model.parameters(), lr=0.1)]
         schedulers = _as_list(schedulers)
-        rank, world_size = _rank_and_world_size()
 
         destinations = [*loggers, *(cb for cb in callbacks if isinstance(cb, LoggerDestination))]
         self.state = State(
             model,
-            run_name=run_name or _generate_run_name(),
+            run_name=run_name,
             rank_zero_seed=seed,
             device=self._device,
             precision=precision,
@@ -205,10 +218,17 @@ class Trainer:
             "rng": [self._rng_state()],
         }
 
+    def _checkpoint_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` with every rank's RNG state (a collective: all ranks call it together)."""
+        checkpoint = self.state_dict()
+        checkpoint["rng"] = distributed.all_gather_object(checkpoint["rng"][0])
+        return checkpoint
+
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``fit`` continues exactly where it was taken."""
         try:
-            saved, rng = checkpoint["state"], checkpoint["rng"][0]
+            saved, rngs = checkpoint["state"], checkpoint["rng"]
+            rng = rngs[self.state.rank] if self.state.rank < len(rngs) else rngs[0]
             state = self.state
             state.model.load_state_dict(saved["model"])
             for target, sd in zip(state.optimizers, saved["optimizers"].values()):
@@ -295,6 +315,9 @@ class Trainer:
     def _start_epoch_iterator(self) -> Iterator[Any]:
         """A fresh iterator; after a mid-epoch resume, replay the epoch's shuffle and skip ahead."""
         loader = self.state.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.state.timestamp.epoch.value)  # a DistributedSampler's shuffle, per epoch
         if self._batches_to_skip and self._epoch_rng_state is not None:
             resumed_rng = torch.get_rng_state()
             torch.set_rng_state(self._epoch_rng_state)
@@ -331,7 +354,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         for metric in state.train_metrics.values():
             metric.reset()
-        total_loss = self._forward_backward(batch, samples)
+        total_loss = distributed.average(self._forward_backward(batch, samples))  # the mean over ranks
         state.batch = batch
         state.loss = total_loss
         state.total_loss_dict = {"loss/train/total": total_loss}
@@ -347,9 +370,19 @@ class Trainer:
             for scheduler in state.schedulers:
                 scheduler.step()
         now = time.perf_counter()
-        state.previous_timestamp = ts
-        state.timestamp = ts.to_next_batch(samples, tokens, datetime.timedelta(seconds=now - self._last_tick))
+        seconds = now - self._last_tick
         self._last_tick = now
+        if self._ddp is not None:
+            publisher = self.publisher
+            agreed = distributed.agree_on_batch(
+                samples, tokens, seconds, device=self._device,
+                stop=publisher is not None and publisher.wants_stop(),
+                checkpoint=publisher is not None and publisher.holds_checkpoint_lease())
+            samples, tokens, seconds = agreed.samples, agreed.tokens, agreed.seconds
+            if publisher is not None:
+                publisher.agree(stop=agreed.stop, checkpoint=agreed.checkpoint)
+        state.previous_timestamp = ts
+        state.timestamp = ts.to_next_batch(samples, tokens, datetime.timedelta(seconds=seconds))
         run(Event.BATCH_END)
         self._evaluate_if_due(Event.BATCH_END)
         run(Event.BATCH_CHECKPOINT)
@@ -360,20 +393,24 @@ class Trainer:
         size = state.device_train_microbatch_size
         microbatches = [batch] if size is None or size >= samples else split_batch(batch, size)
         total: Optional[torch.Tensor] = None
-        for microbatch in microbatches:
+        forward = self._ddp or state.model
+        for index, microbatch in enumerate(microbatches):
             fraction = num_samples(microbatch) / samples
             state.batch = microbatch
-            run(Event.BEFORE_FORWARD)
-            with self._autocast():
-                state.outputs = state.model(microbatch)
-            run(Event.AFTER_FORWARD)
-            run(Event.BEFORE_LOSS)
-            with self._autocast():
-                state.loss = state.model.loss(state.outputs, microbatch)
-            run(Event.AFTER_LOSS)
-            run(Event.BEFORE_BACKWARD)
-            (state.loss if fraction == 1.0 else state.loss * fraction).backward()
-            run(Event.AFTER_BACKWARD)
+            # DDP all-reduces gradients in the last microbatch's backward only, as Composer does.
+            last = index == len(microbatches) - 1
+            with contextlib.nullcontext() if self._ddp is None or last else self._ddp.no_sync():
+                run(Event.BEFORE_FORWARD)
+                with self._autocast():
+                    state.outputs = forward(microbatch)
+                run(Event.AFTER_FORWARD)
+                run(Event.BEFORE_LOSS)
+                with self._autocast():
+                    state.loss = state.model.loss(state.outputs, microbatch)
+                run(Event.AFTER_LOSS)
+                run(Event.BEFORE_BACKWARD)
+                (state.loss if fraction == 1.0 else state.loss * fraction).backward()
+                run(Event.AFTER_BACKWARD)
             contribution = state.loss.detach() if fraction == 1.0 else state.loss.detach() * fraction
             total = contribution if total is None else total + contribution
             for metric in state.train_metrics.values():
@@ -433,6 +470,8 @@ class Trainer:
                 state.batch = batch
                 state.eval_timestamp = state.eval_timestamp.to_next_batch(samples, self._get_num_tokens_in_batch(batch))
                 run(Event.EVAL_BATCH_END)
+        for metric in metrics.values():
+            distributed.sync_metric(metric)  # each rank evaluated its shard
         values = {name: metric.compute() for name, metric in metrics.items()}
         state.eval_metric_values[evaluator.label] = values
         self.logger.log_metrics({f"metrics/{evaluator.label}/{name}": v for name, v in values.items()})
@@ -504,8 +543,11 @@ class Trainer:
         else:
             raise ConfigError(f"bus must be an address string, a BusConfig, or False; got {bus!r}")
         state = self.state
-        publisher = Publisher(config, self.run_folder, rank=state.rank)
+        run_id = distributed.broadcast_object(uuid.uuid4().hex)  # one run id for all ranks
+        publisher = Publisher(config, self.run_folder, rank=state.rank, run_id=run_id)
+        publisher.distributed = state.world_size > 1
         publisher.start({
+            "ranks": distributed.all_gather_object(publisher.endpoint()),
             "run_name": state.run_name, "rank": state.rank, "world_size": state.world_size,
             "seed": state.rank_zero_seed, "device": str(state.device), "precision": state.precision,
             "max_duration": str(state.max_duration) if state.max_duration is not None else None,
@@ -513,7 +555,7 @@ class Trainer:
             "hyperparameters": self._hyperparameters, "pid": os.getpid(), "host": socket.gethostname(),
             "run_folder": str(self.run_folder.resolve()),
         })
-        publisher.checkpoint_source = self.state_dict
+        publisher.checkpoint_source = self._checkpoint_state_dict
         self.engine.sinks.append(publisher)
         self.logger.destinations.append(publisher.metrics_destination)
         journal = f", journal {publisher.journal_path}" if publisher.journal_path else ""
@@ -659,12 +701,6 @@ def _seed_everything(seed: int) -> None:
     except ImportError:
         return
     np.random.seed(seed % 2**32)
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _generate_run_name() -> str:
