@@ -7,12 +7,14 @@ CPython install), so the job needs no download. Batches are dicts with
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from eventbus.metrics import CrossEntropy, Metric, MulticlassAccuracy
 from eventbus.model import ComposerModel
@@ -60,6 +62,16 @@ def make_dataloaders(config: CharLMConfig, batch_size: int, eval_fraction: float
     split = int(len(ids) * (1 - eval_fraction))
     train = CharDataset(ids[:split], config.seq_len)
     evaluation = CharDataset(ids[split:], config.seq_len)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:  # under torchrun: each rank reads its own shard, as Composer's samplers do
+        rank = int(os.environ["RANK"])
+        return (
+            DataLoader(train, batch_size=batch_size, drop_last=True,
+                       sampler=DistributedSampler(train, world_size, rank, shuffle=True, drop_last=True)),
+            DataLoader(evaluation, batch_size=batch_size,
+                       sampler=DistributedSampler(evaluation, world_size, rank, shuffle=False)),
+            len(vocab),
+        )
     return (
         DataLoader(train, batch_size=batch_size, shuffle=True, drop_last=True),
         DataLoader(evaluation, batch_size=batch_size, drop_last=False),

@@ -235,9 +235,10 @@ def run_job(args: argparse.Namespace) -> int:
     children: list[subprocess.Popen] = []
     interrupted = False
     started = time.perf_counter()
+    leader = trainer.state.rank == 0  # under torchrun, rank 0 runs the daemons; the others wait for it
     try:
-        children = _start_daemons(trainer, config) if config.daemons else []
-        if config.wait_for:
+        children = _start_daemons(trainer, config) if config.daemons and leader else []
+        if config.wait_for and leader:
             print(f"eventbus run: waiting for {', '.join(config.wait_for)}", file=sys.stderr, flush=True)
             _wait_for_subscribers(trainer, config.wait_for, config.daemon_timeout)
         trainer.fit()
@@ -247,7 +248,8 @@ def run_job(args: argparse.Namespace) -> int:
     finally:
         trainer.close()  # publishes the end of the run: the daemons finish their work and exit
         _stop_daemons(children)
-    _summary(trainer, config, time.perf_counter() - started, interrupted)
+    if leader:
+        _summary(trainer, config, time.perf_counter() - started, interrupted)
     return 130 if interrupted else 0
 
 

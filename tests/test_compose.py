@@ -96,3 +96,19 @@ def test_the_stack_runs_as_local_processes(tmp_path):
     assert list((run / "tensorboard").iterdir())
     latest = run / "checkpoints" / "latest-rank0.pt"
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 6
+
+
+def test_two_node_layout_resolves_for_each_host():
+    """compose.two-node.yaml: trainer ranks on hosts A and B, proxy and daemons on host C, CURVE everywhere."""
+    hosts = {"EVENTBUS_NODE0_ADDR": "10.0.0.1", "EVENTBUS_ADVERTISE_HOST": "10.0.0.2"}
+    node1 = resolved("compose.two-node.yaml", env={**hosts, "COMPOSE_PROFILES": "node1"})["services"]["node1"]
+    assert node1["command"][:6] == ["torchrun", "--nnodes=2", "--node-rank=1", "--nproc-per-node=1",
+                                    "--master-addr=10.0.0.1", "--master-port=29500"]
+    assert node1["environment"]["EVENTBUS_ADVERTISE_HOST"] == "10.0.0.2"
+    assert node1["environment"]["EVENTBUS_SERVER_SECRET_KEY"] == "/keys/server.key_secret"
+    daemons = resolved("compose.two-node.yaml", env={**hosts, "COMPOSE_PROFILES": "daemons"})["services"]
+    assert daemons["proxy"]["command"][:5] == ["eventbus", "proxy", "--connect", "tcp://10.0.0.1:5555", "--bind"]
+    assert "--transfer" in daemons["checkpoint"]["command"]
+    for name in ("logger", "timing", "checkpoint"):
+        assert "tcp://127.0.0.1:7555" in daemons[name]["command"]  # the proxy: one address for both hosts
+        assert daemons[name]["environment"]["EVENTBUS_CLIENT_SECRET_KEY"] == "/keys/client.key_secret"
