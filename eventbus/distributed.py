@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from eventbus.errors import ConfigError
 
-__all__ = ["initialize", "is_distributed", "broadcast_object", "broadcast_flag", "all_gather_object",
+__all__ = ["initialize", "shutdown", "is_distributed", "broadcast_object", "broadcast_flag", "all_gather_object",
            "BatchAgreement", "agree_on_batch", "average", "sync_metric", "local_rank"]
 
 
@@ -36,7 +36,22 @@ def initialize(device_type: str) -> tuple[int, int]:
         raise ConfigError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=600))
+    global _joined_here
+    _joined_here = True
     return dist.get_rank(), dist.get_world_size()
+
+
+_joined_here = False  # whether initialize() created the process group (then shutdown() ends it)
+
+
+def shutdown() -> None:
+    """Leave the process group this module joined, together: no rank closes its connections while
+    another still uses them."""
+    global _joined_here
+    if _joined_here and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _joined_here = False
 
 
 def local_rank() -> int:

@@ -198,8 +198,10 @@ class Trainer:
             return self._predict_loop(dataloader, subset_num_batches)
 
     def close(self) -> None:
-        """Close every callback (idempotent); the trainer cannot be used afterwards."""
+        """Close every callback (idempotent); the trainer cannot be used afterwards. Under torchrun,
+        also leave the process group the trainer joined (all ranks close together)."""
         self.engine.close()
+        distributed.shutdown()
 
     def state_dict(self) -> dict[str, Any]:
         """Composer's checkpoint layout: ``{"state": {...}, "rng": [...]}``; plain types and tensors."""
