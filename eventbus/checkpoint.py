@@ -24,6 +24,7 @@ import dataclasses
 import mmap
 import os
 import pathlib
+import shutil
 import tempfile
 import threading
 import warnings
@@ -34,7 +35,8 @@ import torch
 
 from eventbus.errors import ConfigError
 
-__all__ = ["StagingBuffers", "StagedCheckpoint", "TRANSFERS", "flatten", "unflatten", "save_atomically"]
+__all__ = ["StagingBuffers", "StagedCheckpoint", "TRANSFERS", "Shard", "flatten", "unflatten", "merge_shards",
+           "save_atomically", "save_sharded_atomically"]
 
 TRANSFERS = ("auto", "shm", "fetch")
 
@@ -46,8 +48,34 @@ def _shm_dir() -> pathlib.Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path(tempfile.gettempdir())
 
 
+class Shard:
+    """One rank's piece of a sharded (DTensor) tensor: its local values and where they go."""
+
+    __slots__ = ("local", "global_shape", "offsets")
+
+    def __init__(self, local: torch.Tensor, global_shape: list[int], offsets: list[int]):
+        self.local, self.global_shape, self.offsets = local, global_shape, offsets
+
+
+def _dtensor_type() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
 def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """A msgpack-able skeleton of ``obj``; tensors are appended to ``tensors`` and replaced by their index."""
+    """A msgpack-able skeleton of ``obj``; tensors are appended to ``tensors`` and replaced by their index.
+
+    A DTensor (FSDP's sharded parameters and optimizer state) contributes its local shard only."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(obj, dtensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
+        tensors.append(obj.to_local())
+        return {"__shard__": len(tensors) - 1, "global": list(obj.shape), "offsets": list(offsets)}
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return {"__tensor__": len(tensors) - 1}
@@ -66,6 +94,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(skeleton, dict):
         if "__tensor__" in skeleton and len(skeleton) == 1:
             return tensors[skeleton["__tensor__"]]
+        if "__shard__" in skeleton and len(skeleton) == 3:
+            return Shard(tensors[skeleton["__shard__"]], skeleton["global"], skeleton["offsets"])
         if "__items__" in skeleton and len(skeleton) == 1:
             return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton["__items__"]}
         return {k: unflatten(v, tensors) for k, v in skeleton.items()}
@@ -226,8 +256,9 @@ class StagingBuffers:
 class StagedCheckpoint:
     """The subscriber side of a staged checkpoint: ``load()`` the state dict, then ``ack``.
 
-    ``fetch(descriptor)`` returns the buffer's bytes from the trainer's request
-    service, for a worker that cannot see the trainer's shared memory.
+    ``fetch(descriptor)`` returns the buffer's bytes from the staging rank's request service,
+    for a worker that cannot see the trainer's shared memory. A sharded (FSDP) checkpoint
+    has one buffer per rank (``descriptor["shards"]``); ``load`` merges them.
     """
 
     def __init__(self, descriptor: dict[str, Any], send: Optional[Callable[[str, dict[str, Any]], None]] = None,
@@ -240,49 +271,104 @@ class StagedCheckpoint:
     def batch(self) -> int:
         return int(self.descriptor["batch"])
 
+    @property
+    def sharded(self) -> bool:
+        return "shards" in self.descriptor
+
+    def _buffers(self) -> list[dict[str, Any]]:
+        return list(self.descriptor["shards"]) if self.sharded else [self.descriptor]
+
     def load(self, transfer: str = "auto") -> dict[str, Any]:
         """The checkpoint dict. ``transfer``: ``shm`` maps the trainer's shared buffer (same host),
         ``fetch`` receives it over the network, ``auto`` maps it when it is visible here."""
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
-        path = self.descriptor["buffer"]
+        pieces = [self._load_buffer(buffer, transfer) for buffer in self._buffers()]
+        return merge_shards(pieces) if self.sharded else pieces[0]
+
+    def _load_buffer(self, buffer: dict[str, Any], transfer: str) -> dict[str, Any]:
+        path = buffer["buffer"]
         if transfer == "fetch" or (transfer == "auto" and not os.path.exists(path)):
             if self._fetch is None:
                 raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
                                   "trainer to fetch it from")
-            return self._unpack(self._fetch(self.descriptor), copy=False)
+            return _unpack(buffer, self._fetch(buffer), copy=False)
         if not os.path.exists(path):
             raise ConfigError(f"staged checkpoint buffer {path} is gone (a worker on another host needs "
                               "--transfer fetch, or the trainer's /dev/shm)")
         with open(path, "rb") as file:
-            view = mmap.mmap(file.fileno(), self.descriptor["size"], access=mmap.ACCESS_COPY)
+            view = mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_COPY)
         try:
-            return self._unpack(view, copy=True)  # the trainer reuses the buffer after the ack
+            return _unpack(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
         finally:
             view.close()
 
-    def _unpack(self, data: Any, copy: bool) -> dict[str, Any]:
-        if len(data) < self.descriptor["size"]:
-            raise ConfigError(f"staged checkpoint buffer has {len(data)} bytes, expected {self.descriptor['size']}")
-        tensors = []
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The given buffer is not writable")  # a received frame: read only
-            for dtype, shape, offset, nbytes in self.descriptor["layout"]:
-                torch_dtype = getattr(torch, dtype)
-                if nbytes == 0:
-                    tensors.append(torch.empty(shape, dtype=torch_dtype))
-                    continue
-                raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
-                tensor = raw.view(torch_dtype).view(shape)
-                tensors.append(tensor.clone() if copy else tensor)
-        skeleton = msgpack.unpackb(self.descriptor["skeleton"], raw=False, strict_map_key=False)
-        return unflatten(skeleton, tensors)
-
     def ack(self, path: Optional[str] = None, error: Optional[str] = None) -> None:
-        """Tell the trainer the buffer is free, and whether the file was written."""
-        if self._send is not None:
-            self._send("checkpoint_ack", {"buffer": self.descriptor["buffer"], "path": path, "error": error,
-                                          "batch": self.batch})
+        """Tell each staging rank its buffer is free, and whether the file was written."""
+        if self._send is None:
+            return
+        for buffer in self._buffers():
+            self._send("checkpoint_ack", {"buffer": buffer["buffer"], "path": path, "error": error,
+                                          "batch": self.batch, "rank": int(buffer.get("rank", 0))})
+
+
+def _unpack(descriptor: dict[str, Any], data: Any, copy: bool) -> dict[str, Any]:
+    if len(data) < descriptor["size"]:
+        raise ConfigError(f"staged checkpoint buffer has {len(data)} bytes, expected {descriptor['size']}")
+    tensors = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable")  # a received frame: read only
+        for dtype, shape, offset, nbytes in descriptor["layout"]:
+            torch_dtype = getattr(torch, dtype)
+            if nbytes == 0:
+                tensors.append(torch.empty(shape, dtype=torch_dtype))
+                continue
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+            tensor = raw.view(torch_dtype).view(shape)
+            tensors.append(tensor.clone() if copy else tensor)
+    skeleton = msgpack.unpackb(descriptor["skeleton"], raw=False, strict_map_key=False)
+    return unflatten(skeleton, tensors)
+
+
+def merge_shards(pieces: list[Any]) -> Any:
+    """Every rank's state dict (same structure) into one: shards placed into full tensors."""
+    first = pieces[0]
+    if isinstance(first, Shard):
+        full = torch.empty(first.global_shape, dtype=first.local.dtype)
+        for shard in pieces:
+            full[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local.shape))] = shard.local
+        return full
+    if isinstance(first, dict):
+        return {key: merge_shards([piece[key] for piece in pieces]) for key in first}
+    if isinstance(first, list):
+        return [merge_shards([piece[i] for piece in pieces]) for i in range(len(first))]
+    return first
+
+
+def save_sharded_atomically(state: dict[str, Any], folder: Union[str, os.PathLike]) -> None:
+    """Write ``state`` with torch.distributed.checkpoint into a temporary folder, then rename it.
+
+    The result is PyTorch's own format (``.metadata`` + ``.distcp``): ``dcp.load`` reads it
+    into any sharding, and ``dcp_to_torch_save`` turns it into one file."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = pathlib.Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*single process.*")  # no process group here, on purpose
+            dcp.save(state, checkpoint_id=tmp)
+        for written in tmp.iterdir():
+            with open(written, "rb") as file:
+                os.fsync(file.fileno())
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_folder(folder.parent)
 
 
 def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
@@ -308,7 +394,11 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(path: pathlib.Path) -> None:
+    folder = os.open(path, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:

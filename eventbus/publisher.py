@@ -270,6 +270,7 @@ class Publisher(EventSink):
         # Under torchrun, stopping and checkpointing must happen at the same batch on every rank:
         # the trainer agrees on them once per batch (eventbus.distributed) and calls ``agree``.
         self.distributed = False
+        self.sharded = False  # FSDP: every rank stages its shards (else rank 0 stages the whole model)
         self._agreed_stop = False
         self._agreed_checkpoint = False
 
@@ -382,19 +383,41 @@ class Publisher(EventSink):
         if not due:
             return None
         source = self.checkpoint_source()  # under torchrun, a collective (every rank's RNG state)
+        ts = state.timestamp
+        meta = {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
+                "token": ts.token.value, "event": event.value, "run_name": state.run_name}
+        if self.sharded:
+            return self._stage_shards(source, meta)
         if self.rank != 0:
             return None  # DDP: rank 0's state is the whole model; rank 0 stages the one file
+        staged = self._stage_locally(source, meta)
+        if staged is None:
+            self._report_skipped(ts.batch.value)
+        return staged
+
+    def _stage_locally(self, source: dict[str, Any], meta: dict[str, Any]) -> Optional[Staged]:
         if self._staging is None:
             self._staging = StagingBuffers(self.run_id)
-        ts = state.timestamp
-        staged = self._staging.stage(source, {
-            "batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
-            "token": ts.token.value, "event": event.value, "rank": self.rank, "run_name": state.run_name})
-        if staged is None:
-            log.warning("checkpoint at batch %d skipped: the checkpoint worker has not finished the previous %d",
-                        ts.batch.value, self._staging.max_buffers)
-            self.log_metrics({"checkpoint/skipped": ts.batch.value}, source="trainer")
-        return staged
+        return self._staging.stage(source, dict(meta, rank=self.rank))
+
+    def _stage_shards(self, source: dict[str, Any], meta: dict[str, Any]) -> Optional[Staged]:
+        """FSDP: every rank stages its own shards; rank 0 announces all ranks' buffers at once."""
+        staged = self._stage_locally(source, meta)
+        if staged is not None and staged.copied is not None:
+            staged.copied.synchronize()  # the worker may read this rank's buffer as soon as rank 0 announces
+        descriptors = distributed.all_gather_object(staged.descriptor if staged is not None else None)
+        if any(descriptor is None for descriptor in descriptors):
+            if staged is not None:
+                self._staging.release(staged.descriptor["buffer"])  # type: ignore[union-attr]
+            if self.rank == 0:
+                self._report_skipped(meta["batch"])
+            return None
+        return Staged({"shards": descriptors, "rank": 0, **meta}) if self.rank == 0 else None
+
+    def _report_skipped(self, batch: int) -> None:
+        log.warning("checkpoint at batch %d skipped: the checkpoint worker has not finished the previous ones",
+                    batch)
+        self.log_metrics({"checkpoint/skipped": batch}, source="trainer")
 
     def _checkpoint_is_due(self, event: Event, state: "State") -> bool:
         if self._checkpoint_due is None or self._checkpoint_interval != self._checkpoint_options.get("save_interval"):

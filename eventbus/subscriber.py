@@ -143,6 +143,7 @@ class Subscriber:
         # ``eventbus proxy`` all ranks share one address); None: the rank that answers.
         self.rank = rank
         self.via_proxy = False
+        self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
         self.run_id: Optional[str] = None
         self.header: dict[str, Any] = {}
         self.state: Optional[Snapshot] = None
@@ -171,7 +172,7 @@ class Subscriber:
         self.close()
 
     def close(self) -> None:
-        for sock in (getattr(self, "_sub", None), getattr(self, "_dealer", None)):
+        for sock in (getattr(self, "_sub", None), getattr(self, "_dealer", None), *self._rank_dealers.values()):
             if sock is not None:
                 sock.close(linger=200)
 
@@ -237,9 +238,12 @@ class Subscriber:
                 self._keys.apply(dealer)
             dealer.setsockopt(zmq.MAXMSGSIZE, int(descriptor["size"]) + _SOCKET_SLACK)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.service_address)
-            dealer.send(wire.encode_request("checkpoint_fetch", **self._routed(
-                {"id": 1, "buffer": descriptor["buffer"], "source": self.identity})))
+            rank = descriptor.get("rank")
+            dealer.connect(self._service_for(rank))
+            request = {"id": 1, "buffer": descriptor["buffer"], "source": self.identity}
+            if rank is not None:
+                request["rank"] = rank
+            dealer.send(wire.encode_request("checkpoint_fetch", **self._routed(request)))
             if not dealer.poll(timeout * 1000):
                 raise TransferError(f"no checkpoint from {self.service_address} within {timeout:.0f}s")
             frames = dealer.recv_multipart(copy=False)
@@ -253,11 +257,36 @@ class Subscriber:
     def _send_control(self, op: str, **fields: Any) -> None:
         """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
         data = wire.encode_request(op, **self._routed(fields))
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer.send(data)))
+        rank = fields.get("rank")
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer_to(rank).send(data)))
 
     def _routed(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Requests name their rank: a proxy routes on it, and a rank refuses another's."""
-        return fields if self.rank is None else dict(fields, rank=self.rank)
+        return fields if self.rank is None or "rank" in fields else dict(fields, rank=self.rank)
+
+    def _service_for(self, rank: Optional[int]) -> str:
+        """Where a request for ``rank`` goes: this subscriber's service (its own rank, or a proxy),
+        or that rank's own service as listed in rank 0's run header (FSDP checkpoint shards)."""
+        if rank is None or rank == self.rank or self.via_proxy:
+            return self.service_address
+        for endpoint in self.header.get("ranks") or ():
+            if isinstance(endpoint, dict) and endpoint.get("rank") == rank:
+                return str(endpoint["service_address"])
+        raise TransferError(f"rank {rank} is not listed in this run's header")
+
+    def _dealer_to(self, rank: Optional[int]) -> zmq.asyncio.Socket:
+        """The event loop's DEALER for ``rank`` (created on first use; on the loop thread only)."""
+        address = self._service_for(rank)
+        if address == self.service_address:
+            return self._dealer
+        if address not in self._rank_dealers:
+            dealer = self._context.socket(zmq.DEALER)
+            if self._keys is not None:
+                self._keys.apply(dealer)
+            dealer.setsockopt(zmq.LINGER, 500)
+            dealer.connect(address)
+            self._rank_dealers[address] = dealer
+        return self._rank_dealers[address]
 
     async def _request(self, op: str, **fields: Any) -> Optional[list[bytes]]:
         """One request/reply over the DEALER; None on timeout (the socket is then replaced)."""

@@ -103,10 +103,14 @@ class Trainer:
         seed, run_name = distributed.broadcast_object((seed, run_name or _generate_run_name()))
         _seed_everything(seed + rank)
         model = model.to(self._device)
-        # The model the callbacks see stays the ComposerModel; its DDP wrapper is used to train.
+        # A model the user sharded with PyTorch's fully_shard (FSDP2) trains as it is; otherwise, under
+        # torchrun, a DDP wrapper trains it. The model the callbacks see stays the ComposerModel.
+        self._sharded = _is_sharded(model)
         self._ddp = (DistributedDataParallel(model, device_ids=[self._device.index] if self._device.type == "cuda"
-                                             else None) if world_size > 1 else None)
+                                             else None) if world_size > 1 and not self._sharded else None)
         optimizers = _as_list(optimizers) or [torch.optim.SGD(model.parameters(), lr=0.1)]
+        if self._sharded and len(optimizers) != 1:
+            raise ConfigError("a sharded (fully_shard) model takes exactly one optimizer")
         schedulers = _as_list(schedulers)
 
         destinations = [*loggers, *(cb for cb in callbacks if isinstance(cb, LoggerDestination))]
@@ -154,7 +158,7 @@ class Trainer:
             self.logger.log_hyperparameters(self._hyperparameters)
             self.engine.run_event(Event.BEFORE_LOAD)
             if load_path is not None:
-                self.load_state_dict(_load_checkpoint(load_path))
+                self.load_state_dict(self._read_checkpoint(load_path))
             self.engine.run_event(Event.AFTER_LOAD)
 
     # ------------------------------------------------------------------ public API
@@ -206,10 +210,17 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Composer's checkpoint layout: ``{"state": {...}, "rng": [...]}``; plain types and tensors."""
         state = self.state
+        if self._sharded:  # FQN-keyed shards (DTensors), the layout torch.distributed.checkpoint expects
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optimizer_state = get_state_dict(state.model, state.optimizers)
+            optimizers = {type(state.optimizers[0]).__name__: optimizer_state}
+        else:
+            model_state, optimizers = state.model.state_dict(), _by_class_name(state.optimizers)
         return {
             "state": {
-                "model": state.model.state_dict(),
-                "optimizers": _by_class_name(state.optimizers),
+                "model": model_state,
+                "optimizers": optimizers,
                 "schedulers": _by_class_name(state.schedulers),
                 "algorithms": _by_class_name(state.algorithms),
                 "callbacks": self._callback_state_dicts(),
@@ -226,15 +237,37 @@ class Trainer:
         checkpoint["rng"] = distributed.all_gather_object(checkpoint["rng"][0])
         return checkpoint
 
+    def _read_checkpoint(self, path: Union[str, os.PathLike]) -> dict[str, Any]:
+        """A checkpoint file, or a torch.distributed.checkpoint folder (sharded runs; all ranks read
+        it together and each gets its own shards)."""
+        if not os.path.isdir(path):
+            return _load_checkpoint(path)
+        import torch.distributed.checkpoint as dcp
+
+        target = self._checkpoint_state_dict()  # the structure to fill in, with this run's sharding
+        for rng in target["rng"]:
+            rng.setdefault("torch_epoch_start", torch.get_rng_state())
+        try:
+            dcp.load(target, checkpoint_id=path)
+        except Exception as err:
+            raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err
+        return target
+
     def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``fit`` continues exactly where it was taken."""
         try:
             saved, rngs = checkpoint["state"], checkpoint["rng"]
             rng = rngs[self.state.rank] if self.state.rank < len(rngs) else rngs[0]
             state = self.state
-            state.model.load_state_dict(saved["model"])
-            for target, sd in zip(state.optimizers, saved["optimizers"].values()):
-                target.load_state_dict(sd)
+            if self._sharded:
+                from torch.distributed.checkpoint.state_dict import set_state_dict
+
+                set_state_dict(state.model, state.optimizers, model_state_dict=saved["model"],
+                               optim_state_dict=next(iter(saved["optimizers"].values())))
+            else:
+                state.model.load_state_dict(saved["model"])
+                for target, sd in zip(state.optimizers, saved["optimizers"].values()):
+                    target.load_state_dict(sd)
             for target, sd in zip(state.schedulers, saved["schedulers"].values()):
                 target.load_state_dict(sd)
             for target, sd in zip(state.algorithms, saved.get("algorithms", {}).values()):
@@ -374,7 +407,7 @@ class Trainer:
         now = time.perf_counter()
         seconds = now - self._last_tick
         self._last_tick = now
-        if self._ddp is not None:
+        if state.world_size > 1:
             publisher = self.publisher
             agreed = distributed.agree_on_batch(
                 samples, tokens, seconds, device=self._device,
@@ -548,6 +581,7 @@ class Trainer:
         run_id = distributed.broadcast_object(uuid.uuid4().hex)  # one run id for all ranks
         publisher = Publisher(config, self.run_folder, rank=state.rank, run_id=run_id)
         publisher.distributed = state.world_size > 1
+        publisher.sharded = self._sharded
         publisher.start({
             "ranks": distributed.all_gather_object(publisher.endpoint()),
             "run_name": state.run_name, "rank": state.rank, "world_size": state.world_size,
@@ -703,6 +737,14 @@ def _seed_everything(seed: int) -> None:
     except ImportError:
         return
     np.random.seed(seed % 2**32)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _generate_run_name() -> str:

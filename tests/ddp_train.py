@@ -1,5 +1,7 @@
 """Training script for the torchrun tests: ``torchrun --nproc_per_node=2 tests/ddp_train.py OUT BUS [LOAD]``.
 
+With SHARD=1 the model is sharded with FSDP2 (``fully_shard``) instead of wrapped in DDP.
+
 Each rank trains the test classifier on its DistributedSampler shard (gloo on CPU) and
 writes the losses it saw and its own event counts to OUT/rank<N>.json.
 """
@@ -38,6 +40,12 @@ def main(out: str, bus: str, load_path: str = "") -> None:
     evaluate = DataLoader(dataset, batch_size=16, sampler=DistributedSampler(dataset, world, rank, shuffle=False))
     torch.manual_seed(0)
     model = make_model(dropout=0.3)
+    if os.environ.get("SHARD") == "1":  # FSDP2, the user's own call, before the optimizer is made
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        fully_shard(model)
     recorder, losses = EventRecorder(), Losses()
     trainer = Trainer(model, train, eval_dataloader=evaluate, eval_interval="1ep", max_duration="3ep", device="cpu",
                       seed=11, run_name="ddp", optimizers=torch.optim.Adam(model.parameters(), lr=1e-2),

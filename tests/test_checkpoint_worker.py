@@ -51,6 +51,14 @@ def make_trainer(tmp_path, duration="3ep", **kwargs):
                    run_name="ckpt", optimizers=torch.optim.Adam(model.parameters(), lr=1e-2), **kwargs)
 
 
+def wait_for_lease(trainer, timeout=30.0):
+    """Until the worker's checkpoint lease reached the trainer: a toy run can end before it does."""
+    deadline = time.monotonic() + timeout
+    while not trainer.publisher.holds_checkpoint_lease():
+        assert time.monotonic() < deadline, "the checkpoint worker never asked for checkpoints"
+        time.sleep(0.01)
+
+
 def metrics_from(journal_path, key):
     return [m.payload["metrics"][key] for m in map(wire.decode, read_journal(journal_path))
             if m.kind == "metrics" and key in m.payload["metrics"]]
@@ -62,6 +70,7 @@ def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn)
     worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", "--save-interval", "3ba",
                    "--keep", "3", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
+    wait_for_lease(trainer)
     trainer.fit()  # the worker's capture lease arrives within the first batches
     trainer.close()
     assert worker.finish() == 0, "\n".join(worker.stderr)
@@ -106,6 +115,7 @@ def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path
     worker = spawn("-c", FSIZE_WRAPPER, "--connect", f"ipc://{tmp_path}/bus", "--save-interval", "2ba",
                    "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
+    wait_for_lease(trainer)
     with caplog.at_level(logging.WARNING):
         trainer.fit()
         trainer.close()
@@ -123,6 +133,7 @@ def test_unwritable_folder_is_reported(tmp_path, spawn):
     worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", "--runs-dir",
                    "/proc/eventbus-cannot-write-here", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
+    wait_for_lease(trainer)
     trainer.fit()
     trainer.close()
     assert worker.finish() == 0
@@ -151,6 +162,7 @@ def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spa
     worker = spawn("-m", "workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
                    "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
+    wait_for_lease(trainer)
     trainer.fit()
     trainer.close()
     assert worker.finish() == 0, "\n".join(worker.stderr)

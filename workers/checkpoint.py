@@ -23,11 +23,12 @@ import asyncio
 import logging
 import os
 import pathlib
+import shutil
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
-from eventbus.checkpoint import TRANSFERS, save_atomically
+from eventbus.checkpoint import TRANSFERS, save_atomically, save_sharded_atomically
 from eventbus.interval import interval_scheduler
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
@@ -121,15 +122,17 @@ class CheckpointSaver(Callback):
 
     def _write_staged(self, state: Any, staged: Any, logger: Logger) -> None:
         try:
-            path = self._write(state, staged.load(self.transfer), logger)
+            path = self._write(state, staged.load(self.transfer), logger, sharded=staged.sharded)
         except Exception as err:  # reported to the trainer, which logs and re-publishes it
             log.error("checkpoint at batch %d not written: %s: %s", staged.batch, type(err).__name__, err)
             staged.ack(error=f"{type(err).__name__}: {err}")
             return
         staged.ack(path=str(path) if path else None)
 
-    def _write(self, state: Any, checkpoint: dict[str, Any], logger: Logger) -> Optional[pathlib.Path]:
-        """Write one checkpoint file; None when this batch was already saved."""
+    def _write(self, state: Any, checkpoint: dict[str, Any], logger: Logger,
+               sharded: bool = False) -> Optional[pathlib.Path]:
+        """Write one checkpoint file (a torch.distributed.checkpoint folder when the trainer's state
+        is sharded, named like the file without ``-rank{rank}.pt``); None when this batch was saved."""
         batch = int(state.timestamp.batch)
         if batch == self.last_batch_saved:
             return None
@@ -137,14 +140,18 @@ class CheckpointSaver(Callback):
         folder = self._folder(state, rank)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / _format(self.filename, state, rank)
+        latest = folder / _format(self.latest_filename, state, rank) if self.latest_filename else None
+        if sharded:
+            path = path.with_name(path.name.removesuffix(".pt").replace(f"-rank{rank}", ""))
+            latest = latest.with_name(latest.name.removesuffix(".pt")) if latest is not None else None
         if path.exists() and not self.overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
         if self.weights_only:
             checkpoint = {"state": {"model": checkpoint["state"]["model"]}}
-        save_atomically(checkpoint, path)
+        (save_sharded_atomically if sharded else save_atomically)(checkpoint, path)
         self.last_batch_saved = batch
-        if self.latest_filename:
-            self._link_latest(folder / _format(self.latest_filename, state, rank), path)
+        if latest is not None:
+            self._link_latest(latest, path)
         self.saved.append(str(path))
         self._apply_retention()
         log.info("saved checkpoint %s", path)
@@ -171,7 +178,10 @@ class CheckpointSaver(Callback):
             return
         while len(self.saved) > self.num_checkpoints_to_keep:
             oldest = pathlib.Path(self.saved.pop(0))
-            oldest.unlink(missing_ok=True)
+            if oldest.is_dir():
+                shutil.rmtree(oldest, ignore_errors=True)
+            else:
+                oldest.unlink(missing_ok=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
