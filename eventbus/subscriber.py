@@ -239,13 +239,14 @@ class Subscriber:
             dealer.setsockopt(zmq.MAXMSGSIZE, int(descriptor["size"]) + _SOCKET_SLACK)
             dealer.setsockopt(zmq.LINGER, 0)
             rank = descriptor.get("rank")
-            dealer.connect(self._service_for(rank))
+            address = self._service_for(rank)
+            dealer.connect(address)
             request = {"id": 1, "buffer": descriptor["buffer"], "source": self.identity}
             if rank is not None:
                 request["rank"] = rank
             dealer.send(wire.encode_request("checkpoint_fetch", **self._routed(request)))
             if not dealer.poll(timeout * 1000):
-                raise TransferError(f"no checkpoint from {self.service_address} within {timeout:.0f}s")
+                raise TransferError(f"no checkpoint from {address} within {timeout:.0f}s")
             frames = dealer.recv_multipart(copy=False)
             reply = wire.decode_request(frames[0].bytes)
             if reply.get("error") or len(frames) != 2:

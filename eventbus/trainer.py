@@ -21,7 +21,6 @@ import uuid
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
-
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus import distributed
@@ -428,7 +427,7 @@ class Trainer:
         size = state.device_train_microbatch_size
         microbatches = [batch] if size is None or size >= samples else split_batch(batch, size)
         total: Optional[torch.Tensor] = None
-        forward = self._ddp or state.model
+        forward = self._ddp if self._ddp is not None else state.model
         for index, microbatch in enumerate(microbatches):
             fraction = num_samples(microbatch) / samples
             state.batch = microbatch
