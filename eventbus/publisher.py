@@ -84,14 +84,19 @@ class BusConfig:
                    authorized_keys=os.environ.get("EVENTBUS_AUTHORIZED_KEYS") or None)
 
 
+def _host_and_port(address: str) -> tuple[str, int]:
+    host, _, port = urlsplit(address).netloc.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
+    return host, int(port)
+
+
 def service_address_for(address: str) -> str:
     """The ROUTER endpoint paired with a PUB endpoint."""
     parts = urlsplit(address)
     if parts.scheme == "tcp":
-        host, _, port = parts.netloc.rpartition(":")
-        if not port.isdigit():
-            raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
-        return f"tcp://{host}:{int(port) + 1}"
+        host, port = _host_and_port(address)
+        return f"tcp://{host}:{port + 1}"
     if parts.scheme == "ipc":
         return address + ".ctl"
     raise ConfigError(f"bus address {address!r}: use ipc://PATH or tcp://HOST:PORT")
@@ -101,12 +106,9 @@ def address_for_rank(address: str, rank: int) -> str:
     """Each torchrun rank binds its own endpoints: tcp ports two apart, or ``-rank<N>`` ipc paths."""
     if rank == 0:
         return address
-    parts = urlsplit(address)
-    if parts.scheme == "tcp":
-        host, _, port = parts.netloc.rpartition(":")
-        if not port.isdigit():
-            raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
-        return f"tcp://{host}:{int(port) + 2 * rank}"
+    if urlsplit(address).scheme == "tcp":
+        host, port = _host_and_port(address)
+        return f"tcp://{host}:{port + 2 * rank}"
     return f"{address}-rank{rank}"
 
 

@@ -23,9 +23,16 @@ from eventbus.errors import ConfigError, EventBusError
 from eventbus.host import CallbackHost, Cursor
 from eventbus.subscriber import Subscriber, journal_messages
 
-__all__ = ["load_callback", "run_worker", "replay_journal", "bus_status"]
+__all__ = ["add_daemon_arguments", "load_callback", "run_worker", "replay_journal", "bus_status"]
 
 log = logging.getLogger(__name__)
+
+
+def add_daemon_arguments(parser: Any, identity: str) -> None:
+    """The options every daemon in ``workers/`` shares: where the run is, and how it resumes."""
+    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
+    parser.add_argument("--identity", default=identity, help=f"resume name for restarts (default: {identity})")
+    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
 
 
 def load_callback(spec: str) -> Callback:

@@ -32,6 +32,7 @@ from eventbus.checkpoint import TRANSFERS, save_atomically, save_sharded_atomica
 from eventbus.interval import interval_scheduler
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
+from eventbus.worker import add_daemon_arguments
 from eventbus.logger import Logger
 
 __all__ = ["CheckpointSaver", "main"]
@@ -189,9 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m workers.checkpoint",
         description="Write the checkpoints a trainer stages, off its training thread. Stops at the end of the "
                     "run (after the final checkpoint) or on SIGTERM.")
-    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
-    parser.add_argument("--identity", default="checkpoint", help="resume name for restarts (default: checkpoint)")
-    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+    add_daemon_arguments(parser, identity="checkpoint")
     parser.add_argument("--save-interval", default="1ep", help="'1ep', '100ba', ... (default: 1ep)")
     parser.add_argument("--folder", default="{run_name}/checkpoints",
                         help="folder template under --runs-dir (default: {run_name}/checkpoints)")

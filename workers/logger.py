@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence, TextIO
 from eventbus import LoggerDestination
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
+from eventbus.worker import add_daemon_arguments
 from eventbus.logger import Logger, to_number
 
 __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLogger", "main"]
@@ -335,9 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m workers.logger",
         description="Log a training run: progress on the console, metrics.jsonl and metrics.csv in the run "
                     "folder, and optionally TensorBoard and MLflow. Stops at the end of the run or on SIGTERM.")
-    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
-    parser.add_argument("--identity", default="logger", help="resume name for restarts (default: logger)")
-    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+    add_daemon_arguments(parser, identity="logger")
     parser.add_argument("--output", type=pathlib.Path, help="folder for metrics files (default: the run folder)")
     parser.add_argument("--no-console", action="store_true", help="no progress output")
     parser.add_argument("--log-interval", type=int, default=50,

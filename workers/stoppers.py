@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import operator
-import pathlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 from eventbus import Callback
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
+from eventbus.worker import add_daemon_arguments
 from eventbus.logger import Logger, to_number
 
 __all__ = ["EarlyStopper", "ThresholdStopper", "main"]
@@ -141,9 +141,7 @@ def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
         prog="python -m workers.stoppers",
         description="Stop a run early from outside the trainer. Stops at the end of the run or on SIGTERM.")
-    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
-    parser.add_argument("--identity", default="stoppers", help="resume name for restarts (default: stoppers)")
-    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+    add_daemon_arguments(parser, identity="stoppers")
     parser.add_argument("--early-stop", action="append", default=[], metavar="MONITOR:LABEL:PATIENCE",
                         help="e.g. metrics/eval/CrossEntropy:eval:3 (repeatable)")
     parser.add_argument("--threshold-stop", action="append", default=[], metavar="MONITOR:LABEL:THRESHOLD",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import pathlib
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Optional, Sequence
 from eventbus import Callback
 from eventbus.cli import OneLineErrorParser
 from eventbus.errors import EventBusError
+from eventbus.worker import add_daemon_arguments
 from eventbus.logger import Logger
 
 __all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
@@ -238,9 +238,7 @@ def build_parser() -> OneLineErrorParser:
         prog="python -m workers.timing",
         description="Report a run's throughput, remaining time, learning rates, gradient norms and CUDA memory, "
                     "computed from the trainer's own clock. Stops at the end of the run or on SIGTERM.")
-    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
-    parser.add_argument("--identity", default="timing", help="resume name for restarts (default: timing)")
-    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+    add_daemon_arguments(parser, identity="timing")
     parser.add_argument("--window-size", type=int, default=100, help="SpeedMonitor window (default: 100)")
     parser.add_argument("--gpu-flops-available", type=float, help="peak flops per device, for MFU")
     parser.add_argument("--skip-batches", type=int, default=1, help="RuntimeEstimator warm-up (default: 1)")
