@@ -9,7 +9,7 @@ import time
 import torch
 
 from bench.common import emit, median, table
-from eventbus.checkpoint import StagingBuffers
+from eventbus.checkpoint.staging import StagingBuffers
 
 
 def state_of(megabytes: int) -> dict:

@@ -18,7 +18,7 @@ def run(quick: bool) -> dict:
         return {"gpu": None}
     from bench.models import classifier, loader
     from eventbus import Trainer
-    from eventbus.checkpoint import StagingBuffers
+    from eventbus.checkpoint.staging import StagingBuffers
 
     steps = 20 if quick else 200
     results: dict = {"gpu": torch.cuda.get_device_name(0)}

@@ -10,7 +10,7 @@ import zmq
 from bench.common import emit, median, percentile, table
 from bench.models import classifier, loader
 from eventbus import Event, Trainer
-from eventbus import wire
+from eventbus.bus import wire
 
 
 def run(quick: bool) -> dict:

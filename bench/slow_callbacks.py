@@ -13,8 +13,8 @@ from bench.callbacks import SleepyCounter
 from bench.common import emit, median, spawn, table
 from bench.models import classifier, loader
 from eventbus import Trainer
-from eventbus import wire
-from eventbus.journal import read_journal
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
 from workers.checkpoint import CheckpointSaver
 from workers.logger import MetricsFileLogger, ProgressLogger
 from workers.timing import SpeedMonitor

@@ -2,60 +2,107 @@
 
 General layout
 --------------
-The training side is what a Composer user already knows:
+The package is cut along the process boundary: what runs in the training
+process, what crosses the wire, and what runs in the processes that follow a run.
 
-* ``events``    -- the 40 :class:`Event` members, with the training-loop pseudocode.
-* ``time``      -- :class:`Time`, :class:`TimeUnit` and the immutable :class:`Timestamp`.
-* ``state``     -- :class:`State`, the live training state callbacks read.
-* ``callback``  -- :class:`Callback`: one method per event.
-* ``algorithm`` -- :class:`Algorithm`: in-process changes to training (:class:`GradientClipping`).
-* ``logger``    -- :class:`Logger` and :class:`LoggerDestination` (in-memory and console).
-* ``engine``    -- :class:`Engine`: runs algorithms, callbacks and event sinks in Composer's order.
-* ``model``, ``metrics``, ``evaluator``, ``batch`` -- what the trainer drives.
-* ``trainer``   -- :class:`Trainer`: fit / eval / predict, firing every event.
+``eventbus.core`` -- Composer's vocabulary, shared by both sides (no torch):
+    ``events`` (the 40 :class:`Event` members and the loop's pseudocode),
+    ``time`` (:class:`Time`, :class:`TimeUnit`, :class:`Timestamp`),
+    ``callback`` (:class:`Callback`), ``logger`` (:class:`Logger`,
+    :class:`LoggerDestination`), ``engine`` (:class:`Engine`: Composer's order),
+    ``interval`` (when an ``"1ep"``/``"0.5dur"`` interval is due).
 
-The bus carries every event out of the training process:
+``eventbus.training`` -- the training process (torch):
+    ``trainer`` (:class:`Trainer`: fit / eval / predict firing every event),
+    ``state`` (:class:`State`), ``model``, ``metrics``, ``evaluator``,
+    ``algorithm``, ``batch``, ``distributed`` (torchrun), ``demo`` (the main
+    job's model and data), and ``capture`` (what the training thread hands the bus).
 
-* ``publisher`` -- the training thread captures and enqueues; a bus thread
-  numbers, journals and sends (PUB), and serves snapshot/replay/control (ROUTER).
-* ``wire``      -- the versioned msgpack envelope and its bounded decoder.
-* ``journal``   -- the append-only, crash-safe record of every message.
-* ``snapshot``  -- :class:`Snapshot`, the read-only ``state`` a subscriber-side callback sees.
-* ``subscriber``-- :class:`Subscriber`, an asyncio stream in seq order, gaps filled.
-* ``ranks``     -- :class:`AllRanks`: every torchrun rank's stream, merged.
-* ``distributed`` -- torchrun's process group and the per-batch agreement between ranks.
-* ``proxy``     -- ``eventbus proxy``: one address for all ranks of a job.
-* ``host``      -- :class:`CallbackHost`: runs ordinary Callbacks on that stream.
-* ``worker``, ``cli`` -- ``eventbus worker | replay | run | proxy``.
+``eventbus.bus`` -- the wire and both of its ends (no torch):
+    ``wire`` (envelope and bounded codec), ``protocol`` (request operations and
+    their schemas), ``journal`` (the run's crash-safe record), ``publisher``
+    (the bus thread: number, journal, send), ``service`` (the request service:
+    snapshot, replay, control), ``subscriber`` (:class:`Subscriber`: an asyncio
+    stream in seq order, gaps filled), ``snapshot`` (:class:`Snapshot`: the
+    read-only ``state`` out of process), ``ranks``, ``proxy``, ``security`` (CURVE).
 
-The daemons users run (logging, timing, checkpoints) live in ``workers/``.
+``eventbus.checkpoint`` -- staging into shared memory (training side), the
+    staged-checkpoint handle and atomic files (checkpoint worker side).
 
-Errors all derive from :class:`EventBusError`.
+``eventbus.daemons`` -- the processes that follow a run: ``host``
+    (:class:`CallbackHost`), ``worker`` (``eventbus worker | replay | status``),
+    ``runtime`` (what every daemon's ``main`` shares), ``job`` (``eventbus run``).
+``eventbus.monitor`` -- ``eventbus monitor``, the live terminal dashboard.
+``eventbus.cli`` -- the ``eventbus`` command.
+
+The daemons users run (logging, timing, checkpoints, stoppers) live in the
+top-level ``workers/`` package. Errors all derive from :class:`EventBusError`.
+
+Names below are imported on first use (PEP 562), so ``import eventbus`` and the
+bus modules never import torch; only the training side does.
 """
 
-from eventbus.algorithm import Algorithm, GradientClipping
-from eventbus.callback import Callback
-from eventbus.engine import Engine
-from eventbus.errors import ConfigError, EventBusError, ProtocolError
-from eventbus.evaluator import Evaluator
-from eventbus.events import Event
-from eventbus.logger import ConsoleLogger, InMemoryLogger, Logger, LoggerDestination
-from eventbus.metrics import CrossEntropy, Metric, MulticlassAccuracy
-from eventbus.model import ComposerClassifier, ComposerModel
-from eventbus.publisher import BusConfig
-from eventbus.ranks import AllRanks
-from eventbus.snapshot import Snapshot
-from eventbus.subscriber import Message, Subscriber
-from eventbus.state import State
-from eventbus.time import Time, Timestamp, TimeUnit
-from eventbus.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Algorithm", "GradientClipping", "Callback", "Engine", "ConfigError", "EventBusError",
-    "ProtocolError", "Evaluator", "Event", "ConsoleLogger", "InMemoryLogger", "Logger",
-    "LoggerDestination", "CrossEntropy", "Metric", "MulticlassAccuracy", "ComposerClassifier",
-    "ComposerModel", "State", "Time", "Timestamp", "TimeUnit", "Trainer", "BusConfig", "Snapshot",
-    "Message", "Subscriber", "AllRanks",
-]
+_EXPORTS = {
+    "Algorithm": "eventbus.training.algorithm", "GradientClipping": "eventbus.training.algorithm",
+    "Callback": "eventbus.core.callback", "Engine": "eventbus.core.engine",
+    "ConfigError": "eventbus.errors", "EventBusError": "eventbus.errors", "ProtocolError": "eventbus.errors",
+    "Evaluator": "eventbus.training.evaluator", "Event": "eventbus.core.events",
+    "ConsoleLogger": "eventbus.core.logger", "InMemoryLogger": "eventbus.core.logger",
+    "Logger": "eventbus.core.logger", "LoggerDestination": "eventbus.core.logger",
+    "CrossEntropy": "eventbus.training.metrics", "Metric": "eventbus.training.metrics",
+    "MulticlassAccuracy": "eventbus.training.metrics",
+    "ComposerClassifier": "eventbus.training.model", "ComposerModel": "eventbus.training.model",
+    "State": "eventbus.training.state",
+    "Time": "eventbus.core.time", "Timestamp": "eventbus.core.time", "TimeUnit": "eventbus.core.time",
+    "Trainer": "eventbus.training.trainer",
+    "BusConfig": "eventbus.bus.config",
+    "Snapshot": "eventbus.bus.snapshot",
+    "Message": "eventbus.bus.subscriber", "Subscriber": "eventbus.bus.subscriber",
+    "AllRanks": "eventbus.bus.ranks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'eventbus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
+
+
+if TYPE_CHECKING:
+    from eventbus.bus.config import BusConfig
+    from eventbus.bus.ranks import AllRanks
+    from eventbus.bus.snapshot import Snapshot
+    from eventbus.bus.subscriber import Message, Subscriber
+    from eventbus.core.callback import Callback
+    from eventbus.core.engine import Engine
+    from eventbus.core.events import Event
+    from eventbus.core.logger import (
+        ConsoleLogger,
+        InMemoryLogger,
+        Logger,
+        LoggerDestination,
+    )
+    from eventbus.core.time import Time, Timestamp, TimeUnit
+    from eventbus.errors import ConfigError, EventBusError, ProtocolError
+    from eventbus.training.algorithm import Algorithm, GradientClipping
+    from eventbus.training.evaluator import Evaluator
+    from eventbus.training.metrics import CrossEntropy, Metric, MulticlassAccuracy
+    from eventbus.training.model import ComposerClassifier, ComposerModel
+    from eventbus.training.state import State
+    from eventbus.training.trainer import Trainer

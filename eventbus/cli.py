@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=OneLineErrorParser)
 
-    from eventbus.job import add_run_arguments
+    from eventbus.daemons.job import add_run_arguments
 
     run = commands.add_parser("run", help="train the bundled character-level model with the daemons (the main job)",
                               description="Train a small character-level Transformer on Python's bundled "
@@ -112,11 +112,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         if args.command == "run":
-            from eventbus.job import run_job
+            from eventbus.daemons.job import run_job
 
             return run_job(args)
         if args.command == "worker":
-            from eventbus.worker import load_callback, run_worker
+            from eventbus.daemons.worker import load_callback, run_worker
 
             specs = args.callback
             make = lambda: [load_callback(spec) for spec in specs]  # noqa: E731  (fresh objects per run)
@@ -125,23 +125,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           state_dir=args.state_dir, start=args.start, events=args.events,
                                           fail_fast=args.fail_fast, journal=args.journal, follow=args.follow))
         if args.command == "monitor":
-            from workers.monitor import main as monitor_main
+            from eventbus.monitor.dashboard import main as monitor_main
 
             return monitor_main(args.rest)
         if args.command == "keys":
-            from eventbus.security import generate_keys
+            from eventbus.bus.security import generate_keys
 
             for path in generate_keys(args.directory, args.name):
                 print(path)
             return 0
         if args.command == "status":
-            from eventbus.worker import bus_status
+            from eventbus.daemons.worker import bus_status
 
             return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
         if args.command == "proxy":
             return _run_proxy(args)
         if args.command == "replay":
-            from eventbus.worker import load_callback, replay_journal
+            from eventbus.daemons.worker import load_callback, replay_journal
 
             if not args.journal.is_file():
                 raise ConfigError(f"journal {str(args.journal)!r} does not exist")
@@ -161,8 +161,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
     import os
     import signal
 
-    from eventbus.proxy import RankProxy, discover_ranks
-    from eventbus.security import ClientKeys, ServerKeys
+    from eventbus.bus.proxy import RankProxy, discover_ranks
+    from eventbus.bus.security import ClientKeys, ServerKeys
 
     client_keys = ClientKeys.from_environment()
     secret, allowed = os.environ.get("EVENTBUS_SERVER_SECRET_KEY"), os.environ.get("EVENTBUS_AUTHORIZED_KEYS")

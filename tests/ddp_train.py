@@ -52,7 +52,7 @@ def main(out: str, bus: str, load_path: str = "") -> None:
                       callbacks=[recorder, losses], bus=bus or False, load_path=load_path or None)
     waiting = [name for name in os.environ.get("WAIT_FOR", "").split(",") if name]
     if waiting and trainer.state.rank == 0:  # the other ranks wait in the first collective
-        from eventbus.job import _wait_for_subscribers
+        from eventbus.daemons.job import _wait_for_subscribers
 
         _wait_for_subscribers(trainer, waiting, timeout=60)
     trainer.fit()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from eventbus import Callback, Trainer
-from eventbus import wire
-from eventbus.journal import read_journal
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
 from tests.conftest import free_port, make_loader, make_model
 from workers.checkpoint import CheckpointSaver
 
@@ -179,7 +179,7 @@ def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spa
 
 FETCH = """
 import sys, zlib, zmq
-from eventbus import wire
+from eventbus.bus import wire
 dealer = zmq.Context().socket(zmq.DEALER)
 dealer.setsockopt(zmq.RCVHWM, 1)
 dealer.setsockopt(zmq.RCVBUF, 64 * 1024)
@@ -197,7 +197,7 @@ def test_a_buffer_zeromq_still_sends_is_not_reused_even_after_the_ack(tmp_path, 
 
     import zmq
 
-    from eventbus.checkpoint import StagingBuffers
+    from eventbus.checkpoint.staging import StagingBuffers
 
     staging = StagingBuffers("fetch-test", max_buffers=2, directory=tmp_path)
     weights = {"w": torch.arange(16 * 2**20, dtype=torch.float32)}  # 64 MiB: more than any socket buffer

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from eventbus import wire
-from eventbus.journal import read_journal
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
 from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 from tests.test_job import SMALL, leftover_daemons
 
@@ -70,7 +70,7 @@ asyncio.run(main())
 
 
 def test_a_subscriber_that_stops_reading_slows_nothing_and_recovers(tmp_path):
-    from eventbus import Trainer, BusConfig
+    from eventbus import BusConfig, Trainer
 
     trainer = Trainer(make_model(), make_loader(512, 16), max_duration="6ep", device="cpu",
                       bus=BusConfig(address=f"ipc://{tmp_path}/bus", send_hwm=1000))

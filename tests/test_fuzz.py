@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eventbus import BusConfig, ProtocolError, Subscriber, Trainer
-from eventbus import wire
+from eventbus.bus import wire
 from tests.conftest import BackgroundTrainer, make_loader, make_model
 
 RUN = "c" * 32

@@ -1,8 +1,8 @@
 import pytest
 
 from eventbus import ConfigError, Trainer
-from eventbus.journal import JournalWriter, read_journal
-from eventbus.wire import decode
+from eventbus.bus.journal import JournalWriter, read_journal
+from eventbus.bus.wire import decode
 from tests.conftest import EventRecorder, make_loader, make_model
 
 

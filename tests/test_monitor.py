@@ -20,9 +20,17 @@ from typing import Callable, Optional
 import pytest
 
 from eventbus import Callback, Trainer
-from eventbus.subscriber import journal_messages
+from eventbus.bus.subscriber import journal_messages
+from eventbus.monitor.dashboard import (
+    DaemonView,
+    SeriesView,
+    Tracker,
+    ViewModel,
+    main,
+    render,
+    sparkline,
+)
 from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
-from workers.monitor import DaemonView, SeriesView, Tracker, ViewModel, main, render, sparkline
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
 ENV.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", COLUMNS="160")

@@ -11,8 +11,14 @@ import sys
 import pytest
 
 from eventbus import BusConfig, ConfigError, Subscriber, Trainer
-from eventbus.security import ClientKeys, generate_keys
-from tests.conftest import REPO_ROOT, BackgroundTrainer, free_port, make_loader, make_model
+from eventbus.bus.security import ClientKeys, generate_keys
+from tests.conftest import (
+    REPO_ROOT,
+    BackgroundTrainer,
+    free_port,
+    make_loader,
+    make_model,
+)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import datetime
 import pytest
 
 from eventbus import ConfigError, Time, Timestamp, TimeUnit
-from eventbus.time import ensure_time
+from eventbus.core.time import ensure_time
 
 
 @pytest.mark.parametrize("text, value, unit", [

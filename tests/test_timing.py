@@ -7,8 +7,8 @@ import time
 import pytest
 
 from eventbus import Callback, Trainer
-from eventbus import wire
-from eventbus.journal import read_journal
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
 from tests.conftest import make_loader, make_model
 from workers.stoppers import EarlyStopper, ThresholdStopper
 

@@ -8,8 +8,15 @@ import time
 import pytest
 import torch
 
-from eventbus import (Callback, ComposerModel, ConfigError, Evaluator, GradientClipping, InMemoryLogger,
-                      Trainer)
+from eventbus import (
+    Callback,
+    ComposerModel,
+    ConfigError,
+    Evaluator,
+    GradientClipping,
+    InMemoryLogger,
+    Trainer,
+)
 from tests.conftest import make_loader, make_model
 
 
@@ -239,7 +246,7 @@ def test_amp_bf16_trains_on_cpu():
 
 
 def test_composer_docs_callbacks_work_unchanged(capsys):
-    from eventbus import Event, State, Logger  # the documented import line
+    from eventbus import Event, Logger, State  # the documented import line
 
     class EpochMonitor(Callback):
         def epoch_start(self, state: State, logger: Logger):

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventbus import ProtocolError
-from eventbus import wire
+from eventbus.bus import wire
 
 
 def valid(**overrides):

@@ -28,12 +28,16 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
-from eventbus.checkpoint import TRANSFERS, save_atomically, save_sharded_atomically
-from eventbus.interval import interval_scheduler
+from eventbus.checkpoint.staging import (
+    TRANSFERS,
+    save_atomically,
+    save_sharded_atomically,
+)
 from eventbus.cli import OneLineErrorParser
+from eventbus.core.interval import interval_scheduler
+from eventbus.core.logger import Logger
+from eventbus.daemons.worker import add_daemon_arguments
 from eventbus.errors import EventBusError
-from eventbus.worker import add_daemon_arguments
-from eventbus.logger import Logger
 
 __all__ = ["CheckpointSaver", "main"]
 
@@ -208,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.worker import run_worker
+    from eventbus.daemons.worker import run_worker
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -25,9 +25,9 @@ from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import LoggerDestination
 from eventbus.cli import OneLineErrorParser
+from eventbus.core.logger import Logger, to_number
+from eventbus.daemons.worker import add_daemon_arguments
 from eventbus.errors import EventBusError
-from eventbus.worker import add_daemon_arguments
-from eventbus.logger import Logger, to_number
 
 __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLogger", "main"]
 
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.worker import run_worker
+    from eventbus.daemons.worker import run_worker
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from eventbus import Callback
 from eventbus.cli import OneLineErrorParser
+from eventbus.core.logger import Logger, to_number
+from eventbus.daemons.worker import add_daemon_arguments
 from eventbus.errors import EventBusError
-from eventbus.worker import add_daemon_arguments
-from eventbus.logger import Logger, to_number
 
 __all__ = ["EarlyStopper", "ThresholdStopper", "main"]
 
@@ -150,7 +150,7 @@ def build_parser() -> OneLineErrorParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.worker import run_worker
+    from eventbus.daemons.worker import run_worker
 
     parser = build_parser()
     args = parser.parse_args(argv)

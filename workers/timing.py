@@ -21,9 +21,9 @@ from typing import Any, Optional, Sequence
 
 from eventbus import Callback
 from eventbus.cli import OneLineErrorParser
+from eventbus.core.logger import Logger
+from eventbus.daemons.worker import add_daemon_arguments
 from eventbus.errors import EventBusError
-from eventbus.worker import add_daemon_arguments
-from eventbus.logger import Logger
 
 __all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
 
@@ -250,7 +250,7 @@ def build_parser() -> OneLineErrorParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.worker import run_worker
+    from eventbus.daemons.worker import run_worker
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TextIO
 
-from eventbus.callback import Callback
-from eventbus.time import Time, TimeUnit, ensure_time
+from eventbus.core.callback import Callback
+from eventbus.core.time import Time, TimeUnit, ensure_time
 
 if TYPE_CHECKING:
-    from eventbus.state import State
-    from eventbus.time import Timestamp
+    from eventbus.core.time import Timestamp
+    from eventbus.training.state import State
 
 __all__ = ["Logger", "LoggerDestination", "InMemoryLogger", "ConsoleLogger", "to_number"]
 

@@ -71,7 +71,9 @@ def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     A DTensor (FSDP's sharded parameters and optimizer state) contributes its local shard only."""
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(obj, dtensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,
+        )
 
         _, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
         tensors.append(obj.to_local())

@@ -2,7 +2,7 @@
 
 Attribute names follow Composer's ``State`` so callbacks port unchanged. On the
 training side values are live objects (device tensors included); a subscriber
-sees the same names on a read-only snapshot (``eventbus.snapshot``).
+sees the same names on a read-only snapshot (``eventbus.bus.snapshot``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from eventbus.time import Time, Timestamp, TimeUnit
+from eventbus.core.time import Time, Timestamp, TimeUnit
 
 if TYPE_CHECKING:
-    from eventbus.algorithm import Algorithm
-    from eventbus.callback import Callback
-    from eventbus.evaluator import Evaluator
+    from eventbus.core.callback import Callback
+    from eventbus.training.algorithm import Algorithm
+    from eventbus.training.evaluator import Evaluator
 
 __all__ = ["State"]
 

@@ -1,6 +1,6 @@
 """Trainer: Composer's training loop, firing every Event in Composer's order and counts.
 
-Read ``_train_loop`` top to bottom: it is the loop drawn in ``eventbus.events``.
+Read ``_train_loop`` top to bottom: it is the loop drawn in ``eventbus.core.events``.
 The trainer only mutates ``State`` and calls ``Engine.run_event``; everything
 observational (logging, timing, checkpoint writing) belongs in callbacks, and
 with the bus, in subscriber processes.
@@ -23,19 +23,20 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from eventbus import distributed
-from eventbus.algorithm import Algorithm
-from eventbus.batch import num_samples, num_tokens, split_batch, to_device
-from eventbus.callback import Callback
-from eventbus.engine import Engine
+from eventbus.bus.config import BusConfig
+from eventbus.bus.publisher import Publisher
+from eventbus.core.callback import Callback
+from eventbus.core.engine import Engine
+from eventbus.core.events import Event
+from eventbus.core.logger import Logger, LoggerDestination
+from eventbus.core.time import Time, Timestamp, TimeUnit, ensure_time
 from eventbus.errors import ConfigError
-from eventbus.evaluator import Evaluator, IntervalLike, evaluate_periodically
-from eventbus.events import Event
-from eventbus.logger import Logger, LoggerDestination
-from eventbus.model import ComposerModel
-from eventbus.publisher import BusConfig, Publisher
-from eventbus.state import State
-from eventbus.time import Time, Timestamp, TimeUnit, ensure_time
+from eventbus.training import distributed
+from eventbus.training.algorithm import Algorithm
+from eventbus.training.batch import num_samples, num_tokens, split_batch, to_device
+from eventbus.training.evaluator import Evaluator, IntervalLike, evaluate_periodically
+from eventbus.training.model import ComposerModel
+from eventbus.training.state import State
 
 __all__ = ["Trainer"]
 

@@ -1,15 +1,15 @@
-"""Evaluator: a labelled evaluation dataloader and when to run it (rules in ``eventbus.interval``)."""
+"""Evaluator: a labelled evaluation dataloader and when to run it (rules in ``eventbus.core.interval``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from eventbus.core.events import Event
+from eventbus.core.interval import IntervalLike, interval_scheduler
 from eventbus.errors import ConfigError
-from eventbus.events import Event
-from eventbus.interval import IntervalLike, interval_scheduler
 
 if TYPE_CHECKING:
-    from eventbus.state import State
+    from eventbus.training.state import State
 
 __all__ = ["Evaluator", "evaluate_periodically", "IntervalLike"]
 

@@ -18,10 +18,10 @@ import signal
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
-from eventbus.callback import Callback
+from eventbus.bus.subscriber import Subscriber, journal_messages
+from eventbus.core.callback import Callback
+from eventbus.daemons.host import CallbackHost, Cursor
 from eventbus.errors import ConfigError, EventBusError
-from eventbus.host import CallbackHost, Cursor
-from eventbus.subscriber import Subscriber, journal_messages
 
 __all__ = ["add_daemon_arguments", "load_callback", "run_worker", "replay_journal", "bus_status"]
 

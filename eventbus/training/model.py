@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from eventbus.metrics import CrossEntropy, Metric, MulticlassAccuracy
+from eventbus.training.metrics import CrossEntropy, Metric, MulticlassAccuracy
 
 __all__ = ["ComposerModel", "ComposerClassifier"]
 

@@ -15,13 +15,13 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Sequence, Union
 
-from eventbus.events import Event
+from eventbus.core.events import Event
 
 if TYPE_CHECKING:
-    from eventbus.algorithm import Algorithm
-    from eventbus.callback import Callback
-    from eventbus.logger import Logger
-    from eventbus.state import State
+    from eventbus.core.callback import Callback
+    from eventbus.core.logger import Logger
+    from eventbus.training.algorithm import Algorithm
+    from eventbus.training.state import State
 
 __all__ = ["Engine", "EventSink"]
 

@@ -34,13 +34,13 @@ from typing import Any, AsyncIterator, Iterable, Optional, Sequence, Union
 import zmq
 import zmq.asyncio
 
-from eventbus import wire
+from eventbus.bus import wire
+from eventbus.bus.config import service_address_for
+from eventbus.bus.journal import read_journal, read_journal_at
+from eventbus.bus.security import ClientKeys
+from eventbus.bus.snapshot import Snapshot
+from eventbus.core.events import Event
 from eventbus.errors import ProtocolError, TransferError
-from eventbus.events import Event
-from eventbus.journal import read_journal, read_journal_at
-from eventbus.publisher import service_address_for
-from eventbus.security import ClientKeys
-from eventbus.snapshot import Snapshot
 
 __all__ = ["Message", "Subscriber", "SubscriberStats", "journal_messages"]
 

@@ -29,10 +29,10 @@ import os
 import pathlib
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
-from eventbus.callback import Callback
-from eventbus.events import Event
-from eventbus.logger import Logger, LoggerDestination
-from eventbus.subscriber import Message
+from eventbus.bus.subscriber import Message
+from eventbus.core.callback import Callback
+from eventbus.core.events import Event
+from eventbus.core.logger import Logger, LoggerDestination
 
 __all__ = ["CallbackHost", "Cursor"]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from eventbus.events import Event
+from eventbus.core.events import Event
 
 if TYPE_CHECKING:
-    from eventbus.logger import Logger
-    from eventbus.state import State
+    from eventbus.core.logger import Logger
+    from eventbus.training.state import State
 
 __all__ = ["Callback"]
 

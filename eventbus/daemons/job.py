@@ -1,6 +1,6 @@
 """The main job behind ``eventbus run``: the trainer plus its daemons, on the bundled task.
 
-One command trains the character-level model in ``eventbus.demo`` with the
+One command trains the character-level model in ``eventbus.training.demo`` with the
 trainer publishing on a local endpoint, and starts the logging, timing and
 checkpoint daemons (``workers/``) as child processes. Everything lands in
 ``runs/<run_name>/``; Ctrl-C stops the trainer and every child cleanly.
@@ -22,10 +22,10 @@ from typing import Any, Optional
 
 import torch
 
-from eventbus.demo import CharLM, CharLMConfig, make_dataloaders
+from eventbus.core.logger import ConsoleLogger
 from eventbus.errors import ConfigError
-from eventbus.logger import ConsoleLogger
-from eventbus.trainer import Trainer
+from eventbus.training.demo import CharLM, CharLMConfig, make_dataloaders
+from eventbus.training.trainer import Trainer
 
 __all__ = ["JobConfig", "add_run_arguments", "run_job"]
 

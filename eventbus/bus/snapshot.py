@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from eventbus.checkpoint import StagedCheckpoint
-from eventbus.time import Time, Timestamp, TimeUnit
+from eventbus.checkpoint.staging import StagedCheckpoint
+from eventbus.core.time import Time, Timestamp, TimeUnit
 
 __all__ = ["Snapshot"]
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from eventbus.core.events import Event
 from eventbus.errors import ConfigError
-from eventbus.events import Event
 
 if TYPE_CHECKING:
-    from eventbus.logger import Logger
-    from eventbus.state import State
+    from eventbus.core.logger import Logger
+    from eventbus.training.state import State
 
 __all__ = ["Algorithm", "GradientClipping"]
 

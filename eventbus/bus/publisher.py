@@ -33,125 +33,31 @@ from urllib.parse import urlsplit
 import torch
 import zmq
 
-from eventbus import distributed, wire
-from eventbus.checkpoint import Staged, StagingBuffers
-from eventbus.engine import EventSink
+from eventbus.bus import wire
+from eventbus.bus.config import (
+    BusConfig,
+    address_for_rank,
+    advertised,
+    check_bindable,
+    default_address,
+    service_address_for,
+)
+from eventbus.bus.journal import JOURNAL_NAME, JournalWriter, read_record
+from eventbus.bus.security import ServerKeys
+from eventbus.checkpoint.staging import Staged, StagingBuffers
+from eventbus.core.engine import EventSink
+from eventbus.core.events import Event
+from eventbus.core.interval import interval_scheduler
+from eventbus.core.logger import LoggerDestination
 from eventbus.errors import ConfigError, ProtocolError
-from eventbus.events import Event
-from eventbus.interval import interval_scheduler
-from eventbus.journal import JOURNAL_NAME, JournalWriter, read_record
-from eventbus.logger import LoggerDestination
-from eventbus.security import ServerKeys
+from eventbus.training import distributed
 
 if TYPE_CHECKING:
-    from eventbus.state import State
+    from eventbus.training.state import State
 
-__all__ = ["BusConfig", "Publisher", "service_address_for"]
+__all__ = ["Publisher"]
 
 log = logging.getLogger(__name__)
-
-_MAX_IPC_PATH = 100  # the kernel's sun_path limit is 107 bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class BusConfig:
-    """Where and how the trainer publishes.
-
-    ``address`` is the PUB endpoint subscribers connect to (``ipc://...`` or
-    ``tcp://127.0.0.1:PORT``); None binds ``ipc://<run folder>/bus``. The
-    request service (snapshot, replay, control) listens on
-    ``service_address_for(address)``: the next TCP port, or the ipc path plus
-    ``.ctl``.
-    """
-
-    address: Optional[str] = None
-    journal: bool = True
-    queue_size: int = 1_000_000
-    send_hwm: int = 100_000
-    replay_cache: int = 50_000
-    max_message_bytes: int = wire.MAX_MESSAGE_BYTES
-    checkpoint_close_timeout: float = 60.0
-    drain_timeout: float = 30.0  # at close, how long live workers may take to catch up
-    coalesce_seconds: float = 0.01  # the bus thread's batching window (adds at most this much latency)
-    server_key: Optional[str] = None  # the server's .key_secret file: turns on CURVE
-    authorized_keys: Optional[str] = None  # folder of client .key files allowed in
-
-    @classmethod
-    def from_environment(cls, address: Optional[str] = None) -> "BusConfig":
-        """EVENTBUS_BUS, EVENTBUS_SERVER_SECRET_KEY and EVENTBUS_AUTHORIZED_KEYS fill what is not given."""
-        return cls(address=address or os.environ.get("EVENTBUS_BUS") or None,
-                   server_key=os.environ.get("EVENTBUS_SERVER_SECRET_KEY") or None,
-                   authorized_keys=os.environ.get("EVENTBUS_AUTHORIZED_KEYS") or None)
-
-
-def _host_and_port(address: str) -> tuple[str, int]:
-    host, _, port = urlsplit(address).netloc.rpartition(":")
-    if not port.isdigit():
-        raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
-    return host, int(port)
-
-
-def service_address_for(address: str) -> str:
-    """The ROUTER endpoint paired with a PUB endpoint."""
-    parts = urlsplit(address)
-    if parts.scheme == "tcp":
-        host, port = _host_and_port(address)
-        return f"tcp://{host}:{port + 1}"
-    if parts.scheme == "ipc":
-        return address + ".ctl"
-    raise ConfigError(f"bus address {address!r}: use ipc://PATH or tcp://HOST:PORT")
-
-
-def address_for_rank(address: str, rank: int) -> str:
-    """Each torchrun rank binds its own endpoints: tcp ports two apart, or ``-rank<N>`` ipc paths."""
-    if rank == 0:
-        return address
-    if urlsplit(address).scheme == "tcp":
-        host, port = _host_and_port(address)
-        return f"tcp://{host}:{port + 2 * rank}"
-    return f"{address}-rank{rank}"
-
-
-def advertised(address: str) -> str:
-    """The address others connect to: a wildcard host becomes EVENTBUS_ADVERTISE_HOST or the host name."""
-    parts = urlsplit(address)
-    host, _, port = parts.netloc.rpartition(":")
-    if parts.scheme == "tcp" and host in ("0.0.0.0", "*", "[::]"):
-        return f"tcp://{os.environ.get('EVENTBUS_ADVERTISE_HOST') or socket.gethostname()}:{port}"
-    return address
-
-
-def _check_bindable(address: str, secured: bool) -> None:
-    parts = urlsplit(address)
-    if parts.scheme == "tcp":
-        host = parts.netloc.rpartition(":")[0].strip("[]")
-        if host not in ("127.0.0.1", "localhost", "::1") and not secured:
-            raise ConfigError(
-                f"refusing to bind {address!r} without CURVE keys: only loopback addresses are open by "
-                "default; use tcp://127.0.0.1:PORT or an ipc:// path, or pass server_key and authorized_keys "
-                "(eventbus keys generate DIR)"
-            )
-    elif parts.scheme == "ipc":
-        path = address[len("ipc://"):]
-        if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-            except OSError:
-                pass  # a stale socket file from a crashed run: safe to take over
-            else:
-                raise ConfigError(f"{address!r} is already served by a live process; choose another address")
-            finally:
-                probe.close()
-
-
-def default_address(run_folder: pathlib.Path) -> str:
-    """ipc in the run folder, or a short path in the temp dir when that would be too long."""
-    path = (run_folder / "bus").resolve()
-    if len(str(path)) + len(".ctl") > _MAX_IPC_PATH:
-        path = pathlib.Path(tempfile.gettempdir()) / f"eventbus-{uuid.uuid4().hex[:12]}"
-    return f"ipc://{path}"
-
 
 class _Staged:
     """A device scalar copied to pinned host memory; only the bus thread waits for it."""
@@ -255,7 +161,7 @@ class Publisher(EventSink):
         self._captures: dict[str, tuple[float, int]] = {}
         # Subscribers heard from on the control channel: identity -> last seen, latest stats.
         self._subscribers: dict[str, dict[str, Any]] = {}
-        # Checkpoint staging, active while a checkpoint worker holds a lease (see eventbus.checkpoint).
+        # Checkpoint staging, active while a checkpoint worker holds a lease (see eventbus.checkpoint.staging).
         self.checkpoint_source: Optional[Callable[[], dict[str, Any]]] = None
         self._staging: Optional[StagingBuffers] = None
         self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
@@ -270,7 +176,7 @@ class Publisher(EventSink):
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
         # Under torchrun, stopping and checkpointing must happen at the same batch on every rank:
-        # the trainer agrees on them once per batch (eventbus.distributed) and calls ``agree``.
+        # the trainer agrees on them once per batch (eventbus.training.distributed) and calls ``agree``.
         self.distributed = False
         self.sharded = False  # FSDP: every rank stages its shards (else rank 0 stages the whole model)
         self._agreed_stop = False
@@ -301,8 +207,8 @@ class Publisher(EventSink):
         if bool(self.config.server_key) != bool(self.config.authorized_keys):
             raise ConfigError("CURVE needs both server_key (a .key_secret file) and authorized_keys (a folder)")
         self._keys = ServerKeys(self.config.server_key, self.config.authorized_keys) if self.config.server_key else None
-        _check_bindable(self.address, self._keys is not None)
-        _check_bindable(self.service_address, self._keys is not None)
+        check_bindable(self.address, self._keys is not None)
+        check_bindable(self.service_address, self._keys is not None)
         self._header = dict(header, service_address=self.service_address,
                             journal=str(self.journal_path.resolve()) if self.journal_path else None)
         self._thread = threading.Thread(target=self._run, name=f"eventbus-bus-rank{self.rank}", daemon=True)

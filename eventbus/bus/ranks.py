@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncIterator
 
-from eventbus.subscriber import Message, Subscriber, SubscriberStats
+from eventbus.bus.subscriber import Message, Subscriber, SubscriberStats
 
 __all__ = ["AllRanks"]
 

@@ -8,7 +8,6 @@ CPython install), so the job needs no download. Batches are dicts with
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from eventbus.metrics import CrossEntropy, Metric, MulticlassAccuracy
-from eventbus.model import ComposerModel
+from eventbus.training.metrics import CrossEntropy, Metric, MulticlassAccuracy
+from eventbus.training.model import ComposerModel
 
 __all__ = ["CharLMConfig", "CharLM", "CharDataset", "load_text", "make_dataloaders"]
 

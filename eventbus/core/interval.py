@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Union
 
+from eventbus.core.events import Event
+from eventbus.core.time import Time, TimeUnit, ensure_time
 from eventbus.errors import ConfigError
-from eventbus.events import Event
-from eventbus.time import Time, TimeUnit, ensure_time
 
 if TYPE_CHECKING:
-    from eventbus.state import State
+    from eventbus.training.state import State
 
 __all__ = ["IntervalLike", "interval_scheduler"]
 

@@ -25,10 +25,10 @@ from typing import Any, Optional
 
 import zmq
 
-from eventbus import wire
+from eventbus.bus import wire
+from eventbus.bus.config import check_bindable, service_address_for
+from eventbus.bus.security import ClientKeys, ServerKeys
 from eventbus.errors import ConfigError, ProtocolError
-from eventbus.publisher import _check_bindable, service_address_for
-from eventbus.security import ClientKeys, ServerKeys
 
 __all__ = ["RankProxy", "discover_ranks"]
 
@@ -66,7 +66,7 @@ class RankProxy:
 
     def __init__(self, ranks: list[dict[str, Any]], bind: str, *, server_keys: Optional[ServerKeys] = None,
                  client_keys: Optional[ClientKeys] = None, max_request_bytes: int = wire.MAX_MESSAGE_BYTES):
-        _check_bindable(bind, server_keys is not None)
+        check_bindable(bind, server_keys is not None)
         self.ranks = sorted(ranks, key=lambda endpoint: endpoint["rank"])
         self.bind = bind
         self.service_address = service_address_for(bind)

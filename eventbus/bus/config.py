@@ -1,0 +1,120 @@
+"""Where and how a trainer publishes: the bus configuration and its endpoint addresses."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import socket
+import tempfile
+import uuid
+from typing import Optional
+from urllib.parse import urlsplit
+
+from eventbus.bus import wire
+from eventbus.errors import ConfigError
+
+__all__ = ["BusConfig", "service_address_for", "address_for_rank", "advertised", "check_bindable",
+           "default_address"]
+
+_MAX_IPC_PATH = 100  # the kernel's sun_path limit is 107 bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class BusConfig:
+    """Where and how the trainer publishes.
+
+    ``address`` is the PUB endpoint subscribers connect to (``ipc://...`` or
+    ``tcp://127.0.0.1:PORT``); None binds ``ipc://<run folder>/bus``. The
+    request service (snapshot, replay, control) listens on
+    ``service_address_for(address)``: the next TCP port, or the ipc path plus
+    ``.ctl``.
+    """
+
+    address: Optional[str] = None
+    journal: bool = True
+    queue_size: int = 1_000_000
+    send_hwm: int = 100_000
+    replay_cache: int = 50_000
+    max_message_bytes: int = wire.MAX_MESSAGE_BYTES
+    checkpoint_close_timeout: float = 60.0
+    drain_timeout: float = 30.0  # at close, how long live workers may take to catch up
+    coalesce_seconds: float = 0.01  # the bus thread's batching window (adds at most this much latency)
+    server_key: Optional[str] = None  # the server's .key_secret file: turns on CURVE
+    authorized_keys: Optional[str] = None  # folder of client .key files allowed in
+
+    @classmethod
+    def from_environment(cls, address: Optional[str] = None) -> "BusConfig":
+        """EVENTBUS_BUS, EVENTBUS_SERVER_SECRET_KEY and EVENTBUS_AUTHORIZED_KEYS fill what is not given."""
+        return cls(address=address or os.environ.get("EVENTBUS_BUS") or None,
+                   server_key=os.environ.get("EVENTBUS_SERVER_SECRET_KEY") or None,
+                   authorized_keys=os.environ.get("EVENTBUS_AUTHORIZED_KEYS") or None)
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
+    host, _, port = urlsplit(address).netloc.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
+    return host, int(port)
+
+
+def service_address_for(address: str) -> str:
+    """The ROUTER endpoint paired with a PUB endpoint."""
+    parts = urlsplit(address)
+    if parts.scheme == "tcp":
+        host, port = _host_and_port(address)
+        return f"tcp://{host}:{port + 1}"
+    if parts.scheme == "ipc":
+        return address + ".ctl"
+    raise ConfigError(f"bus address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def address_for_rank(address: str, rank: int) -> str:
+    """Each torchrun rank binds its own endpoints: tcp ports two apart, or ``-rank<N>`` ipc paths."""
+    if rank == 0:
+        return address
+    if urlsplit(address).scheme == "tcp":
+        host, port = _host_and_port(address)
+        return f"tcp://{host}:{port + 2 * rank}"
+    return f"{address}-rank{rank}"
+
+
+def advertised(address: str) -> str:
+    """The address others connect to: a wildcard host becomes EVENTBUS_ADVERTISE_HOST or the host name."""
+    parts = urlsplit(address)
+    host, _, port = parts.netloc.rpartition(":")
+    if parts.scheme == "tcp" and host in ("0.0.0.0", "*", "[::]"):
+        return f"tcp://{os.environ.get('EVENTBUS_ADVERTISE_HOST') or socket.gethostname()}:{port}"
+    return address
+
+
+def check_bindable(address: str, secured: bool) -> None:
+    parts = urlsplit(address)
+    if parts.scheme == "tcp":
+        host = parts.netloc.rpartition(":")[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not secured:
+            raise ConfigError(
+                f"refusing to bind {address!r} without CURVE keys: only loopback addresses are open by "
+                "default; use tcp://127.0.0.1:PORT or an ipc:// path, or pass server_key and authorized_keys "
+                "(eventbus keys generate DIR)"
+            )
+    elif parts.scheme == "ipc":
+        path = address[len("ipc://"):]
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                pass  # a stale socket file from a crashed run: safe to take over
+            else:
+                raise ConfigError(f"{address!r} is already served by a live process; choose another address")
+            finally:
+                probe.close()
+
+
+def default_address(run_folder: pathlib.Path) -> str:
+    """ipc in the run folder, or a short path in the temp dir when that would be too long."""
+    path = (run_folder / "bus").resolve()
+    if len(str(path)) + len(".ctl") > _MAX_IPC_PATH:
+        path = pathlib.Path(tempfile.gettempdir()) / f"eventbus-{uuid.uuid4().hex[:12]}"
+    return f"ipc://{path}"

@@ -1,0 +1,1 @@
+"""The processes that follow a run: the callback host, workers, the main job, shared daemon plumbing."""

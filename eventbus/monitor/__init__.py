@@ -1,0 +1,1 @@
+"""``eventbus monitor``: the live terminal dashboard for a running or finished run."""

@@ -1,0 +1,5 @@
+import sys
+
+from eventbus.monitor.dashboard import main
+
+sys.exit(main())
