@@ -56,3 +56,10 @@ def python_env() -> dict[str, str]:
 def spawn(*args: str, cwd: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], cwd=cwd, env=python_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+
+
+def event_capture(trainer: Any) -> Any:
+    """The trainer's training-thread side of the bus (what the engine calls at every event)."""
+    from eventbus.training.capture import EventCapture
+
+    return next(sink for sink in trainer.engine.sinks if isinstance(sink, EventCapture))

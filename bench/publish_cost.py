@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from bench.common import emit, median, percentile, table
+from bench.common import emit, event_capture, median, percentile, table
 from bench.models import classifier, loader
 from eventbus import Event, Trainer
 from eventbus.bus import wire
@@ -20,7 +20,7 @@ def run(quick: bool) -> dict:
         trainer = Trainer(classifier(), loader(4), max_duration="2ba", device="cpu", run_folder=f"{folder}/run",
                           bus=f"ipc://{folder}/bus")
         trainer.fit()  # a realistic state: loss, learning rates, timestamp, metrics
-        state, publisher = trainer.state, trainer.publisher
+        state, publisher = trainer.state, event_capture(trainer)
         message = wire.encode("event", "a" * 32, 0, 12345, "after_forward", time.time(), time.monotonic(),
                               {"loss": 0.5, "lrs": {"SGD": [0.1]}, "ts": state.timestamp.state_dict(),
                                "label": "train", "dl_len": 4, "samples": 16, "tokens": 0, "eval_metrics": {}})

@@ -6,6 +6,7 @@ import json
 import pathlib
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -65,8 +66,8 @@ def run(quick: bool) -> dict:
             times["d"].append(trainer_loop(steps, folder, f"d{r}", bus=f"ipc://{folder}/d{r}.bus"))
             in_process = [SpeedMonitor(window_size=50), CheckpointSaver(save_interval="50ba", runs_dir=folder / "ckb",
                                                                        overwrite=True), SleepyCounter()]
-            times["b"].append(trainer_loop(steps, folder, f"b{r}", bus=False, callbacks=in_process,
-                                           loggers=[MetricsFileLogger(folder / f"b{r}"), ProgressLogger(log_interval=10**9)]))
+            loggers = [MetricsFileLogger(folder / f"b{r}"), ProgressLogger(log_interval=10**9)]
+            times["b"].append(trainer_loop(steps, folder, f"b{r}", bus=False, callbacks=in_process, loggers=loggers))
             counts = folder / f"counts{r}.json"
             address = f"ipc://{folder}/c{r}.bus"
             workers = [
@@ -77,7 +78,8 @@ def run(quick: bool) -> dict:
                 spawn("-m", "workers.checkpoint", "--connect", address, "--save-interval", "50ba", "--overwrite",
                       "--state-dir", str(folder / "s"), "--identity", f"checkpoint{r}", cwd=tmp),
                 spawn("-m", "eventbus", "worker", "--connect", address, "--identity", f"sleepy{r}", "--state-dir",
-                      str(folder / "s"), "--callback", f'bench.callbacks:SleepyCounter:{{"path": "{counts}"}}', cwd=tmp),
+                      str(folder / "s"), "--callback", f'bench.callbacks:SleepyCounter:{{"path": "{counts}"}}',
+                      cwd=tmp),
             ]
 
             def wait_for_workers(trainer, names=(f"logger{r}", f"timing{r}", f"checkpoint{r}", f"sleepy{r}")):
@@ -85,10 +87,13 @@ def run(quick: bool) -> dict:
                 while time.monotonic() < deadline and not set(names) <= set(trainer.publisher.subscribers()):
                     time.sleep(0.05)
 
-            journal_holder = {}
-            times["c"].append(trainer_loop(steps, folder, f"c{r}", bus=address,
-                                           before_fit=lambda t: (wait_for_workers(t),
-                                                                 journal_holder.update(path=t.publisher.journal_path))))
+            journal_holder: dict[str, Any] = {}
+
+            def before_fit(trainer, holder=journal_holder):
+                wait_for_workers(trainer)
+                holder.update(path=trainer.publisher.journal_path)
+
+            times["c"].append(trainer_loop(steps, folder, f"c{r}", bus=address, before_fit=before_fit))
             for worker in workers:
                 worker.wait(timeout=300)
             published = sum(1 for rec in read_journal(journal_holder["path"]) if wire.decode(rec).kind == "event")

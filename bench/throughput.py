@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from bench.common import emit, python_env, table
+from bench.common import emit, event_capture, python_env, table
 from bench.models import classifier, loader
 from eventbus import Event, Trainer
 
@@ -62,7 +62,7 @@ def bus_rate(events: int, subscribers: int, delay: float = 0.0) -> dict:
         readers = [_start(SUBSCRIBER, trainer.publisher.address, str(delay)) for _ in range(subscribers)]
         time.sleep(0.5)
         start = time.time()
-        publish, state = trainer.publisher.publish, trainer.state
+        publish, state = event_capture(trainer).publish, trainer.state
         for _ in range(events):
             publish(Event.AFTER_FORWARD, state)
         trainer.close()

@@ -68,7 +68,11 @@ _EXPORTS = {
     "AllRanks": "eventbus.bus.ranks",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["Algorithm", "AllRanks", "BusConfig", "Callback", "ComposerClassifier", "ComposerModel",
+    "ConfigError", "ConsoleLogger", "CrossEntropy", "Engine", "Evaluator", "Event", "EventBusError",
+    "GradientClipping", "InMemoryLogger", "Logger", "LoggerDestination", "Message", "Metric",
+    "MulticlassAccuracy", "ProtocolError", "Snapshot", "State", "Subscriber", "Time", "TimeUnit", "Timestamp",
+    "Trainer"]
 
 
 def __getattr__(name: str) -> Any:

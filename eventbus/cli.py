@@ -1,4 +1,8 @@
-"""The ``eventbus`` command: one subcommand per thing a user does."""
+"""The ``eventbus`` command: one subcommand per thing a user does.
+
+Only what a subcommand needs is imported, when it runs: ``eventbus monitor`` and
+``eventbus proxy`` (and every ``--help``) never import torch or the training side.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,15 @@ import asyncio
 import logging
 import pathlib
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from eventbus.daemons.runtime import OneLineErrorParser, serve, setup_logging
 from eventbus.errors import ConfigError, EventBusError
 
+if TYPE_CHECKING:
+    from eventbus.core.callback import Callback
+
 __all__ = ["main", "OneLineErrorParser"]
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad arguments: one line naming the problem (``--help`` shows the rest), exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
                                           "as child processes. Results go to runs/<run_name>/.")
     add_run_arguments(run)
 
+    # Listed here for `eventbus --help` only: main() hands everything after "monitor" to the
+    # monitor's own parser, which owns its arguments (options before the address, --help).
+    commands.add_parser(
+        "monitor", help="attach a live terminal dashboard to a run (or show a finished run's journal)",
+        add_help=False)
+
+    _add_worker_command(commands)
+    _add_bus_commands(commands)
+    _add_replay_command(commands)
+    return parser
+
+
+def _add_worker_command(commands: Any) -> None:
     worker = commands.add_parser(
         "worker", help="host callbacks in a daemon that follows a training run",
         description="Connect to a trainer's bus and run callbacks out of process. Stops at the end of the "
@@ -58,12 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep going when the run ends: follow the next run on the same address with fresh "
                              "callbacks (a restarted trainer)")
 
-    monitor = commands.add_parser(
-        "monitor", help="attach a live terminal dashboard to a run (or show a finished run's journal)",
-        description="A live dashboard of a running trainer; attaching and detaching has no effect on the run.",
-        add_help=False)
-    monitor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
+def _add_bus_commands(commands: Any) -> None:
+    """keys, status and proxy: the bus itself, without a run's callbacks."""
     keys = commands.add_parser("keys", help="CURVE keys for a bus reachable over the network",
                                description="Generate ZeroMQ CURVE key pairs (secret files are mode 0600).")
     keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION",
@@ -97,64 +108,74 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--wait", type=float, default=300.0, metavar="SECONDS",
                        help="how long to wait for rank 0 to answer (default: 300)")
 
+
+def _add_replay_command(commands: Any) -> None:
     replay = commands.add_parser("replay", help="run callbacks over a run's journal",
                                  description="Run callbacks over a finished or running run's events.journal.")
     replay.add_argument("journal", type=pathlib.Path, help="path to events.journal")
     replay.add_argument("--callback", action="append", required=True, metavar="SPEC",
                         help="module:Class, path/to/file.py:Class, optionally :{json kwargs}; repeatable")
     replay.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one subcommand; the exit code (2 with one line on stderr for bad arguments or input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["monitor"]:
+        from eventbus.monitor.app import main as monitor_main
+
+        return monitor_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    setup_logging(logging.INFO)
+    if args.command == "worker":
+        return serve("eventbus worker", args, _worker_callbacks)
     try:
-        if args.command == "run":
-            from eventbus.daemons.job import run_job
-
-            return run_job(args)
-        if args.command == "worker":
-            from eventbus.daemons.worker import load_callback, run_worker
-
-            specs = args.callback
-            make = lambda: [load_callback(spec) for spec in specs]  # noqa: E731  (fresh objects per run)
-            make()  # a bad spec fails now, not at the first event
-            return asyncio.run(run_worker(args.connect, make, identity=args.identity,
-                                          state_dir=args.state_dir, start=args.start, events=args.events,
-                                          fail_fast=args.fail_fast, journal=args.journal, follow=args.follow))
-        if args.command == "monitor":
-            from eventbus.monitor.dashboard import main as monitor_main
-
-            return monitor_main(args.rest)
-        if args.command == "keys":
-            from eventbus.bus.security import generate_keys
-
-            for path in generate_keys(args.directory, args.name):
-                print(path)
-            return 0
-        if args.command == "status":
-            from eventbus.daemons.worker import bus_status
-
-            return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
-        if args.command == "proxy":
-            return _run_proxy(args)
-        if args.command == "replay":
-            from eventbus.daemons.worker import load_callback, replay_journal
-
-            if not args.journal.is_file():
-                raise ConfigError(f"journal {str(args.journal)!r} does not exist")
-            callbacks = [load_callback(spec) for spec in args.callback]
-            return asyncio.run(replay_journal(str(args.journal), callbacks, fail_fast=args.fail_fast))
+        return _dispatch(args)
     except EventBusError as err:
         print(f"eventbus {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"eventbus {args.command}: interrupted", file=sys.stderr)
         return 130
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from eventbus.daemons.job import run_job
+
+        return run_job(args)
+    if args.command == "keys":
+        from eventbus.bus.security import generate_keys
+
+        for path in generate_keys(args.directory, args.name):
+            print(path)
+        return 0
+    if args.command == "status":
+        from eventbus.daemons.worker import bus_status
+
+        return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
+    if args.command == "proxy":
+        return _run_proxy(args)
+    if args.command == "replay":
+        return _run_replay(args)
+    raise ConfigError(f"unknown command {args.command!r}")
+
+
+def _worker_callbacks(args: argparse.Namespace) -> list[Callback]:
+    """``--callback`` specs as callback objects (fresh ones per call: ``--follow`` builds them per run)."""
+    from eventbus.daemons.worker import load_callback
+
+    return [load_callback(spec) for spec in args.callback]
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from eventbus.daemons.worker import load_callback, replay_journal
+
+    if not args.journal.is_file():
+        raise ConfigError(f"journal {str(args.journal)!r} does not exist")
+    callbacks = [load_callback(spec) for spec in args.callback]
+    return asyncio.run(replay_journal(str(args.journal), callbacks, fail_fast=args.fail_fast))
 
 
 def _run_proxy(args: argparse.Namespace) -> int:

@@ -21,15 +21,10 @@ import pytest
 
 from eventbus import Callback, Trainer
 from eventbus.bus.subscriber import journal_messages
-from eventbus.monitor.dashboard import (
-    DaemonView,
-    SeriesView,
-    Tracker,
-    ViewModel,
-    main,
-    render,
-    sparkline,
-)
+from eventbus.monitor.app import main
+from eventbus.monitor.fmt import sparkline
+from eventbus.monitor.model import DaemonView, SeriesView, Tracker, ViewModel
+from eventbus.monitor.render import render
 from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}

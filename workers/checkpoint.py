@@ -19,7 +19,6 @@ training thread, as Composer does.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import pathlib
@@ -28,16 +27,11 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
-from eventbus.checkpoint.staging import (
-    TRANSFERS,
-    save_atomically,
-    save_sharded_atomically,
-)
-from eventbus.cli import OneLineErrorParser
+from eventbus.checkpoint.files import save_atomically, save_sharded_atomically
+from eventbus.checkpoint.handle import TRANSFERS
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
-from eventbus.daemons.worker import add_daemon_arguments
-from eventbus.errors import EventBusError
+from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["CheckpointSaver", "main"]
 
@@ -211,20 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.daemons.worker import run_worker
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    saver = CheckpointSaver(folder=args.folder, filename=args.filename, latest_filename=args.latest_filename or None,
+def build_saver(args: argparse.Namespace) -> list[Callback]:
+    """The one CheckpointSaver the options describe."""
+    return [CheckpointSaver(folder=args.folder, filename=args.filename, latest_filename=args.latest_filename or None,
                             save_interval=args.save_interval, num_checkpoints_to_keep=args.keep,
                             overwrite=args.overwrite, weights_only=args.weights_only, runs_dir=args.runs_dir,
-                            transfer=args.transfer)
-    try:
-        return asyncio.run(run_worker(args.connect, [saver], identity=args.identity, state_dir=args.state_dir))
-    except EventBusError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+                            transfer=args.transfer)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_daemon(build_parser(), argv, build_saver)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Run it beside a trainer::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import json
 import math
@@ -24,10 +23,8 @@ import time
 from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import LoggerDestination
-from eventbus.cli import OneLineErrorParser
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.worker import add_daemon_arguments
-from eventbus.errors import EventBusError
+from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLogger", "main"]
 
@@ -177,7 +174,8 @@ class ProgressLogger(LoggerDestination):
 
     def batch_end(self, state: Any, logger: Logger) -> None:
         done = state.timestamp.batch_in_epoch.value
-        if self.interactive or done % self.log_interval == 0 or (state.dataloader_len and done == int(state.dataloader_len)):
+        epoch_done = bool(state.dataloader_len) and done == int(state.dataloader_len)
+        if self.interactive or done % self.log_interval == 0 or epoch_done:
             self._show(f"epoch {int(state.timestamp.epoch) + 1}", done, state.dataloader_len,
                        self._phase_start, done - self._phase_first_batch, final=False)
 
@@ -347,11 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.daemons.worker import run_worker
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def build_destinations(args: argparse.Namespace) -> list[LoggerDestination]:
+    """The destinations the options ask for: metrics files always, then console, TensorBoard, MLflow."""
     destinations: list[LoggerDestination] = [MetricsFileLogger(args.output)]
     if not args.no_console:
         destinations.append(ProgressLogger(log_interval=args.log_interval))
@@ -359,11 +354,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         destinations.append(TensorBoardLogger(args.output / "tensorboard" if args.output else None))
     if args.mlflow:
         destinations.append(MLflowLogger(args.mlflow_uri))
-    try:
-        return asyncio.run(run_worker(args.connect, destinations, identity=args.identity, state_dir=args.state_dir))
-    except EventBusError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+    return destinations
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_daemon(build_parser(), argv, build_destinations)
 
 
 if __name__ == "__main__":

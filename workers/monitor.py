@@ -2,7 +2,7 @@
 
 import sys
 
-from eventbus.monitor.dashboard import main
+from eventbus.monitor.app import main
 
 if __name__ == "__main__":
     sys.exit(main())

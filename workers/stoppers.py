@@ -9,16 +9,14 @@ and reports the reason. In process they stop the live State directly.
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import operator
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 from eventbus import Callback
-from eventbus.cli import OneLineErrorParser
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.worker import add_daemon_arguments
-from eventbus.errors import EventBusError
+from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["EarlyStopper", "ThresholdStopper", "main"]
 
@@ -149,25 +147,22 @@ def build_parser() -> OneLineErrorParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.daemons.worker import run_worker
+def build_stoppers(args: argparse.Namespace) -> list[Callback]:
+    """One stopper per rule; ValueError (a one-line error) for a malformed rule or no rule at all."""
+    stoppers: list[Callback] = []
+    for rule in args.early_stop:
+        monitor, label, patience = _parse_rule(rule, 3, "--early-stop")
+        stoppers.append(EarlyStopper(monitor, label, patience=int(patience)))
+    for rule in args.threshold_stop:
+        monitor, label, threshold = _parse_rule(rule, 3, "--threshold-stop")
+        stoppers.append(ThresholdStopper(monitor, label, float(threshold)))
+    if not stoppers:
+        raise ValueError("nothing to do: pass --early-stop and/or --threshold-stop")
+    return stoppers
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        stoppers: list[Callback] = []
-        for rule in args.early_stop:
-            monitor, label, patience = _parse_rule(rule, 3, "--early-stop")
-            stoppers.append(EarlyStopper(monitor, label, patience=int(patience)))
-        for rule in args.threshold_stop:
-            monitor, label, threshold = _parse_rule(rule, 3, "--threshold-stop")
-            stoppers.append(ThresholdStopper(monitor, label, float(threshold)))
-        if not stoppers:
-            raise ValueError("nothing to do: pass --early-stop and/or --threshold-stop")
-        return asyncio.run(run_worker(args.connect, stoppers, identity=args.identity, state_dir=args.state_dir))
-    except (EventBusError, ValueError) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_daemon(build_parser(), argv, build_stoppers)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ the trainer over the control channel, so the logger and the monitor show them.
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import collections
 import logging
 import sys
@@ -20,10 +20,8 @@ import time
 from typing import Any, Optional, Sequence
 
 from eventbus import Callback
-from eventbus.cli import OneLineErrorParser
 from eventbus.core.logger import Logger
-from eventbus.daemons.worker import add_daemon_arguments
-from eventbus.errors import EventBusError
+from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
 
@@ -96,8 +94,9 @@ class SpeedMonitor(Callback):
                 tokens = sum(w[1] for w in self._window)
                 if tokens:
                     rates["tokens_per_sec"] = tokens / seconds
-                if all(w[3] is not None for w in self._window):
-                    rates["flops_per_sec"] = sum(w[3] for w in self._window) / seconds
+                flops = [w[3] for w in self._window if w[3] is not None]
+                if len(flops) == len(self._window):  # only when every batch in the window reported its flops
+                    rates["flops_per_sec"] = sum(flops) / seconds
                 for name, value in rates.items():
                     metrics[f"throughput/{name}"] = value
                     metrics[f"throughput/device/{name}"] = value / world
@@ -249,26 +248,17 @@ def build_parser() -> OneLineErrorParser:
     return parser
 
 
+def build_callbacks(args: argparse.Namespace) -> list[Callback]:
+    """The monitors the options ask for (fresh objects each call: ``--follow`` builds them per run)."""
+    made: list[Callback] = [SpeedMonitor(args.window_size, args.gpu_flops_available, args.time_unit),
+                            RuntimeEstimator(args.skip_batches, args.time_unit), LRMonitor(), MemoryMonitor()]
+    if args.optimizer_interval > 0:
+        made.append(OptimizerMonitor(args.optimizer_interval))
+    return made
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from eventbus.daemons.worker import run_worker
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-
-    def callbacks() -> list[Callback]:
-        made: list[Callback] = [SpeedMonitor(args.window_size, args.gpu_flops_available, args.time_unit),
-                                RuntimeEstimator(args.skip_batches, args.time_unit), LRMonitor(), MemoryMonitor()]
-        if args.optimizer_interval > 0:
-            made.append(OptimizerMonitor(args.optimizer_interval))
-        return made
-
-    try:
-        callbacks()
-        return asyncio.run(run_worker(args.connect, callbacks, identity=args.identity, state_dir=args.state_dir,
-                                      follow=args.follow))
-    except (EventBusError, ValueError) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+    return run_daemon(build_parser(), argv, build_callbacks)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def discover_ranks(address: str, keys: Optional[ClientKeys], timeout: float) -> list[dict[str, Any]]:
     """Rank 0's list of rank endpoints, from its run header; waits up to ``timeout`` seconds."""
-    context = zmq.Context.instance()
+    context: zmq.Context = zmq.Context.instance()
     deadline = time.monotonic() + timeout
     while True:
         dealer = context.socket(zmq.DEALER)
@@ -172,5 +172,6 @@ class RankProxy:
             return
         if reply.get("op") == "snapshot":
             reply["via_proxy"] = True
-            frames = [frames[0], wire.encode_request(**reply), *frames[2:]]
+            router.send_multipart([frames[0], wire.encode_request(**reply), *frames[2:]], copy=False)
+            return
         router.send_multipart(frames, copy=False)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from eventbus.checkpoint.staging import StagedCheckpoint
+from eventbus.bus.records import Key
+from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit
 
 __all__ = ["Snapshot"]
@@ -29,6 +30,17 @@ class Snapshot:
 
     __slots__ = ("run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "_payload", "_control",
                  "_fetch", "_cache")
+    run_id: str
+    rank: int
+    seq: int
+    event: Optional[str]
+    wall_time: float
+    mono_time: float
+    header: dict[str, Any]
+    _payload: dict[str, Any]
+    _control: Optional[Callable[[str, dict[str, Any]], None]]
+    _fetch: Optional[Callable[[dict[str, Any]], Any]]
+    _cache: dict[str, Any]
 
     def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
                  mono_time: float, header: dict[str, Any], payload: dict[str, Any],
@@ -54,43 +66,43 @@ class Snapshot:
 
     @property
     def timestamp(self) -> Timestamp:
-        ts = self._payload.get("ts")
+        ts = self._payload.get(Key.TIMESTAMP)
         return self._cached("timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
 
     @property
     def eval_timestamp(self) -> Timestamp:
-        ts = self._payload.get("eval_ts")
+        ts = self._payload.get(Key.EVAL_TIMESTAMP)
         return self._cached("eval_timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
 
     @property
     def max_duration(self) -> Optional[Time]:
         return self._cached("max_duration",
-                            lambda: _time(self._payload.get("max_duration") or self.header.get("max_duration")))
+                            lambda: _time(self._payload.get(Key.MAX_DURATION) or self.header.get("max_duration")))
 
     @property
     def dataloader_len(self) -> Optional[Time]:
-        length = self._payload.get("dl_len")
+        length = self._payload.get(Key.DATALOADER_LEN)
         return Time(length, TimeUnit.BATCH) if length is not None else None
 
     @property
     def checkpoint(self) -> Optional[StagedCheckpoint]:
         """A checkpoint the trainer staged at this event, for the checkpoint worker to write."""
-        staged = self._payload.get("checkpoint")
+        staged = self._payload.get(Key.CHECKPOINT)
         return StagedCheckpoint(staged, self._control, self._fetch) if isinstance(staged, dict) else None
 
-    dataloader_label = property(lambda self: self._payload.get("label"))
-    loss = property(lambda self: self._payload.get("loss"))
-    learning_rates = property(lambda self: self._payload.get("lrs") or {})
-    train_metric_values = property(lambda self: self._payload.get("train_metrics") or {})
-    eval_metric_values = property(lambda self: self._payload.get("eval_metrics") or {})
-    batch_num_samples = property(lambda self: self._payload.get("samples", 0))
-    batch_num_tokens = property(lambda self: self._payload.get("tokens", 0))
-    stop_reason = property(lambda self: self._payload.get("stop_reason"))
+    dataloader_label = property(lambda self: self._payload.get(Key.LABEL))
+    loss = property(lambda self: self._payload.get(Key.LOSS))
+    learning_rates = property(lambda self: self._payload.get(Key.LEARNING_RATES) or {})
+    train_metric_values = property(lambda self: self._payload.get(Key.TRAIN_METRICS) or {})
+    eval_metric_values = property(lambda self: self._payload.get(Key.EVAL_METRICS) or {})
+    batch_num_samples = property(lambda self: self._payload.get(Key.SAMPLES, 0))
+    batch_num_tokens = property(lambda self: self._payload.get(Key.TOKENS, 0))
+    stop_reason = property(lambda self: self._payload.get(Key.STOP_REASON))
     # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
     # capture to the end of that batch; otherwise None.
-    grad_norms = property(lambda self: self._payload.get("grad_norms"))
-    memory = property(lambda self: self._payload.get("memory"))
-    batch_flops = property(lambda self: self._payload.get("batch_flops"))
+    grad_norms = property(lambda self: self._payload.get(Key.GRAD_NORMS))
+    memory = property(lambda self: self._payload.get(Key.MEMORY))
+    batch_flops = property(lambda self: self._payload.get(Key.BATCH_FLOPS))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")

@@ -1,4 +1,4 @@
-"""Checkpoints without stalling training: stage into shared memory, write elsewhere.
+"""Checkpoints without stalling training: the trainer stages its state into shared memory.
 
 Training thread (``StagingBuffers.stage``): flatten ``Trainer.state_dict()``
 into one buffer file in ``/dev/shm``: host tensors are copied there (that copy
@@ -7,15 +7,10 @@ stream waits for that copy (on the GPU, not the host) before the next forward
 pass, so the step that follows cannot change what is being saved.
 
 The bus thread announces the staged checkpoint on the event it belongs to
-(``state.checkpoint`` on the subscriber side). The checkpoint worker maps the
-buffer (same host) or fetches it over the request service (another host: the
-buffer goes out as one zero-copy ZeroMQ frame), writes the file (temporary
-name, fsync, rename, then the ``latest`` link) and acknowledges. A buffer is
-reused only when it is acknowledged *and* ZeroMQ has let go of every frame
-sent from it; when every buffer is busy, that checkpoint is skipped and reported.
-
-The file is Composer's layout, ``{"state": {...}, "rng": [...]}``, made only of
-tensors and plain Python values, so ``torch.load(path, weights_only=True)`` reads it.
+(``state.checkpoint`` on the subscriber side, see :mod:`eventbus.checkpoint.handle`).
+A buffer is reused only when it is acknowledged *and* ZeroMQ has let go of
+every frame sent from it; when every buffer is busy, that checkpoint is skipped
+and reported.
 """
 
 from __future__ import annotations
@@ -24,86 +19,22 @@ import dataclasses
 import mmap
 import os
 import pathlib
-import shutil
 import tempfile
 import threading
-import warnings
-from typing import Any, Callable, Optional, Union
+import time
+from typing import Any, Optional
 
 import msgpack
 import torch
 
-from eventbus.errors import ConfigError
+from eventbus.checkpoint.layout import ALIGN, flatten
 
-__all__ = ["StagingBuffers", "StagedCheckpoint", "TRANSFERS", "Shard", "flatten", "unflatten", "merge_shards",
-           "save_atomically", "save_sharded_atomically"]
-
-TRANSFERS = ("auto", "shm", "fetch")
-
-_ALIGN = 64
+__all__ = ["StagingBuffers", "Staged"]
 
 
 def _shm_dir() -> pathlib.Path:
     shm = pathlib.Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path(tempfile.gettempdir())
-
-
-class Shard:
-    """One rank's piece of a sharded (DTensor) tensor: its local values and where they go."""
-
-    __slots__ = ("local", "global_shape", "offsets")
-
-    def __init__(self, local: torch.Tensor, global_shape: list[int], offsets: list[int]):
-        self.local, self.global_shape, self.offsets = local, global_shape, offsets
-
-
-def _dtensor_type() -> Optional[type]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
-
-
-def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """A msgpack-able skeleton of ``obj``; tensors are appended to ``tensors`` and replaced by their index.
-
-    A DTensor (FSDP's sharded parameters and optimizer state) contributes its local shard only."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(obj, dtensor):
-        from torch.distributed.tensor._utils import (
-            compute_local_shape_and_global_offset,
-        )
-
-        _, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
-        tensors.append(obj.to_local())
-        return {"__shard__": len(tensors) - 1, "global": list(obj.shape), "offsets": list(offsets)}
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return {"__tensor__": len(tensors) - 1}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {k: flatten(v, tensors) for k, v in obj.items()}
-        return {"__items__": [[flatten(k, tensors), flatten(v, tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return [flatten(v, tensors) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot checkpoint a {type(obj).__name__}; state_dict() values must be tensors or plain data")
-
-
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict):
-        if "__tensor__" in skeleton and len(skeleton) == 1:
-            return tensors[skeleton["__tensor__"]]
-        if "__shard__" in skeleton and len(skeleton) == 3:
-            return Shard(tensors[skeleton["__shard__"]], skeleton["global"], skeleton["offsets"])
-        if "__items__" in skeleton and len(skeleton) == 1:
-            return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton["__items__"]}
-        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [unflatten(v, tensors) for v in skeleton]
-    return skeleton
 
 
 @dataclasses.dataclass
@@ -147,16 +78,23 @@ class StagingBuffers:
         self._device_copy: Optional[torch.cuda.Event] = None
         self.skipped = 0
 
-    def stage(self, state_dict: dict[str, Any], meta: dict[str, Any]) -> Optional[Staged]:
-        """Copy ``state_dict`` into a free buffer; None (and ``skipped`` += 1) when every buffer is busy."""
+    def stage(self, state_dict: dict[str, Any], meta: dict[str, Any], wait: float = 0.0) -> Optional[Staged]:
+        """Copy ``state_dict`` into a free buffer; None (and ``skipped`` += 1) when every buffer is busy.
+
+        ``wait`` > 0 waits up to that many seconds for a buffer to be acknowledged instead: for the
+        last checkpoint of a run, when training is over and skipping it would lose the final state."""
         tensors: list[torch.Tensor] = []
         skeleton = flatten(state_dict, tensors)
         layout, offset = [], 0
         for tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
             layout.append([str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
-            offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        buffer = self._acquire(max(offset, _ALIGN))
+            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        buffer = self._acquire(max(offset, ALIGN))
+        deadline = time.monotonic() + wait
+        while buffer is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # acks arrive on the bus thread; ZeroMQ's trackers are polled
+            buffer = self._acquire(max(offset, ALIGN))
         if buffer is None:
             self.skipped += 1
             return None
@@ -186,7 +124,7 @@ class StagingBuffers:
 
     def _copy_into(self, buffer: _Buffer, tensors: list[torch.Tensor], layout: list[list[Any]]) -> Optional[Any]:
         on_device = []
-        for tensor, (_, shape, offset, nbytes) in zip(tensors, layout):
+        for tensor, (_, _shape, offset, nbytes) in zip(tensors, layout):
             if nbytes == 0:
                 continue
             target = torch.frombuffer(buffer.view, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -253,173 +191,3 @@ class StagingBuffers:
         with self._lock:
             for buffer in list(self._buffers):
                 self._drop(buffer)
-
-
-class StagedCheckpoint:
-    """The subscriber side of a staged checkpoint: ``load()`` the state dict, then ``ack``.
-
-    ``fetch(descriptor)`` returns the buffer's bytes from the staging rank's request service,
-    for a worker that cannot see the trainer's shared memory. A sharded (FSDP) checkpoint
-    has one buffer per rank (``descriptor["shards"]``); ``load`` merges them.
-    """
-
-    def __init__(self, descriptor: dict[str, Any], send: Optional[Callable[[str, dict[str, Any]], None]] = None,
-                 fetch: Optional[Callable[[dict[str, Any]], Any]] = None):
-        self.descriptor = descriptor
-        self._send = send
-        self._fetch = fetch
-
-    @property
-    def batch(self) -> int:
-        return int(self.descriptor["batch"])
-
-    @property
-    def sharded(self) -> bool:
-        return "shards" in self.descriptor
-
-    def _buffers(self) -> list[dict[str, Any]]:
-        return list(self.descriptor["shards"]) if self.sharded else [self.descriptor]
-
-    def load(self, transfer: str = "auto") -> dict[str, Any]:
-        """The checkpoint dict. ``transfer``: ``shm`` maps the trainer's shared buffer (same host),
-        ``fetch`` receives it over the network, ``auto`` maps it when it is visible here."""
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
-        pieces = [self._load_buffer(buffer, transfer) for buffer in self._buffers()]
-        return merge_shards(pieces) if self.sharded else pieces[0]
-
-    def _load_buffer(self, buffer: dict[str, Any], transfer: str) -> dict[str, Any]:
-        path = buffer["buffer"]
-        if transfer == "fetch" or (transfer == "auto" and not os.path.exists(path)):
-            if self._fetch is None:
-                raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
-                                  "trainer to fetch it from")
-            return _unpack(buffer, self._fetch(buffer), copy=False)
-        if not os.path.exists(path):
-            raise ConfigError(f"staged checkpoint buffer {path} is gone (a worker on another host needs "
-                              "--transfer fetch, or the trainer's /dev/shm)")
-        with open(path, "rb") as file:
-            view = mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_COPY)
-        try:
-            return _unpack(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
-        finally:
-            view.close()
-
-    def ack(self, path: Optional[str] = None, error: Optional[str] = None) -> None:
-        """Tell each staging rank its buffer is free, and whether the file was written."""
-        if self._send is None:
-            return
-        for buffer in self._buffers():
-            self._send("checkpoint_ack", {"buffer": buffer["buffer"], "path": path, "error": error,
-                                          "batch": self.batch, "rank": int(buffer.get("rank", 0))})
-
-
-def _unpack(descriptor: dict[str, Any], data: Any, copy: bool) -> dict[str, Any]:
-    if len(data) < descriptor["size"]:
-        raise ConfigError(f"staged checkpoint buffer has {len(data)} bytes, expected {descriptor['size']}")
-    tensors = []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given buffer is not writable")  # a received frame: read only
-        for dtype, shape, offset, nbytes in descriptor["layout"]:
-            torch_dtype = getattr(torch, dtype)
-            if nbytes == 0:
-                tensors.append(torch.empty(shape, dtype=torch_dtype))
-                continue
-            raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
-            tensor = raw.view(torch_dtype).view(shape)
-            tensors.append(tensor.clone() if copy else tensor)
-    skeleton = msgpack.unpackb(descriptor["skeleton"], raw=False, strict_map_key=False)
-    return unflatten(skeleton, tensors)
-
-
-def merge_shards(pieces: list[Any]) -> Any:
-    """Every rank's state dict (same structure) into one: shards placed into full tensors."""
-    first = pieces[0]
-    if isinstance(first, Shard):
-        full = torch.empty(first.global_shape, dtype=first.local.dtype)
-        for shard in pieces:
-            full[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local.shape))] = shard.local
-        return full
-    if isinstance(first, dict):
-        return {key: merge_shards([piece[key] for piece in pieces]) for key in first}
-    if isinstance(first, list):
-        return [merge_shards([piece[i] for piece in pieces]) for i in range(len(first))]
-    return first
-
-
-def save_sharded_atomically(state: dict[str, Any], folder: Union[str, os.PathLike]) -> None:
-    """Write ``state`` with torch.distributed.checkpoint into a temporary folder, then rename it.
-
-    The result is PyTorch's own format (``.metadata`` + ``.distcp``): ``dcp.load`` reads it
-    into any sharding, and ``dcp_to_torch_save`` turns it into one file."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = pathlib.Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*single process.*")  # no process group here, on purpose
-            dcp.save(state, checkpoint_id=tmp)
-        for written in tmp.iterdir():
-            with open(written, "rb") as file:
-                os.fsync(file.fileno())
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync_folder(folder.parent)
-
-
-def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
-    """torch.save to a temporary name, fsync, rename over ``path``, fsync the folder.
-
-    A crash leaves either the previous file or the complete new one under ``path``.
-    """
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as raw:
-            file = _ErrorKeepingWriter(raw)
-            try:
-                torch.save(obj, file)
-            except RuntimeError:
-                # torch reports a failed write as a position mismatch; the OS error says why.
-                if file.error is not None:
-                    raise file.error from None
-                raise
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)
-
-
-def _fsync_folder(path: pathlib.Path) -> None:
-    folder = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-
-
-class _ErrorKeepingWriter:
-    """A file wrapper that remembers the first OSError (ENOSPC, EFBIG, ...) a write raised."""
-
-    def __init__(self, file: Any):
-        self._file = file
-        self.error: Optional[OSError] = None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._file.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._file, name)

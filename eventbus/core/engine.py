@@ -52,7 +52,13 @@ class Engine:
         self.sinks: list[EventSink] = list(sinks)
         self._closed = False
         ref = weakref.ref(self)
-        self._atexit = lambda: (engine := ref()) is not None and engine.close()
+
+        def close_at_exit() -> None:
+            engine = ref()
+            if engine is not None:
+                engine.close()
+
+        self._atexit = close_at_exit
         atexit.register(self._atexit)
 
     @property

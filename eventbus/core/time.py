@@ -198,6 +198,20 @@ class Timestamp:
     """
 
     __slots__ = tuple("_" + f for f in _COUNTERS + _CLOCKS)
+    _iteration: int
+    _epoch: int
+    _batch: int
+    _sample: int
+    _token: int
+    _epoch_in_iteration: int
+    _token_in_iteration: int
+    _batch_in_epoch: int
+    _sample_in_epoch: int
+    _token_in_epoch: int
+    _total_wct: datetime.timedelta
+    _iteration_wct: datetime.timedelta
+    _epoch_wct: datetime.timedelta
+    _batch_wct: datetime.timedelta
 
     def __init__(
         self,

@@ -95,10 +95,11 @@ class _SubscriberLogger(Logger):
     def __init__(self, send: Any, source: str):
         super().__init__(state=None, destinations=())  # type: ignore[arg-type]
         self._send, self._source = send, source
+        self.state: Any = None  # the snapshot of the message being applied; the host sets it before each call
 
     def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
-        if step is None and self._state is not None:
-            step = self._state.timestamp.batch.value
+        if step is None and self.state is not None:
+            step = self.state.timestamp.batch.value
         self._send(dict(metrics), step, self._source)
 
     def log_hyperparameters(self, hyperparameters: Any) -> None:
@@ -198,7 +199,7 @@ class CallbackHost:
             if self.failure is not None and self.fail_fast:
                 continue
             slot.state = message.state
-            slot.logger._state = message.state
+            slot.logger.state = message.state
             try:
                 await self._apply(slot, message, loop)
             except Exception as err:

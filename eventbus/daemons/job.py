@@ -18,14 +18,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
-
-from eventbus.core.logger import ConsoleLogger
 from eventbus.errors import ConfigError
-from eventbus.training.demo import CharLM, CharLMConfig, make_dataloaders
-from eventbus.training.trainer import Trainer
+
+if TYPE_CHECKING:
+    from eventbus.training.trainer import Trainer
 
 __all__ = ["JobConfig", "add_run_arguments", "run_job"]
 
@@ -91,7 +89,8 @@ def load_config_file(path: pathlib.Path) -> dict[str, Any]:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = JobConfig()
     parser.add_argument("--config", type=pathlib.Path, help="a TOML or YAML file with any of these options")
-    parser.add_argument("--max-duration", help=f"how long to train: '2ep', '500ba', ... (default: {defaults.max_duration})")
+    parser.add_argument("--max-duration",
+                        help=f"how long to train: '2ep', '500ba', ... (default: {defaults.max_duration})")
     parser.add_argument("--batch-size", type=int, help=f"sequences per batch (default: {defaults.batch_size})")
     parser.add_argument("--seq-len", type=int, help=f"characters per sequence (default: {defaults.seq_len})")
     parser.add_argument("--d-model", type=int, help=f"model width (default: {defaults.d_model})")
@@ -129,7 +128,9 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         raise ConfigError(f"daemons: unknown {', '.join(bad)}; choose from {', '.join(DAEMONS)} or none")
     values["daemons"] = daemons
     wait_for = values.get("wait_for", [])
-    values["wait_for"] = [w.strip() for w in wait_for.split(",") if w.strip()] if isinstance(wait_for, str) else wait_for
+    if isinstance(wait_for, str):
+        wait_for = [w.strip() for w in wait_for.split(",") if w.strip()]
+    values["wait_for"] = wait_for
     if values.get("device") == "auto":
         values["device"] = None
     try:
@@ -172,7 +173,7 @@ def _start_daemons(trainer: Trainer, config: JobConfig) -> list[subprocess.Popen
 
 
 def _wait_for_subscribers(trainer: Trainer, names: list[str], timeout: float,
-                          children: list[subprocess.Popen] = ()) -> None:
+                          children: Sequence[subprocess.Popen] = ()) -> None:
     """Wait until each named subscriber sent a heartbeat, so none misses a checkpoint lease."""
     assert trainer.publisher is not None
     deadline = time.monotonic() + timeout
@@ -212,6 +213,30 @@ def _stop_daemons(children: list[subprocess.Popen], timeout: float = 60.0) -> No
             child.wait()
 
 
+def _build_trainer(config: JobConfig, load_path: Optional[pathlib.Path]) -> Trainer:
+    """The bundled model and data, in a Trainer configured from ``config``."""
+    # The training side (torch) only when there is something to train: `eventbus --help` stays fast.
+    import torch
+
+    from eventbus.core.logger import ConsoleLogger
+    from eventbus.training.demo import CharLM, CharLMConfig, make_dataloaders
+    from eventbus.training.trainer import Trainer
+
+    model_config = CharLMConfig(seq_len=config.seq_len, d_model=config.d_model, n_layers=config.layers)
+    torch.manual_seed(config.seed)
+    train_loader, eval_loader, vocab_size = make_dataloaders(model_config, config.batch_size)
+    model = CharLM(vocab_size, model_config)
+    run_name = config.run_name or time.strftime("charlm-%Y%m%d-%H%M%S")
+    run_folder = pathlib.Path(config.runs_dir) / run_name
+    return Trainer(
+        model, train_loader, max_duration=config.max_duration, eval_dataloader=eval_loader,
+        eval_interval=config.eval_interval, optimizers=torch.optim.AdamW(model.parameters(), lr=config.lr),
+        loggers=[] if "logger" in config.daemons else [ConsoleLogger("50ba")],
+        run_name=run_name, run_folder=run_folder, seed=config.seed, device=config.device,
+        precision=config.precision, bus=config.bus, load_path=load_path,
+    )
+
+
 def run_job(args: argparse.Namespace) -> int:
     """Train with the daemons, then say where everything is."""
     config = config_from_args(args)
@@ -219,19 +244,7 @@ def run_job(args: argparse.Namespace) -> int:
     if config.resume:
         config.run_name, load_path = _latest_checkpoint(config)
         print(f"eventbus run: resuming {config.run_name} from {load_path.resolve()}", file=sys.stderr, flush=True)
-    model_config = CharLMConfig(seq_len=config.seq_len, d_model=config.d_model, n_layers=config.layers)
-    torch.manual_seed(config.seed)
-    train_loader, eval_loader, vocab_size = make_dataloaders(model_config, config.batch_size)
-    model = CharLM(vocab_size, model_config)
-    run_name = config.run_name or time.strftime("charlm-%Y%m%d-%H%M%S")
-    run_folder = pathlib.Path(config.runs_dir) / run_name
-    trainer = Trainer(
-        model, train_loader, max_duration=config.max_duration, eval_dataloader=eval_loader,
-        eval_interval=config.eval_interval, optimizers=torch.optim.AdamW(model.parameters(), lr=config.lr),
-        loggers=[] if "logger" in config.daemons else [ConsoleLogger("50ba")],
-        run_name=run_name, run_folder=run_folder, seed=config.seed, device=config.device,
-        precision=config.precision, bus=config.bus, load_path=load_path,
-    )
+    trainer = _build_trainer(config, load_path)
     children: list[subprocess.Popen] = []
     interrupted = False
     started = time.perf_counter()

@@ -3,6 +3,8 @@
 Callbacks are named ``module:Class`` or ``path/to/file.py:Class``, optionally
 with keyword arguments as JSON: ``workers.timing:SpeedMonitor:{"window_size": 50}``.
 SIGTERM and SIGINT stop receiving, drain the queues, and close the callbacks.
+The command line around it (parsing, one-line errors, exit codes) is
+:mod:`eventbus.daemons.runtime`, shared with the daemons in ``workers/``.
 """
 
 from __future__ import annotations
@@ -23,16 +25,9 @@ from eventbus.core.callback import Callback
 from eventbus.daemons.host import CallbackHost, Cursor
 from eventbus.errors import ConfigError, EventBusError
 
-__all__ = ["add_daemon_arguments", "load_callback", "run_worker", "replay_journal", "bus_status"]
+__all__ = ["load_callback", "run_worker", "replay_journal", "bus_status"]
 
 log = logging.getLogger(__name__)
-
-
-def add_daemon_arguments(parser: Any, identity: str) -> None:
-    """The options every daemon in ``workers/`` shares: where the run is, and how it resumes."""
-    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
-    parser.add_argument("--identity", default=identity, help=f"resume name for restarts (default: {identity})")
-    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
 
 
 def load_callback(spec: str) -> Callback:

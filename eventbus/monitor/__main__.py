@@ -1,5 +1,7 @@
+"""``python -m eventbus.monitor``: the same command as ``eventbus monitor``."""
+
 import sys
 
-from eventbus.monitor.dashboard import main
+from eventbus.monitor.app import main
 
 sys.exit(main())

@@ -53,7 +53,7 @@ def split_batch(batch: Any, size: int) -> list[Any]:
             for i in range(count)
         ]
     if isinstance(batch, dict):
-        columns = {k: split_batch(v, size) if isinstance(v, torch.Tensor) else None for k, v in batch.items()}
-        count = max(len(c) for c in columns.values() if c is not None)
-        return [{k: (c[i] if c is not None else batch[k]) for k, c in columns.items()} for i in range(count)]
+        pieces = {k: split_batch(v, size) if isinstance(v, torch.Tensor) else None for k, v in batch.items()}
+        count = max(len(c) for c in pieces.values() if c is not None)
+        return [{k: (c[i] if c is not None else batch[k]) for k, c in pieces.items()} for i in range(count)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into microbatches")

@@ -81,6 +81,8 @@ def make_dataloaders(config: CharLMConfig, batch_size: int, eval_fraction: float
 class CharLM(ComposerModel):
     """A small causal Transformer over characters."""
 
+    causal_mask: torch.Tensor  # a registered buffer, declared for the type checker
+
     def __init__(self, vocab_size: int, config: CharLMConfig = CharLMConfig()):
         super().__init__()
         self.config = config

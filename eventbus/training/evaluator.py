@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 __all__ = ["Evaluator", "evaluate_periodically", "IntervalLike"]
 
 
-def evaluate_periodically(eval_interval: IntervalLike, *, name: str = "eval_interval") -> Callable[["State", Event], bool]:
+def evaluate_periodically(
+    eval_interval: IntervalLike, *, name: str = "eval_interval"
+) -> Callable[["State", Event], bool]:
     """``should_eval(state, event)``, checked at BATCH_END, EPOCH_END and FIT_END."""
     return interval_scheduler(eval_interval, name=name)
 

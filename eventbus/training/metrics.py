@@ -64,4 +64,5 @@ class CrossEntropy(_Mean):
     """Mean cross-entropy of logits against integer targets."""
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self._add(F.cross_entropy(preds.reshape(-1, preds.shape[-1]), target.reshape(-1), reduction="sum"), target.numel())
+        loss = F.cross_entropy(preds.reshape(-1, preds.shape[-1]), target.reshape(-1), reduction="sum")
+        self._add(loss, target.numel())

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from eventbus.core.callback import Callback
     from eventbus.training.algorithm import Algorithm
     from eventbus.training.evaluator import Evaluator
+    from eventbus.training.model import ComposerModel
 
 __all__ = ["State"]
 
@@ -26,7 +27,7 @@ class State:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: "ComposerModel",
         *,
         run_name: str,
         rank_zero_seed: int,
@@ -41,6 +42,7 @@ class State:
         device_train_microbatch_size: Optional[int] = None,
         rank: int = 0,
         world_size: int = 1,
+        state_dict_source: Optional[Callable[[], dict[str, Any]]] = None,
     ):
         self.model = model
         self.run_name = run_name
@@ -81,7 +83,7 @@ class State:
         self.eval_metric_values: dict[str, dict[str, torch.Tensor]] = {}
 
         self.stop_reason: Optional[str] = None
-        self._state_dict: Optional[Callable[[], dict[str, Any]]] = None  # installed by the Trainer
+        self._state_dict = state_dict_source  # the Trainer's state_dict
 
     def state_dict(self) -> dict[str, Any]:
         """The full checkpoint (Composer's layout), as ``Trainer.state_dict()`` builds it."""

@@ -1,0 +1,81 @@
+"""Bus thread: records from the training thread become plain message payloads.
+
+The builder keeps the run's current snapshot and applies each record's changes
+to it, so the training thread only captures what changed while every event
+message still carries the full snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from eventbus.bus.records import PER_BATCH_KEYS, EventRecord, Key
+
+__all__ = ["PayloadBuilder", "resolve"]
+
+
+def resolve(value: Any) -> Any:
+    """Turn a captured value into plain msgpack-able data (waiting for staged device values)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    deferred = getattr(value, "resolve", None)
+    if deferred is not None:
+        return deferred()
+    if hasattr(value, "tolist") and hasattr(value, "numel"):  # a host tensor captured by reference
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, dict):
+        return {str(k): resolve(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [resolve(v) for v in value]
+    return str(value)
+
+
+class PayloadBuilder:
+    """The current snapshot, updated record by record. Owned by the bus thread."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, Any] = {
+            Key.LOSS: None, Key.LEARNING_RATES: {}, Key.EVAL_METRICS: {}, Key.TRAIN_METRICS: {},
+            Key.MAX_DURATION: None, Key.STOP_REASON: None, **dict.fromkeys(PER_BATCH_KEYS),
+        }
+        self._last_timestamp: Any = None
+        self._last_timestamp_dict: dict[str, Any] = {}
+
+    def event_payload(self, record: EventRecord) -> dict[str, Any]:
+        """The full snapshot at this event. Waits for the record's staged device copies."""
+        if record.event == "batch_start":
+            self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
+        if record.changes:
+            self._apply(record.changes)
+        if record.timestamp is not self._last_timestamp:  # most events of a batch share one Timestamp
+            self._last_timestamp = record.timestamp
+            self._last_timestamp_dict = record.timestamp.state_dict()
+        payload = dict(self._current)
+        payload[Key.TIMESTAMP] = self._last_timestamp_dict
+        payload[Key.LABEL] = record.dataloader_label
+        payload[Key.DATALOADER_LEN] = record.dataloader_len
+        payload[Key.SAMPLES] = record.batch_num_samples
+        payload[Key.TOKENS] = record.batch_num_tokens
+        if record.checkpoint is not None:
+            if record.checkpoint.copied is not None:
+                record.checkpoint.copied.synchronize()  # the device-to-host staging copy; releases the GIL
+            payload[Key.CHECKPOINT] = record.checkpoint.descriptor
+        if record.eval_timestamp is not None:
+            payload[Key.EVAL_TIMESTAMP] = record.eval_timestamp.state_dict()
+        return payload
+
+    def _apply(self, changes: dict[str, Any]) -> None:
+        current = self._current
+        for key, value in changes.items():
+            if key == Key.EVAL_METRICS:
+                label, values = value
+                current[Key.EVAL_METRICS] = dict(current[Key.EVAL_METRICS], **{label: resolve(values)})
+            elif key == Key.GRAD_NORMS:
+                names, norms = value
+                current[Key.GRAD_NORMS] = dict(zip(names, resolve(norms)))
+            else:
+                current[key] = resolve(value)
+
+    @staticmethod
+    def metrics_payload(metrics: dict[str, Any], step: Optional[int], source: str) -> dict[str, Any]:
+        return {Key.METRICS: resolve(metrics), Key.STEP: step, Key.SOURCE: source}

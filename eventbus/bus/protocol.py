@@ -1,0 +1,212 @@
+"""The request protocol: what a subscriber may ask of a trainer rank, and the schema of each ask.
+
+Requests travel on the request service (DEALER -> ROUTER) as msgpack maps with
+``v`` (the protocol version) and ``op`` (an :class:`Op`). Every request is
+checked against its operation's schema -- field names, types, sizes and
+ranges -- before anything acts on it: :func:`parse_request` returns a typed
+:class:`Request` or raises :class:`ProtocolError` naming the field. Whatever a
+client sends is untrusted; nothing here can raise anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Optional
+
+from eventbus.bus import wire
+from eventbus.core.interval import interval_scheduler
+from eventbus.errors import ConfigError, ProtocolError
+
+__all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
+           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE"]
+
+MAX_SOURCE_CHARS = 100
+MAX_REASON_CHARS = 1_000
+MAX_PATH_CHARS = 4_096
+MAX_REPLAY_SPAN = 10_000  # seqs one replay request may ask for; the client asks again for more
+MAX_METRICS = 1_000  # keys in one metrics request
+MAX_METRIC_KEY_CHARS = 200
+MAX_TTL_SECONDS = 300.0
+MAX_CALLBACKS = 100
+CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint"})
+CHECKPOINT_OPTIONS = frozenset({"save_interval"})
+
+
+class Op(str, enum.Enum):
+    """The request operations; the publisher's request service has one handler per member."""
+
+    HELLO = "hello"  # heartbeat with the subscriber's stats (shown by monitors and `eventbus status`)
+    PROGRESS = "progress"  # "applied up to seq N": the run ends after live workers applied it
+    STATS = "stats"  # the publisher's counters and live subscribers
+    SNAPSHOT = "snapshot"  # join: the header, the latest message of each kind, the current seq
+    REPLAY = "replay"  # seqs from..to again (gap fill)
+    PING = "ping"  # the current seq (is the tail lost?)
+    STOP = "stop"  # stop training at the next BATCH_END
+    METRICS = "metrics"  # metrics a subscriber-side callback logged, re-published by the trainer
+    CAPTURE = "capture"  # lease a costly capture (grad norms, memory, flops, checkpoints)
+    CHECKPOINT_ACK = "checkpoint_ack"  # a staged checkpoint buffer was written; it may be reused
+    CHECKPOINT_FETCH = "checkpoint_fetch"  # send a staged checkpoint buffer (worker on another host)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """A validated request: its operation, the checked fields, and who sent it (if it said)."""
+
+    op: Op
+    fields: dict[str, Any]
+    id: Optional[int] = None
+    rank: Optional[int] = None
+    source: Optional[str] = None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+# ---------------------------------------------------------------- field checks
+# Each returns None when the value is acceptable, else what is wrong with it.
+
+Check = Callable[[Any], Optional[str]]
+
+
+def _int(low: int = 0, high: int = 1 << 62) -> Check:
+    def check(value: Any) -> Optional[str]:
+        if type(value) is not int:
+            return f"must be an integer, got {type(value).__name__}"
+        return None if low <= value <= high else f"must be in {low}..{high}, got {value}"
+    return check
+
+
+def _number(low: float, high: float) -> Check:
+    def check(value: Any) -> Optional[str]:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            return f"must be a finite number, got {value!r:.40}"
+        return None if low <= value <= high else f"must be in {low:g}..{high:g}, got {value:g}"
+    return check
+
+
+def _text(max_chars: int, *, optional: bool = False) -> Check:
+    def check(value: Any) -> Optional[str]:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            return f"must be a string, got {type(value).__name__}"
+        return None if len(value) <= max_chars else f"must be at most {max_chars} characters"
+    return check
+
+
+def _texts(max_items: int, max_chars: int, allowed: Optional[frozenset[str]] = None) -> Check:
+    def check(value: Any) -> Optional[str]:
+        if not isinstance(value, list) or len(value) > max_items:
+            return f"must be a list of at most {max_items} strings"
+        for item in value:
+            if not isinstance(item, str) or len(item) > max_chars:
+                return f"must hold strings of at most {max_chars} characters"
+            if allowed is not None and item not in allowed:
+                return f"has unknown name {item[:40]!r} (known: {', '.join(sorted(allowed))})"
+        return None
+    return check
+
+
+def _metrics(value: Any) -> Optional[str]:
+    if not isinstance(value, dict) or len(value) > MAX_METRICS:
+        return f"must be a map of at most {MAX_METRICS} metrics"
+    for key, item in value.items():
+        if len(key) > MAX_METRIC_KEY_CHARS:
+            return f"keys must be at most {MAX_METRIC_KEY_CHARS} characters"
+        if not (item is None or type(item) in (int, float, bool) or (isinstance(item, str) and len(item) <= 1_000)):
+            return f"value of {key[:40]!r} must be a number, a bool or a short string"
+    return None
+
+
+def _options(value: Any) -> Optional[str]:
+    if not isinstance(value, dict):
+        return "must be a map"
+    for key, item in value.items():
+        if key not in CHECKPOINT_OPTIONS:
+            return f"has unknown option {key[:40]!r} (known: {', '.join(sorted(CHECKPOINT_OPTIONS))})"
+        if not isinstance(item, str) or len(item) > 64:
+            return f"option {key!r} must be a short string"
+        try:  # parsed here, on the bus thread, so a bad interval never reaches the training thread
+            interval_scheduler(item, name=key)
+        except ConfigError as err:
+            return str(err)
+    return None
+
+
+def _counters(max_items: int) -> Check:
+    def check(value: Any) -> Optional[str]:
+        if not isinstance(value, dict) or len(value) > max_items:
+            return f"must be a map of at most {max_items} entries"
+        for key, item in value.items():
+            if len(key) > 64 or not (item is None or type(item) in (int, float, bool)):
+                return "must map short names to numbers"
+        return None
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One field of a request: its check, whether it must be present, whether nil is allowed."""
+
+    check: Check
+    required: bool = False
+    nullable: bool = False
+
+
+# Fields every request may carry.
+_COMMON = {
+    "id": Field(_int(0)),
+    "rank": Field(_int(0, 65_535)),
+    "source": Field(_text(MAX_SOURCE_CHARS)),
+}
+
+SCHEMAS: dict[Op, dict[str, Field]] = {
+    Op.HELLO: {"stats": Field(_counters(64), nullable=True), "callbacks": Field(_texts(MAX_CALLBACKS, 200)),
+               "applied": Field(_int(0))},
+    Op.PROGRESS: {"applied": Field(_int(0), required=True)},
+    Op.STATS: {},
+    Op.SNAPSHOT: {},
+    Op.PING: {},
+    Op.REPLAY: {"run_id": Field(_text(64), required=True), "from": Field(_int(1), required=True),
+                "to": Field(_int(1), required=True)},
+    Op.STOP: {"reason": Field(_text(MAX_REASON_CHARS, optional=True))},
+    Op.METRICS: {"metrics": Field(_metrics, required=True), "step": Field(_int(0, 1 << 62), nullable=True)},
+    Op.CAPTURE: {"what": Field(_texts(len(CAPTURABLE), 32, CAPTURABLE), required=True),
+                 "interval": Field(_int(1, 1_000_000)), "ttl": Field(_number(0.0, MAX_TTL_SECONDS)),
+                 "options": Field(_options)},
+    Op.CHECKPOINT_ACK: {"buffer": Field(_text(MAX_PATH_CHARS), required=True),
+                        "path": Field(_text(MAX_PATH_CHARS, optional=True)),
+                        "error": Field(_text(MAX_REASON_CHARS, optional=True)),
+                        "batch": Field(_int(0))},
+    Op.CHECKPOINT_FETCH: {"buffer": Field(_text(MAX_PATH_CHARS), required=True)},
+}
+
+
+def parse_request(data: bytes, max_bytes: int = wire.MAX_MESSAGE_BYTES) -> Request:
+    """Decode and validate one request; :class:`ProtocolError` says which field is wrong and why."""
+    raw = wire.decode_request(data, max_bytes)
+    try:
+        op = Op(raw["op"])
+    except ValueError:
+        raise ProtocolError(f"request: unknown op {raw['op'][:40]!r}") from None
+    schema = SCHEMAS[op]
+    fields: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name in ("v", "op"):
+            continue
+        field = schema.get(name) or _COMMON.get(name)
+        if field is None:
+            raise ProtocolError(f"{op.value} request: unknown field {name[:40]!r}")
+        if value is None and (field.nullable or name in _COMMON):
+            continue
+        problem = field.check(value)
+        if problem is not None:
+            raise ProtocolError(f"{op.value} request: {name!r} {problem}")
+        fields[name] = value
+    for name, field in schema.items():
+        if field.required and name not in fields:
+            raise ProtocolError(f"{op.value} request: missing {name!r}")
+    return Request(op, fields, id=fields.pop("id", None), rank=fields.pop("rank", None),
+                   source=fields.pop("source", None))

@@ -1,0 +1,84 @@
+"""Filling a subscriber's gaps: from the publisher's replay service first, then from the journal.
+
+What neither can supply is logged and counted as lost, never skipped silently.
+After the service fails to answer, the journal is used straight away for a
+while instead of waiting for a timeout at every gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from eventbus.bus import wire
+from eventbus.bus.journal_source import JournalSource
+from eventbus.bus.sequencer import Sequencer
+from eventbus.bus.service_client import ServiceClient
+
+if TYPE_CHECKING:
+    from eventbus.bus.subscriber import SubscriberStats
+
+__all__ = ["GapFiller"]
+
+_SERVICE_BACKOFF = 10.0  # seconds of going straight to the journal after the service did not answer
+
+
+class GapFiller:
+    """Recovers missing seqs of the sequencer's run into the sequencer, in seq order."""
+
+    def __init__(self, service: ServiceClient, journal: JournalSource, sequencer: Sequencer,
+                 stats: SubscriberStats):
+        self._service = service
+        self._journal = journal
+        self._sequencer = sequencer
+        self._stats = stats
+        self._service_down_until = 0.0
+
+    async def fill(self, first: int, last: int) -> None:
+        """Recover seqs first..last from the replay service, then from the journal; count the rest lost."""
+        self._stats.gaps += 1
+        first = await self._from_replay(first, last)
+        if first <= last:
+            first = self._journal.fill(first, last)
+        if first <= last:
+            self._sequencer.lose(first, last)
+
+    async def check_tail(self) -> None:
+        """Nothing arrived for a while: were the last messages (the end of the run, say) dropped?
+        Ask the publisher how far it is; if it is gone, look in the journal."""
+        next_seq, run_id = self._sequencer.next_seq, self._sequencer.run_id
+        if next_seq is None or run_id is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._service_down_until:
+            frames = await self._service.request("ping")
+            if frames is not None:
+                reply = wire.decode_request(frames[0])
+                current = reply.get("seq")
+                if reply.get("run_id") == run_id and isinstance(current, int) and current >= next_seq:
+                    await self.fill(next_seq, current)
+                return
+            self._service_down_until = loop.time() + _SERVICE_BACKOFF
+        self._journal.fill(next_seq, 1 << 62)
+        if self._sequencer.next_seq != next_seq:
+            self._stats.gaps += 1
+
+    async def _from_replay(self, first: int, last: int) -> int:
+        """Queue what the replay service returns from ``first`` on; returns the first seq still missing."""
+        loop = asyncio.get_running_loop()
+        while first <= last and loop.time() >= self._service_down_until:
+            frames = await self._service.request("replay", run_id=self._sequencer.run_id,
+                                                 **{"from": first, "to": last})
+            if frames is None:  # no answer: go to the journal for a while instead of waiting each time
+                self._service_down_until = loop.time() + _SERVICE_BACKOFF
+            recovered = 0
+            for frame in frames[1:] if frames else []:
+                item = self._sequencer.decode(frame)
+                if item is None or item.envelope.seq != first:
+                    break
+                self._sequencer.recover(item)
+                recovered += 1
+                first += 1
+            if not recovered:
+                break
+        return first

@@ -1,0 +1,206 @@
+"""The request service: the bus thread's answers to subscribers, one handler per operation.
+
+Runs on the bus thread, between sends. A request is parsed against its
+operation's schema (:mod:`eventbus.bus.protocol`) before any handler sees it;
+an invalid one is counted as a protocol error, logged with the peer that sent
+it, and dropped. A handler that fails is counted and logged too: nothing a
+client sends can stop the bus thread or reach the training thread except as a
+validated stop request or capture lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Optional, Protocol
+
+import zmq
+
+from eventbus.bus import wire
+from eventbus.bus.history import History
+from eventbus.bus.leases import Leases
+from eventbus.bus.protocol import MAX_REPLAY_SPAN, Op, Request, parse_request
+from eventbus.errors import ProtocolError
+
+__all__ = ["RequestService", "PublisherStats", "SubscriberTable", "StagingArea"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PublisherStats:
+    """Counters of the bus; ``queue_depth`` is sampled when read."""
+
+    captured: int = 0
+    published: int = 0
+    dropped_queue_full: int = 0
+    replay_requests: int = 0
+    replayed_messages: int = 0
+    snapshot_requests: int = 0
+    control_messages: int = 0
+    checkpoint_fetches: int = 0
+    protocol_errors: int = 0
+    failed_requests: int = 0
+    queue_depth: int = 0
+
+
+class StagingArea(Protocol):
+    """The trainer's checkpoint staging buffers, as the bus thread sees them."""
+
+    def release(self, path: str) -> bool: ...
+    def send(self, socket: Any, envelope: list[bytes], path: str) -> bool: ...
+    def busy(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class SubscriberTable:
+    """Subscribers heard from: identity -> last seen, stats, callbacks, applied seq.
+
+    Bounded: beyond ``max_entries`` the least recently seen entry goes, so forged
+    identities cannot grow the trainer or the ``stats`` reply."""
+
+    def __init__(self, max_entries: int = 256):
+        self.max_entries = max_entries
+        self.entries: dict[str, dict[str, Any]] = {}
+
+    def seen(self, request: Request) -> None:
+        if request.source is None:
+            return
+        entry = self.entries.pop(request.source, None) or {"first_seen": time.time()}
+        self.entries[request.source] = entry  # re-inserted: dict order is recency order
+        entry["last_seen"] = time.time()
+        if request.op is Op.HELLO:
+            entry["stats"], entry["callbacks"] = request.get("stats"), request.get("callbacks")
+        if request.get("applied") is not None:
+            entry["applied"] = request.get("applied")
+        while len(self.entries) > self.max_entries:
+            del self.entries[next(iter(self.entries))]
+
+    def live(self, within: float = 15.0) -> list[str]:
+        now = time.time()
+        return [name for name, seen in list(self.entries.items()) if now - seen.get("last_seen", 0) <= within]
+
+    def behind(self, last_seq: int, within: float = 15.0) -> list[str]:
+        """Live workers that report progress and have not applied ``last_seq`` yet."""
+        now = time.time()
+        return [name for name, seen in self.entries.items()
+                if "applied" in seen and now - seen.get("last_seen", 0) < within and seen["applied"] < last_seq]
+
+
+Handler = Callable[[list[bytes], Request], None]
+
+
+class RequestService:
+    """Answers the ROUTER socket's requests; constructed and driven by the bus thread."""
+
+    def __init__(self, router: zmq.Socket, history: History, leases: Leases, stats: PublisherStats,
+                 subscribers: SubscriberTable, publish_metrics: Callable[[dict[str, Any]], None],
+                 staging: Optional[StagingArea], max_message_bytes: int):
+        self._router, self._history, self._leases = router, history, leases
+        self._stats, self.subscribers = stats, subscribers
+        self._publish_metrics = publish_metrics
+        self._staging = staging
+        self._max_bytes = max_message_bytes
+        self._handlers: dict[Op, Handler] = {
+            Op.HELLO: self._ignore, Op.PROGRESS: self._ignore, Op.STATS: self._stats_reply,
+            Op.SNAPSHOT: self._snapshot, Op.REPLAY: self._replay, Op.PING: self._ping, Op.STOP: self._stop,
+            Op.METRICS: self._metrics, Op.CAPTURE: self._capture, Op.CHECKPOINT_ACK: self._checkpoint_ack,
+            Op.CHECKPOINT_FETCH: self._checkpoint_fetch,
+        }
+
+    def serve(self, frames: list[bytes]) -> None:
+        """Handle one multipart request: routing frames (a proxy's, the client's), then the body."""
+        route, body = frames[:-1], frames[-1]
+        try:
+            request = parse_request(body, self._max_bytes)
+        except ProtocolError as err:
+            self._refuse(route, f"bad request ignored: {err}")
+            return
+        rank = self._history.rank
+        if request.rank is not None and request.rank != rank:
+            self._refuse(route, f"a {request.op.value} request for rank {request.rank} reached rank {rank}")
+            return
+        self.subscribers.seen(request)
+        try:
+            self._handlers[request.op](route, request)
+        except Exception:  # a bug in a handler must not end the bus thread
+            self._stats.failed_requests += 1
+            log.exception("the %s request from %s failed; the bus goes on", request.op.value, _peer(route, request))
+
+    def _refuse(self, route: list[bytes], why: str) -> None:
+        self._stats.protocol_errors += 1
+        log.warning("%s (from %s)", why, _peer(route, None))
+
+    def _reply(self, route: list[bytes], op: str, request: Request, *frames: bytes, **fields: Any) -> None:
+        reply = wire.encode_request(op, id=request.id, run_id=self._history.run_id, **fields)
+        self._router.send_multipart([*route, reply, *frames])
+
+    # ---------------------------------------------------------------- handlers, one per Op
+
+    def _ignore(self, route: list[bytes], request: Request) -> None:
+        """hello / progress: the subscriber table already recorded them."""
+
+    def _stats_reply(self, route: list[bytes], request: Request) -> None:
+        self._reply(route, "stats", request, seq=self._history.seq, publisher=dataclasses.asdict(self._stats),
+                    subscribers=self.subscribers.entries, now=time.time())
+
+    def _snapshot(self, route: list[bytes], request: Request) -> None:
+        self._stats.snapshot_requests += 1
+        self._reply(route, "snapshot", request, self._history.header_bytes, *self._history.latest(),
+                    seq=self._history.seq, rank=self._history.rank)
+
+    def _replay(self, route: list[bytes], request: Request) -> None:
+        self._stats.replay_requests += 1
+        first = request.get("from")
+        last = min(request.get("to"), self._history.seq, first + MAX_REPLAY_SPAN - 1)
+        same_run = request.get("run_id") == self._history.run_id
+        messages = self._history.messages(first, last) if same_run else []
+        self._stats.replayed_messages += len(messages)
+        self._reply(route, "replay", request, *messages, first=first, last=first + len(messages) - 1)
+
+    def _ping(self, route: list[bytes], request: Request) -> None:
+        self._reply(route, "pong", request, seq=self._history.seq)
+
+    def _stop(self, route: list[bytes], request: Request) -> None:
+        self._stats.control_messages += 1
+        reason = request.get("reason") or "stop requested by a subscriber"
+        self._leases.request_stop(f"{reason} (from {request.source})" if request.source else reason)
+
+    def _metrics(self, route: list[bytes], request: Request) -> None:
+        self._stats.control_messages += 1
+        self._publish_metrics({"metrics": request.get("metrics"), "step": request.get("step"),
+                               "source": request.source or "subscriber"})
+
+    def _capture(self, route: list[bytes], request: Request) -> None:
+        self._stats.control_messages += 1
+        options = request.get("options")
+        self._leases.grant(request.get("what"), float(request.get("ttl", 10.0)), request.get("interval", 1),
+                           dict(options) if options is not None else None)
+
+    def _checkpoint_ack(self, route: list[bytes], request: Request) -> None:
+        self._stats.control_messages += 1
+        if self._staging is None or not self._staging.release(request.get("buffer")):
+            self._refuse(route, "checkpoint_ack for a buffer that is not staged")
+            return
+        batch, error = request.get("batch"), request.get("error")
+        if error:
+            log.warning("checkpoint at batch %s failed in the checkpoint worker: %s", batch, error)
+            result = {"checkpoint/error": error}
+        else:
+            result = {"checkpoint/saved": str(request.get("path"))}
+        self._publish_metrics({"metrics": result, "step": batch, "source": request.source or "checkpoint"})
+
+    def _checkpoint_fetch(self, route: list[bytes], request: Request) -> None:
+        self._stats.checkpoint_fetches += 1
+        envelope = [*route, wire.encode_request("checkpoint_fetch", id=request.id, run_id=self._history.run_id)]
+        if self._staging is None or not self._staging.send(self._router, envelope, request.get("buffer")):
+            self._reply(route, "checkpoint_fetch", request,
+                        error="no such staged checkpoint (already acknowledged, or from another run)")
+
+
+def _peer(route: list[bytes], request: Optional[Request]) -> str:
+    """Who sent a request, for log lines: its declared source, else its routing identity."""
+    if request is not None and request.source:
+        return repr(request.source)
+    return route[-1].hex() if route else "an unknown peer"

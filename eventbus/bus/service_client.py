@@ -1,0 +1,213 @@
+"""The subscriber's DEALER client to the publisher's request service.
+
+Requests (snapshot, replay, ping, stats) take turns on one socket: a request
+waits for the one before it, so no caller can take another's reply. Control
+messages (stop, metrics, hello, progress, capture) are one-way and may be sent
+from any thread. Every request names the subscriber's rank when it has one:
+a proxy routes on it, and a rank refuses another's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+
+import zmq
+import zmq.asyncio
+
+from eventbus.bus import wire
+from eventbus.bus.security import ClientKeys
+from eventbus.errors import ProtocolError, TransferError
+
+if TYPE_CHECKING:
+    from eventbus.bus.subscriber import SubscriberStats
+
+__all__ = ["ServiceClient", "SOCKET_SLACK"]
+
+# ZeroMQ drops a connection beyond MAXMSGSIZE; a little over the decoder's limit so that a
+# slightly oversized message is counted as a ProtocolError instead.
+SOCKET_SLACK = 64 * 1024
+
+
+class ServiceClient:
+    """Request/reply and control messages to one publisher (or proxy) request service.
+
+    ``rank`` and ``via_proxy`` say how requests are routed (the subscriber learns them when it
+    joins); ``header`` returns the run header, whose ``ranks`` list other ranks' services.
+    """
+
+    def __init__(self, service_address: str, *, stats: SubscriberStats, header: Callable[[], dict[str, Any]],
+                 identity: str, keys: Optional[ClientKeys] = None, timeout: float = 2.0,
+                 max_bytes: int = wire.MAX_MESSAGE_BYTES, rank: Optional[int] = None):
+        self.service_address = service_address
+        self.identity = identity
+        self.rank = rank
+        self.via_proxy = False
+        self._stats = stats
+        self._header = header
+        self._keys = keys
+        self._timeout = timeout
+        self._max_bytes = max_bytes
+        self._ids = itertools.count(1)
+        self._context: Optional[zmq.asyncio.Context] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._dealer: Optional[zmq.asyncio.Socket] = None
+        self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._turn = asyncio.Lock()
+
+    def connect(self, context: zmq.asyncio.Context) -> None:
+        """Open the request socket; from the event loop that will use it."""
+        self._loop = asyncio.get_running_loop()
+        self._context = context
+        self._dealer = self._new_dealer()
+
+    def close(self) -> None:
+        for sock in (self._dealer, *self._rank_dealers.values()):
+            if sock is not None:
+                sock.close(linger=200)
+
+    # ------------------------------------------------------------------ requests
+
+    async def request(self, op: str, **fields: Any) -> Optional[list[bytes]]:
+        """One request/reply: the reply's frames, or None on timeout (the socket is then replaced)."""
+        async with self._turn:
+            return await self._request(op, fields)
+
+    async def _request(self, op: str, fields: dict[str, Any]) -> Optional[list[bytes]]:
+        assert self._dealer is not None, "connect() first"
+        request_id = next(self._ids)
+        await self._dealer.send(wire.encode_request(op, id=request_id, **self._routed(fields)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self._dealer.poll(remaining * 1000):
+                # A late reply must not be mistaken for the next one: start a fresh socket.
+                self._dealer.close(linger=0)
+                self._dealer = self._new_dealer()
+                return None
+            frames = await self._dealer.recv_multipart()
+            try:
+                reply = wire.decode_request(frames[0])
+            except ProtocolError:
+                self._stats.protocol_errors += 1
+                continue
+            if reply.get("id") == request_id:
+                return [frames[0], *frames[1:]]
+
+    async def trainer_stats(self) -> Optional[dict[str, Any]]:
+        """The publisher's counters and the subscribers it heard from recently; None if it does not answer."""
+        frames = await self.request("stats")
+        return wire.decode_request(frames[0]) if frames else None
+
+    # ------------------------------------------------------------------ control (one-way)
+
+    def send(self, op: str, **fields: Any) -> None:
+        """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
+        assert self._loop is not None, "connect() first"
+        data = wire.encode_request(op, **self._routed(fields))
+        rank = fields.get("rank")
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer_to(rank).send(data)))
+
+    def control(self, op: str, fields: dict[str, Any]) -> None:
+        """A snapshot's control hook (``stop_training()``, a checkpoint's ack): sent as this subscriber."""
+        self.send(op, **fields, source=self.identity)
+
+    def stop_training(self, reason: str) -> None:
+        self.control("stop", {"reason": reason})
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
+        plain = {str(k): _plain_number(v) for k, v in metrics.items()}
+        self.send("metrics", metrics=plain, step=step, source=source or self.identity)
+
+    def hello(self, stats: dict[str, Any], callbacks: Sequence[str] = (), applied: Optional[int] = None) -> None:
+        extra = {"applied": applied} if applied is not None else {}
+        self.send("hello", stats=stats, callbacks=list(callbacks), source=self.identity, **extra)
+
+    def progress(self, applied: int) -> None:
+        self.send("progress", applied=applied, source=self.identity)
+
+    def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
+                        options: Optional[dict[str, Any]] = None) -> None:
+        self.send("capture", what=sorted(what), interval=interval, ttl=ttl, options=options or {},
+                  source=self.identity)
+
+    # ------------------------------------------------------------------ checkpoint transfer
+
+    def fetch_checkpoint(self, descriptor: dict[str, Any], timeout: float = 600.0) -> memoryview:
+        """The bytes of a staged checkpoint buffer, from the trainer's request service.
+
+        Blocking, on the calling thread (a hosted callback's own), with a socket of its own:
+        the buffer arrives as one frame and is used in place, without a copy.
+        """
+        context = zmq.Context()
+        try:
+            dealer = context.socket(zmq.DEALER)
+            if self._keys is not None:
+                self._keys.apply(dealer)
+            dealer.setsockopt(zmq.MAXMSGSIZE, int(descriptor["size"]) + SOCKET_SLACK)
+            dealer.setsockopt(zmq.LINGER, 0)
+            rank = descriptor.get("rank")
+            address = self._service_for(rank)
+            dealer.connect(address)
+            request = {"id": 1, "buffer": descriptor["buffer"], "source": self.identity}
+            if rank is not None:
+                request["rank"] = rank
+            dealer.send(wire.encode_request("checkpoint_fetch", **self._routed(request)))
+            if not dealer.poll(int(timeout * 1000)):
+                raise TransferError(f"no checkpoint from {address} within {timeout:.0f}s")
+            frames = dealer.recv_multipart(copy=False)
+            reply = wire.decode_request(frames[0].bytes)
+            if reply.get("error") or len(frames) != 2:
+                raise TransferError(f"the trainer could not send the checkpoint: {reply.get('error')}")
+            return frames[1].buffer
+        finally:
+            context.destroy(linger=0)
+
+    # ------------------------------------------------------------------ routing
+
+    def _routed(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Requests name their rank: a proxy routes on it, and a rank refuses another's."""
+        return fields if self.rank is None or "rank" in fields else dict(fields, rank=self.rank)
+
+    def _service_for(self, rank: Optional[int]) -> str:
+        """Where a request for ``rank`` goes: this subscriber's service (its own rank, or a proxy),
+        or that rank's own service as listed in rank 0's run header (FSDP checkpoint shards)."""
+        if rank is None or rank == self.rank or self.via_proxy:
+            return self.service_address
+        for endpoint in self._header().get("ranks") or ():
+            if isinstance(endpoint, dict) and endpoint.get("rank") == rank:
+                return str(endpoint["service_address"])
+        raise TransferError(f"rank {rank} is not listed in this run's header")
+
+    def _dealer_to(self, rank: Optional[int]) -> zmq.asyncio.Socket:
+        """The event loop's DEALER for ``rank`` (created on first use; on the loop thread only)."""
+        address = self._service_for(rank)
+        if address == self.service_address:
+            assert self._dealer is not None
+            return self._dealer
+        if address not in self._rank_dealers:
+            assert self._context is not None
+            dealer = self._context.socket(zmq.DEALER)
+            if self._keys is not None:
+                self._keys.apply(dealer)
+            dealer.setsockopt(zmq.LINGER, 500)
+            dealer.connect(address)
+            self._rank_dealers[address] = dealer
+        return self._rank_dealers[address]
+
+    def _new_dealer(self) -> zmq.asyncio.Socket:
+        assert self._context is not None
+        dealer = self._context.socket(zmq.DEALER)
+        if self._keys is not None:
+            self._keys.apply(dealer)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + SOCKET_SLACK)
+        dealer.setsockopt(zmq.LINGER, 500)
+        dealer.connect(self.service_address)
+        return dealer
+
+
+def _plain_number(value: Any) -> Any:
+    item = getattr(value, "item", None)
+    return item() if item is not None else value

@@ -1,0 +1,85 @@
+"""The checkpoint worker's side of a staged checkpoint: load it, then acknowledge it.
+
+The worker maps the trainer's shared-memory buffer (same host) or fetches it
+over the request service (another host: the buffer arrives as one zero-copy
+ZeroMQ frame), writes the file (see :mod:`eventbus.checkpoint.files`) and
+acknowledges, so the trainer may reuse the buffer. Importing this module does
+not import torch (a snapshot refers to it); ``load`` does.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any, Callable, Optional
+
+from eventbus.errors import ConfigError
+
+__all__ = ["StagedCheckpoint", "TRANSFERS"]
+
+TRANSFERS = ("auto", "shm", "fetch")
+
+
+class StagedCheckpoint:
+    """The subscriber side of a staged checkpoint: ``load()`` the state dict, then ``ack``.
+
+    ``fetch(descriptor)`` returns the buffer's bytes from the staging rank's request service,
+    for a worker that cannot see the trainer's shared memory. A sharded (FSDP) checkpoint
+    has one buffer per rank (``descriptor["shards"]``); ``load`` merges them.
+    """
+
+    def __init__(self, descriptor: dict[str, Any], send: Optional[Callable[[str, dict[str, Any]], None]] = None,
+                 fetch: Optional[Callable[[dict[str, Any]], Any]] = None):
+        self.descriptor = descriptor
+        self._send = send
+        self._fetch = fetch
+
+    @property
+    def batch(self) -> int:
+        return int(self.descriptor["batch"])
+
+    @property
+    def sharded(self) -> bool:
+        return "shards" in self.descriptor
+
+    def _buffers(self) -> list[dict[str, Any]]:
+        return list(self.descriptor["shards"]) if self.sharded else [self.descriptor]
+
+    def load(self, transfer: str = "auto") -> dict[str, Any]:
+        """The checkpoint dict. ``transfer``: ``shm`` maps the trainer's shared buffer (same host),
+        ``fetch`` receives it over the network, ``auto`` maps it when it is visible here."""
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
+        pieces = [self._load_buffer(buffer, transfer) for buffer in self._buffers()]
+        if not self.sharded:
+            return pieces[0]
+        from eventbus.checkpoint.layout import merge_shards
+
+        return merge_shards(pieces)
+
+    def _load_buffer(self, buffer: dict[str, Any], transfer: str) -> dict[str, Any]:
+        from eventbus.checkpoint.layout import unpack_buffer
+
+        path = buffer["buffer"]
+        if transfer == "fetch" or (transfer == "auto" and not os.path.exists(path)):
+            if self._fetch is None:
+                raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
+                                  "trainer to fetch it from")
+            return unpack_buffer(buffer, self._fetch(buffer), copy=False)
+        if not os.path.exists(path):
+            raise ConfigError(f"staged checkpoint buffer {path} is gone (a worker on another host needs "
+                              "--transfer fetch, or the trainer's /dev/shm)")
+        with open(path, "rb") as file:
+            view = mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_COPY)
+        try:
+            return unpack_buffer(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
+        finally:
+            view.close()
+
+    def ack(self, path: Optional[str] = None, error: Optional[str] = None) -> None:
+        """Tell each staging rank its buffer is free, and whether the file was written."""
+        if self._send is None:
+            return
+        for buffer in self._buffers():
+            self._send("checkpoint_ack", {"buffer": buffer["buffer"], "path": path, "error": error,
+                                          "batch": self.batch, "rank": int(buffer.get("rank", 0))})

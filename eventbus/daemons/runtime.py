@@ -1,0 +1,105 @@
+"""What every daemon's command line shares: its parser, its common options, its logging, its ending.
+
+A daemon (``python -m workers.logger``, ``eventbus worker``, ...) is a parser plus a
+function that builds its callbacks from the parsed arguments; :func:`run_daemon`
+does the rest the same way for all of them: one-line errors with exit code 2,
+callbacks built (and so validated) before connecting, ``run_worker`` until the
+run ends or a signal arrives.
+
+This module imports nothing heavy at import time (no torch, no zmq): the monitor
+and ``--help`` use :class:`OneLineErrorParser` and must start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import pathlib
+import sys
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from eventbus.errors import EventBusError
+
+if TYPE_CHECKING:
+    from eventbus.core.callback import Callback
+
+__all__ = ["OneLineErrorParser", "add_daemon_arguments", "setup_logging", "run_daemon", "serve"]
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
+
+# The keyword arguments of run_worker that a daemon's parsed arguments may carry under the same name.
+_WORKER_OPTIONS = ("identity", "state_dir", "start", "events", "fail_fast", "journal", "follow")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments: one line naming the problem (``--help`` shows the rest), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_daemon_arguments(parser: argparse.ArgumentParser, identity: str) -> None:
+    """The options every daemon in ``workers/`` shares: where the run is, and how it resumes."""
+    parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
+    parser.add_argument("--identity", default=identity, help=f"resume name for restarts (default: {identity})")
+    parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+
+
+def setup_logging(level: int = logging.WARNING) -> None:
+    """Log records to stderr with a timestamp and the logger's name (a no-op if logging is configured)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+
+
+def run_daemon(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]],
+               build_callbacks: Callable[[argparse.Namespace], Sequence[Callback]],
+               log_level: int = logging.WARNING) -> int:
+    """Parse ``argv`` and host ``build_callbacks(args)`` on the run at ``--connect``; the exit code.
+
+    Bad arguments exit 2 (argparse); see :func:`serve` for the rest.
+    """
+    args = parser.parse_args(argv)
+    setup_logging(log_level)
+    return serve(parser.prog, args, build_callbacks)
+
+
+def serve(prog: str, args: argparse.Namespace,
+          build_callbacks: Callable[[argparse.Namespace], Sequence[Callback]]) -> int:
+    """Host the callbacks on ``args.connect`` until the run ends; the exit code.
+
+    The callbacks are built before connecting, so a bad option value (ConfigError, ValueError)
+    is a one-line error with exit code 2 and no traceback, as is any EventBusError while
+    running (a refused address, missing keys). With ``args.follow`` each new run gets freshly
+    built callbacks. Ctrl-C before the signal handlers are installed exits 130.
+    """
+    from eventbus.daemons.worker import run_worker  # the bus and the host: only once there is a run to follow
+
+    try:
+        factory = _callback_factory(build_callbacks, args)
+    except (EventBusError, ValueError) as err:  # the options were wrong, not a bug while running
+        return _error(prog, err)
+    try:
+        options = {name: getattr(args, name) for name in _WORKER_OPTIONS if hasattr(args, name)}
+        return asyncio.run(run_worker(args.connect, factory, **options))
+    except EventBusError as err:
+        return _error(prog, err)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _error(prog: str, err: BaseException) -> int:
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def _callback_factory(build: Callable[[argparse.Namespace], Sequence[Callback]],
+                      args: argparse.Namespace) -> Callable[[], list[Callback]]:
+    """Build the callbacks once now (so bad options fail before connecting); the factory hands
+    those to the first run and fresh ones to every later run (``--follow``)."""
+    first = [list(build(args))]
+
+    def make() -> list[Callback]:
+        return first.pop() if first else list(build(args))
+
+    return make

@@ -1,0 +1,304 @@
+"""``eventbus monitor``: a live terminal dashboard of a training run.
+
+    eventbus monitor ipc://runs/my-run/bus                  # a running trainer (as it printed its address)
+    eventbus monitor runs/my-run/events.journal             # a finished (or running) run: its final state
+    eventbus monitor ipc://runs/my-run/bus --metrics loss/train/total 'throughput/*' --refresh 1
+
+The monitor is an ordinary subscriber that joins at the latest message
+(``start="latest"``): it shows the run's current state at once, then follows
+it live. It sends nothing to the trainer except read-only requests (snapshot,
+replay, stats), so attaching, detaching (Ctrl-C, SIGTERM) and running several
+monitors at once have no effect on the run. It exits 0 when the run ends
+(after drawing the final screen) or when interrupted, and 2 with a one-line
+error for a bad target.
+
+On a terminal it redraws the whole screen with ANSI escape codes (at most
+every ``--refresh`` seconds); otherwise, or with ``--once``, it prints plain
+text frames. This module is the command: arguments, the terminal, the loop.
+:mod:`eventbus.monitor.model` folds messages into a view model and
+:mod:`eventbus.monitor.render` draws it. Nothing here imports torch or the
+training side: the monitor starts fast and runs anywhere the bus reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import sys
+from typing import Any, Optional, Sequence, TextIO
+from urllib.parse import urlsplit
+
+from eventbus.bus.journal import JOURNAL_NAME
+from eventbus.daemons.runtime import OneLineErrorParser
+from eventbus.errors import EventBusError
+from eventbus.monitor.fmt import BLOCKS
+from eventbus.monitor.model import DEFAULT_METRICS, Tracker, ViewModel
+from eventbus.monitor.render import render
+
+__all__ = ["build_parser", "main"]
+
+TRAINER_POLL = 2.0  # seconds between stats requests to the trainer
+JOIN_WAIT = 5.0  # seconds --once waits for a starting trainer's first event
+
+
+# --------------------------------------------------------------------------- output
+
+
+class _Screen:
+    """Draws frames: a whole-screen ANSI redraw on a terminal, plain text frames otherwise."""
+
+    def __init__(self, stream: TextIO, interactive: bool):
+        self.stream = stream
+        self.interactive = interactive
+        self._size: Optional[tuple[int, int]] = None
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        try:
+            (BLOCKS + "█░─·…").encode(encoding)
+            self.ascii_only = False
+        except (UnicodeEncodeError, LookupError):
+            self.ascii_only = True
+
+    def size(self) -> tuple[int, int]:
+        """(columns, lines) of the terminal, or of a default 100x40 page off a terminal."""
+        try:
+            columns, lines = os.get_terminal_size(self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            columns, lines = shutil.get_terminal_size((100, 40))
+        return max(20, columns), max(5, lines)
+
+    def start(self) -> None:
+        if self.interactive:
+            self._write("\x1b[?25l\x1b[2J")  # hide the cursor, clear once
+
+    def draw(self, view: ViewModel) -> None:
+        """One frame; a resized terminal is cleared first, so no old line is left behind."""
+        if not self.interactive:
+            columns, _ = self.size()
+            self._write("\n".join(render(view, columns, 10_000)) + "\n\n")
+            return
+        size = self.size()
+        clear = "\x1b[2J" if size != self._size else ""
+        self._size = size
+        columns, lines = size
+        # One column and one line spare: no autowrap at the right edge, no scrolling at the bottom.
+        frame = render(view, columns - 1, lines - 1)
+        self._write(clear + "\x1b[H" + "\n".join(line + "\x1b[K" for line in frame) + "\x1b[J")
+
+    def finish(self) -> None:
+        if self.interactive:
+            self._write("\x1b[?25h\n")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except BrokenPipeError:  # the reader went away (monitor | head): nothing more to show
+            pass
+
+
+class _NoteHandler(logging.Handler):
+    """On a terminal, library warnings go onto the dashboard instead of across it."""
+
+    def __init__(self, tracker: Tracker):
+        super().__init__(logging.WARNING)
+        self.tracker = tracker
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.tracker.note(f"{record.levelname.lower()}: {record.getMessage()}")
+        except Exception:  # never let a log line break the monitor
+            pass
+
+
+# --------------------------------------------------------------------------- running
+
+
+async def _receive(subscriber: Any, tracker: Tracker) -> None:
+    count = 0
+    async for message in subscriber:
+        tracker.feed(message)
+        count += 1
+        if count % 256 == 0:
+            await asyncio.sleep(0)  # a backlog must not starve the redraw
+
+
+async def _poll_trainer(subscriber: Any, tracker: Tracker, every: float = TRAINER_POLL) -> None:
+    while True:
+        tracker.set_trainer_stats(await subscriber.trainer_stats())
+        await asyncio.sleep(every)
+
+
+async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float, once: bool) -> int:
+    """Follow the run at ``address`` until it ends or a signal arrives (``once``: draw one frame)."""
+    from eventbus.bus.subscriber import Subscriber
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    screen.start()
+    tasks: list[asyncio.Task] = []
+    try:
+        identity = f"monitor-{socket.gethostname()}-{os.getpid()}"
+        async with Subscriber(address, start="latest", identity=identity) as subscriber:
+            tracker.join(subscriber.state, subscriber.header, subscriber.run_id)
+            receive = asyncio.create_task(_receive(subscriber, tracker))
+            tasks.append(receive)
+            if once:
+                return await _show_once(subscriber, tracker, screen, receive, stop)
+            tasks.append(asyncio.create_task(_poll_trainer(subscriber, tracker)))
+            return await _follow(subscriber, tracker, screen, refresh, receive, stop, tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        screen.finish()
+
+
+async def _show_once(subscriber: Any, tracker: Tracker, screen: _Screen, receive: asyncio.Task,
+                     stop: asyncio.Event) -> int:
+    """``--once``: one frame of the run as joined (after a moment for a starting trainer's first event)."""
+    loop = asyncio.get_running_loop()
+    if tracker.state is None:
+        deadline = loop.time() + JOIN_WAIT
+        while tracker.state is None and not receive.done() and not stop.is_set() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    tracker.set_trainer_stats(await subscriber.trainer_stats())
+    tracker.set_subscriber_stats(subscriber.stats())
+    screen.draw(tracker.view(ascii_only=screen.ascii_only))
+    return 0
+
+
+async def _follow(subscriber: Any, tracker: Tracker, screen: _Screen, refresh: float, receive: asyncio.Task,
+                  stop: asyncio.Event, tasks: list[asyncio.Task]) -> int:
+    """Redraw (at most every ``refresh`` seconds, and off a terminal only on news) until the run
+    ends or ``stop``; then the final frame. ``tasks``: where the stop waiter goes, to be cancelled."""
+    stopper = asyncio.create_task(stop.wait())
+    tasks.append(stopper)
+    drawn = -1
+    while not stop.is_set() and not receive.done():
+        tracker.set_subscriber_stats(subscriber.stats())
+        if screen.interactive or tracker.version != drawn:
+            drawn = tracker.version
+            screen.draw(tracker.view(ascii_only=screen.ascii_only))
+        await asyncio.wait([receive, stopper], timeout=refresh, return_when=asyncio.FIRST_COMPLETED)
+    error = receive.exception() if receive.done() else None
+    if error is not None:
+        raise error
+    tracker.detached = stop.is_set() and not tracker.ended
+    tracker.set_subscriber_stats(subscriber.stats())
+    screen.draw(tracker.view(ascii_only=screen.ascii_only))
+    return 0
+
+
+async def _show_journal(path: pathlib.Path, tracker: Tracker, screen: _Screen) -> int:
+    """A journal's run as of its last record: one plain frame."""
+    from eventbus.bus.subscriber import journal_messages
+
+    tracker.journal_mode = True
+    async for message in journal_messages(path):
+        tracker.feed(message)
+    tracker.source_note = f"journal {path} ({tracker.messages} messages)"
+    screen.draw(tracker.view(ascii_only=screen.ascii_only))
+    return 0
+
+
+def _check_address(target: str) -> None:
+    parts = urlsplit(target)
+    if parts.scheme == "tcp":
+        host, _, port = parts.netloc.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65535 or parts.path not in ("", "/"):
+            raise EventBusError(f"malformed bus address {target!r}: use tcp://HOST:PORT (the trainer's port)")
+    elif parts.scheme == "ipc":
+        if not target[len("ipc://"):]:
+            raise EventBusError(f"malformed bus address {target!r}: use ipc://PATH")
+    else:
+        raise EventBusError(f"malformed bus address {target!r}: use ipc://PATH, tcp://HOST:PORT or a journal path")
+
+
+def _journal_path(target: str) -> pathlib.Path:
+    path = pathlib.Path(target)
+    if path.is_dir() and (path / JOURNAL_NAME).is_file():
+        return path / JOURNAL_NAME
+    if not path.is_file():
+        raise EventBusError(f"no such journal: {target!r} (give a bus address like ipc://runs/NAME/bus, or "
+                            f"runs/NAME/{JOURNAL_NAME})")
+    return path
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The monitor's command line; it owns its arguments (``eventbus monitor`` hands it the rest)."""
+    parser = OneLineErrorParser(
+        prog="eventbus monitor",
+        description="A live terminal dashboard of a training run: progress and ETA, epoch and batch, metric "
+                    "sparklines, throughput, learning rates, eval results, checkpoints, the bus and the "
+                    "daemons' health. Attaching and detaching (Ctrl-C) have no effect on the run; several "
+                    "monitors can watch one run. Exits 0 when the run ends or on Ctrl-C.")
+    parser.add_argument("target", metavar="TARGET",
+                        help="the trainer's bus address (ipc://... or tcp://HOST:PORT, as the trainer printed it), "
+                             "or a run's events.journal (or its run folder) to show its final state")
+    parser.add_argument("--metrics", nargs="+", action="extend", metavar="KEY",
+                        help="metric keys (or patterns like 'throughput/*') to plot as sparklines "
+                             f"(default: {' '.join(DEFAULT_METRICS)})")
+    parser.add_argument("--refresh", type=_seconds, default=0.5, metavar="SECONDS",
+                        help="redraw at most this often (default: 0.5)")
+    parser.add_argument("--once", action="store_true",
+                        help="print one plain-text frame after joining, then exit")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the monitor; the exit code (0: the run ended or Ctrl-C; 2: a bad target, one line on stderr)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    target: str = args.target
+    tracker = Tracker(args.metrics or DEFAULT_METRICS, target=target)
+    try:
+        if "://" not in target:
+            path = _journal_path(target)
+            return asyncio.run(_show_journal(path, tracker, _Screen(sys.stdout, interactive=False)))
+        _check_address(target)
+        interactive = not args.once and sys.stdout.isatty()
+        if interactive:  # log lines would tear the screen: show them on it instead
+            _log_to_dashboard(tracker)
+        return asyncio.run(_watch(target, tracker, _Screen(sys.stdout, interactive), args.refresh, args.once))
+    except EventBusError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        return 0
+    except Exception as err:  # noqa: BLE001  (zmq's own endpoint errors, say)
+        import zmq
+
+        if isinstance(err, zmq.ZMQError):
+            print(f"{parser.prog}: error: cannot connect to {target!r}: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _log_to_dashboard(tracker: Tracker) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.addHandler(_NoteHandler(tracker))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

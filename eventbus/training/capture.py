@@ -1,0 +1,245 @@
+"""The training thread's side of the bus: capture an event in about a microsecond, hand it over.
+
+:class:`EventCapture` is the engine's event sink. At each event it takes
+references to immutable values (the Timestamp, Python floats), stages changed
+device tensors (copied to pinned host memory with ``non_blocking=True`` and a
+CUDA event; nothing waits), and puts one :class:`~eventbus.bus.records.EventRecord`
+on the publisher's queue. It never touches a socket or a file and never
+synchronises the device. What costs the trainer something (gradient norms,
+memory statistics, flops, checkpoints) is captured only while a subscriber
+holds a lease on it (:class:`~eventbus.bus.leases.Leases`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from eventbus.bus.publisher import Publisher
+from eventbus.bus.records import EventRecord, Key
+from eventbus.checkpoint.staging import Staged, StagingBuffers
+from eventbus.core.engine import EventSink
+from eventbus.core.events import Event
+from eventbus.core.interval import interval_scheduler
+from eventbus.core.logger import LoggerDestination
+from eventbus.training import distributed
+
+if TYPE_CHECKING:
+    from eventbus.training.state import State
+
+__all__ = ["EventCapture", "stage"]
+
+log = logging.getLogger(__name__)
+
+_EVAL_EVENTS = frozenset(e for e in Event if e.is_eval)
+_CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT,
+                                Event.FIT_END})
+_CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
+_LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
+
+
+class _StagedValue:
+    """A device value copied to pinned host memory; only the bus thread waits for it (``resolve``)."""
+
+    __slots__ = ("host", "ready")
+
+    def __init__(self, tensor: torch.Tensor):
+        with torch.no_grad():
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor.detach(), non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def resolve(self) -> Any:
+        self.ready.synchronize()  # releases the GIL while waiting
+        return self.host.item() if self.host.numel() == 1 else self.host.tolist()
+
+
+def stage(value: Any) -> Any:
+    """Capture a value without reading the device: CPU tensors by reference, CUDA tensors staged."""
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        return _StagedValue(value)
+    return value
+
+
+class _MetricsForwarder(LoggerDestination):
+    """Puts the trainer's own logged metrics on the bus (a destination that ignores events)."""
+
+    def __init__(self, capture: "EventCapture"):
+        self._capture = capture
+
+    def run_event(self, event: Event, state: Any, logger: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        self._capture.log_metrics(metrics, step)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self._capture.publisher.log_hyperparameters(hyperparameters)
+
+
+class EventCapture(EventSink):
+    """Captures every event of one rank for ``publisher``. Runs on the training thread; never blocks.
+
+    Args:
+        publisher: the started (or about to start) bus of this rank.
+        staging: where checkpoints are staged; the same object the publisher releases buffers of.
+        checkpoint_source: returns the trainer's state dict (under torchrun, a collective).
+        distributed: under torchrun, stops and checkpoints follow :meth:`agree`, decided per batch
+            by all ranks together, so every rank acts at the same batch.
+        sharded: FSDP: every rank stages its own shards (else rank 0 stages the whole model).
+    """
+
+    def __init__(self, publisher: Publisher, staging: StagingBuffers,
+                 checkpoint_source: Callable[[], dict[str, Any]], *, distributed: bool = False,
+                 sharded: bool = False):
+        self.publisher = publisher
+        self.leases = publisher.leases
+        self.staging = staging
+        self.checkpoint_source = checkpoint_source
+        self.distributed, self.sharded = distributed, sharded
+        self.metrics_destination = _MetricsForwarder(self)
+        self._agreed_stop = self._agreed_checkpoint = False
+        self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
+        self._checkpoint_interval: Optional[str] = None
+        # Last values captured, compared by identity (cheap).
+        self._last_loss: Any = None
+        self._last_max_duration: Any = None
+        self._last_stop_reason: Optional[str] = None
+
+    def agree(self, *, stop: bool, checkpoint: bool) -> None:
+        """What all ranks decided for this batch: stop at its BATCH_END; stage its checkpoints."""
+        self._agreed_stop, self._agreed_checkpoint = stop, checkpoint
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
+        self.publisher.log_metrics({k: stage(v) for k, v in metrics.items()}, step, source)
+
+    def close(self) -> None:
+        """The engine closed: end the run on the bus (drains, journals ``end``, removes staged buffers)."""
+        self.publisher.close()
+
+    def publish(self, event: Event, state: "State") -> None:
+        """Capture one event; called by the engine after the local callbacks. Never blocks."""
+        if event is Event.BATCH_END:
+            self._apply_stop_request(state)
+        changes = self._changes(event, state)
+        staged = None
+        if (self.leases.any() or self._agreed_checkpoint) and event in _CAPTURE_EVENTS:
+            captured, staged = self._capture_on_demand(event, state)
+            if captured:
+                changes = dict(changes or {}, **captured)
+        length = state.dataloader_len
+        self.publisher.put(EventRecord(
+            event.value, time.time(), time.monotonic(), state.timestamp,
+            state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
+            length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
+            changes, staged))
+
+    def _apply_stop_request(self, state: "State") -> None:
+        if self.distributed:
+            if self._agreed_stop:
+                self._agreed_stop = False
+                reason = self.leases.pop_stop() or "a subscriber asked another rank to stop"
+                state.stop_training(reason)
+        elif self.leases.wants_stop():
+            state.stop_training(self.leases.pop_stop())
+
+    def _changes(self, event: Event, state: "State") -> Optional[dict[str, Any]]:
+        """What changed since the previous event (most events of a batch change nothing)."""
+        changes: dict[str, Any] = {}
+        if state.loss is not self._last_loss:
+            self._last_loss = state.loss
+            changes[Key.LOSS] = stage(state.loss)
+        if event in _LR_EVENTS:
+            changes[Key.LEARNING_RATES] = {type(o).__name__: [stage(g["lr"]) for g in o.param_groups]
+                                           for o in state.optimizers}
+        if event is Event.EVAL_END and state.dataloader_label in state.eval_metric_values:
+            values = state.eval_metric_values[state.dataloader_label]
+            changes[Key.EVAL_METRICS] = (state.dataloader_label, {k: stage(v) for k, v in values.items()})
+        elif event is Event.AFTER_TRAIN_BATCH and state.train_metric_values:
+            changes[Key.TRAIN_METRICS] = {k: stage(v) for k, v in state.train_metric_values.items()}
+        if state.max_duration is not self._last_max_duration or state.stop_reason is not self._last_stop_reason:
+            self._last_max_duration, self._last_stop_reason = state.max_duration, state.stop_reason
+            changes[Key.MAX_DURATION] = str(state.max_duration) if state.max_duration is not None else None
+            changes[Key.STOP_REASON] = state.stop_reason
+        return changes or None
+
+    def _capture_on_demand(self, event: Event, state: "State") -> tuple[dict[str, Any], Optional[Staged]]:
+        """What costs the trainer something, captured only while a subscriber holds a lease on it."""
+        captured: dict[str, Any] = {}
+        batch = state.timestamp.batch.value
+        if event is Event.AFTER_TRAIN_BATCH and self.leases.due("grad_norms", batch):
+            named = [(n, p.grad) for n, p in state.model.named_parameters() if p.grad is not None]
+            if named:
+                with torch.no_grad():
+                    norms = torch.stack(torch._foreach_norm([g for _, g in named]))
+                    norms = torch.cat([norms, torch.linalg.vector_norm(norms)[None]])
+                captured[Key.GRAD_NORMS] = ([n for n, _ in named] + ["global"], stage(norms))
+        elif event in _CHECKPOINT_EVENTS:
+            return captured, self._stage_checkpoint_if_due(event, state)
+        elif event is Event.BEFORE_FORWARD:
+            self.staging.wait_before_next_step()
+        elif event is Event.BATCH_END:
+            if self.leases.due("memory", batch) and state.device.type == "cuda":
+                captured[Key.MEMORY] = dict(torch.cuda.memory_stats(state.device))  # allocator counters: no sync
+            flops = getattr(state.model, "flops_per_batch", None)
+            if flops is not None and self.leases.due("flops", batch):
+                captured[Key.BATCH_FLOPS] = stage(flops(state.batch))
+        return captured, None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _stage_checkpoint_if_due(self, event: Event, state: "State") -> Optional[Staged]:
+        if not (self._agreed_checkpoint if self.distributed else self.publisher.holds_checkpoint_lease()):
+            return None
+        due = self.publisher.rank == 0 and self._checkpoint_is_due(event, state)
+        if self.distributed:
+            due = distributed.broadcast_flag(due)  # the worker's interval reached rank 0 only
+        if not due:
+            return None
+        source = self.checkpoint_source()  # under torchrun, a collective (every rank's RNG state)
+        ts = state.timestamp
+        meta = {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
+                "token": ts.token.value, "event": event.value, "run_name": state.run_name}
+        # The run's last checkpoint waits for a free buffer: training is over, and skipping it
+        # would lose the final state. Others are skipped rather than stall training.
+        wait = self.publisher.config.checkpoint_close_timeout if event is Event.FIT_END else 0.0
+        if self.sharded:
+            return self._stage_shards(source, meta, wait)
+        if self.publisher.rank != 0:
+            return None  # DDP: rank 0's state is the whole model; rank 0 stages the one file
+        staged = self.staging.stage(source, dict(meta, rank=self.publisher.rank), wait)
+        if staged is None:
+            self._report_skipped(ts.batch.value)
+        return staged
+
+    def _stage_shards(self, source: dict[str, Any], meta: dict[str, Any], wait: float) -> Optional[Staged]:
+        """FSDP: every rank stages its own shards; rank 0 announces all ranks' buffers at once."""
+        staged = self.staging.stage(source, dict(meta, rank=self.publisher.rank), wait)
+        if staged is not None and staged.copied is not None:
+            staged.copied.synchronize()  # the worker may read this rank's buffer as soon as rank 0 announces
+        descriptors = distributed.all_gather_object(staged.descriptor if staged is not None else None)
+        if any(descriptor is None for descriptor in descriptors):
+            if staged is not None:
+                self.staging.release(staged.descriptor["buffer"])
+            if self.publisher.rank == 0:
+                self._report_skipped(meta["batch"])
+            return None
+        return Staged({"shards": descriptors, "rank": 0, **meta}) if self.publisher.rank == 0 else None
+
+    def _report_skipped(self, batch: int) -> None:
+        log.warning(
+            "checkpoint at batch %d skipped: the checkpoint worker has not finished the previous ones", batch)
+        self.log_metrics({"checkpoint/skipped": batch})
+
+    def _checkpoint_is_due(self, event: Event, state: "State") -> bool:
+        wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
+        if self._checkpoint_due is None or self._checkpoint_interval != wanted:
+            # Validated by the request service before it reached the leases: this cannot raise.
+            self._checkpoint_interval = wanted
+            self._checkpoint_due = interval_scheduler(
+                wanted, name="save_interval", batch_event=Event.BATCH_CHECKPOINT, epoch_event=Event.EPOCH_CHECKPOINT)
+        return self._checkpoint_due(state, event)

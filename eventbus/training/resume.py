@@ -1,0 +1,161 @@
+"""The trainer's checkpoint: what ``Trainer.state_dict()`` saves and ``load_state_dict()`` restores.
+
+The layout is Composer's, ``{"state": {...}, "rng": [...]}``, in plain types and
+tensors. A run restored from it continues exactly where it was taken: model,
+optimizers, schedulers, algorithms, callbacks, timestamp, every RNG, and the
+position inside the current epoch (the epoch's shuffle is replayed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+
+from eventbus.core.time import Timestamp
+from eventbus.errors import ConfigError
+from eventbus.training import distributed
+from eventbus.training.setup import by_class_name
+
+if TYPE_CHECKING:
+    from eventbus.core.callback import Callback
+    from eventbus.core.logger import Logger
+    from eventbus.training.loop import TrainBatches
+    from eventbus.training.state import State
+
+__all__ = ["TrainerCheckpoint", "load_checkpoint_file"]
+
+
+class TrainerCheckpoint:
+    """Saves and restores the trainer's state; ``sharded`` runs go through torch.distributed.checkpoint."""
+
+    def __init__(self, state: "State", logger: "Logger", batches: "TrainBatches", *, sharded: bool):
+        self._state = state
+        self._logger = logger  # its destinations are callbacks too, and they have state
+        self._batches = batches
+        self._sharded = sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        """Composer's checkpoint layout: ``{"state": {...}, "rng": [...]}``; plain types and tensors."""
+        state = self._state
+        if self._sharded:  # FQN-keyed shards (DTensors), the layout torch.distributed.checkpoint expects
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optimizer_state = get_state_dict(state.model, state.optimizers)
+            optimizers = {type(state.optimizers[0]).__name__: optimizer_state}
+        else:
+            model_state, optimizers = state.model.state_dict(), by_class_name(state.optimizers)
+        return {
+            "state": {
+                "model": model_state,
+                "optimizers": optimizers,
+                "schedulers": by_class_name(state.schedulers),
+                "algorithms": by_class_name(state.algorithms),
+                "callbacks": {type(cb).__name__: sd for cb in self._callbacks() if (sd := cb.state_dict())},
+                "timestamp": state.timestamp.state_dict(),
+                "rank_zero_seed": state.rank_zero_seed,
+                "run_name": state.run_name,
+            },
+            "rng": [self._rng_state()],
+        }
+
+    def checkpoint_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` with every rank's RNG state (a collective: all ranks call it together)."""
+        checkpoint = self.state_dict()
+        checkpoint["rng"] = distributed.all_gather_object(checkpoint["rng"][0])
+        return checkpoint
+
+    def read(self, path: Union[str, os.PathLike]) -> dict[str, Any]:
+        """A checkpoint file, or a torch.distributed.checkpoint folder (sharded runs; all ranks read
+        it together and each gets its own shards)."""
+        if not os.path.isdir(path):
+            return load_checkpoint_file(path)
+        import torch.distributed.checkpoint as dcp
+
+        target = self.checkpoint_state_dict()  # the structure to fill in, with this run's sharding
+        for rng in target["rng"]:
+            rng.setdefault("torch_epoch_start", torch.get_rng_state())
+        try:
+            dcp.load(target, checkpoint_id=path)
+        except Exception as err:
+            raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err
+        return target
+
+    def load_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Restore a ``state_dict()``; the next ``fit`` continues exactly where it was taken."""
+        state = self._state
+        try:
+            saved, rngs = checkpoint["state"], checkpoint["rng"]
+            rng = rngs[state.rank] if state.rank < len(rngs) else rngs[0]
+            self._load_model_and_optimizers(saved)
+            for scheduler, sd in zip(state.schedulers, saved["schedulers"].values()):
+                scheduler.load_state_dict(sd)
+            for algorithm, sd in zip(state.algorithms, saved.get("algorithms", {}).values()):
+                algorithm.load_state_dict(sd)
+            callbacks = {type(cb).__name__: cb for cb in self._callbacks()}
+            for name, sd in saved.get("callbacks", {}).items():
+                if name in callbacks:
+                    callbacks[name].load_state_dict(sd)
+            state.timestamp = Timestamp.from_state_dict(saved["timestamp"])
+            state.previous_timestamp = None
+        except (KeyError, IndexError, TypeError, RuntimeError) as err:
+            raise ConfigError(f"checkpoint does not match this trainer: {err}") from err
+        self._restore_rng(rng)
+        self._batches.resume_at(state.timestamp.batch_in_epoch.value, epoch_rng_state=rng.get("torch_epoch_start"))
+
+    def _load_model_and_optimizers(self, saved: dict[str, Any]) -> None:
+        state = self._state
+        if self._sharded:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(state.model, state.optimizers, model_state_dict=saved["model"],
+                           optim_state_dict=next(iter(saved["optimizers"].values())))
+            return
+        state.model.load_state_dict(saved["model"])
+        for optimizer, sd in zip(state.optimizers, saved["optimizers"].values()):
+            optimizer.load_state_dict(sd)
+
+    def _callbacks(self) -> list["Callback"]:
+        return [*self._state.callbacks, *self._logger.destinations]
+
+    def _rng_state(self) -> dict[str, Any]:
+        device = self._state.device
+        rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if self._batches.epoch_rng_state is not None:
+            rng["torch_epoch_start"] = self._batches.epoch_rng_state
+        if torch.cuda.is_available() and device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        try:
+            import numpy as np
+        except ImportError:
+            return rng
+        numpy_state = np.random.get_state()
+        if isinstance(numpy_state, tuple):  # always, for numpy's global (legacy MT19937) generator
+            kind, keys, pos, has_gauss, cached = numpy_state
+            rng["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        return rng
+
+    def _restore_rng(self, rng: dict[str, Any]) -> None:
+        device = self._state.device
+        python = rng["python"]
+        random.setstate((python[0], tuple(python[1]), python[2]))
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+        if "numpy" in rng:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = rng["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def load_checkpoint_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """A checkpoint saved with ``torch.save``, read as plain data only (``weights_only``)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"load_path {os.fspath(path)!r} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err
