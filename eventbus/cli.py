@@ -164,13 +164,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _worker_callbacks(args: argparse.Namespace) -> list[Callback]:
     """``--callback`` specs as callback objects (fresh ones per call: ``--follow`` builds them per run)."""
-    from eventbus.daemons.worker import load_callback
+    from eventbus.daemons.loading import load_callback
 
     return [load_callback(spec) for spec in args.callback]
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from eventbus.daemons.worker import load_callback, replay_journal
+    from eventbus.daemons.loading import load_callback
+    from eventbus.daemons.worker import replay_journal
 
     if not args.journal.is_file():
         raise ConfigError(f"journal {str(args.journal)!r} does not exist")

@@ -1,0 +1,63 @@
+"""Loading the callbacks a worker hosts from ``module:Class[:json-kwargs]`` specs.
+
+``module:Class`` or ``path/to/file.py:Class``, optionally with keyword arguments
+as JSON: ``workers.timing:SpeedMonitor:{"window_size": 50}``. Every failure is a
+:class:`ConfigError` naming the spec and what went wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+from eventbus.core.callback import Callback
+from eventbus.errors import ConfigError
+
+__all__ = ["load_callback"]
+
+
+def load_callback(spec: str) -> Callback:
+    """Instantiate ``module:Class[:kwargs-json]``; ConfigError names what failed."""
+    target, _, kwargs_text = spec.partition(":{")
+    kwargs_text = "{" + kwargs_text if kwargs_text else ""
+    module_name, sep, class_name = target.rpartition(":")
+    if not sep or not module_name or not class_name:
+        raise ConfigError(f"callback {spec!r}: expected module:Class or path/to/file.py:Class")
+    try:
+        if module_name.endswith(".py"):
+            path = pathlib.Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"callback {spec!r}: file {module_name!r} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[path.stem] = module
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"callback {spec!r}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"callback {spec!r}: {module_name!r} has no attribute {class_name!r}")
+    try:
+        kwargs = json.loads(kwargs_text) if kwargs_text else {}
+    except ValueError as err:
+        raise ConfigError(f"callback {spec!r}: keyword arguments are not valid JSON: {err}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"callback {spec!r}: keyword arguments must be a JSON object")
+    try:
+        callback = cls(**kwargs)
+    except Exception as err:
+        raise ConfigError(f"callback {spec!r}: {class_name}(**{kwargs}) failed: {err}") from None
+    if not isinstance(callback, Callback):
+        raise ConfigError(f"callback {spec!r}: {class_name} is not an eventbus.Callback")
+    return callback
