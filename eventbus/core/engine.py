@@ -77,7 +77,13 @@ class Engine:
                 if algorithm.match(event, state):
                     algorithm.apply(event, state, logger)
         for callback in self._ordered_callbacks(event):
-            callback.run_event(event, state, logger)
+            run_event = getattr(callback, "run_event", None)
+            if run_event is not None:
+                run_event(event, state, logger)
+            else:  # Composer's protocol also admits an object with just per-event methods
+                method = getattr(callback, event.value, None)
+                if method is not None:
+                    method(state, logger)
         for sink in self.sinks:
             sink.publish(event, state)
 
@@ -96,12 +102,16 @@ class Engine:
         callbacks = self._ordered_callbacks(Event.FIT_END)
         for callback in callbacks:
             try:
-                callback.close(self.state, self.logger)
+                close = getattr(callback, "close", None)  # a bare protocol object may have none
+                if close is not None:
+                    close(self.state, self.logger)
             except Exception:
                 log.exception("error in %s.close(); continuing", type(callback).__name__)
         for callback in callbacks:
             try:
-                callback.post_close()
+                post_close = getattr(callback, "post_close", None)
+                if post_close is not None:
+                    post_close()
             except Exception:
                 log.exception("error in %s.post_close(); continuing", type(callback).__name__)
         for sink in self.sinks:

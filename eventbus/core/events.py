@@ -134,6 +134,9 @@ class Event(str, enum.Enum, metaclass=_EventMeta):
 
     @classmethod
     def _missing_(cls, value: object) -> "Event | None":
+        foreign = _composer_value(value)
+        if foreign is not None:
+            return cls(foreign)  # Composer's Event.BATCH_END -> Event.BATCH_END
         if isinstance(value, str) and value.upper() in _DEPRECATED_NAMES:
             _warn_deprecated(value.upper())
             return cls[_DEPRECATED_NAMES[value.upper()]]
@@ -141,6 +144,16 @@ class Event(str, enum.Enum, metaclass=_EventMeta):
 
     def __str__(self) -> str:
         return self.value
+
+    def __eq__(self, other: object) -> bool:
+        # Composer's callbacks compare the event they get with their own Event members.
+        foreign = _composer_value(other)
+        return self.value == foreign if foreign is not None else str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = str.__hash__  # defining __eq__ would otherwise drop the hash
 
     @property
     def is_before_event(self) -> bool:
@@ -168,6 +181,14 @@ class Event(str, enum.Enum, metaclass=_EventMeta):
     @property
     def is_predict(self) -> bool:
         return self.value.startswith("predict")
+
+
+def _composer_value(obj: object) -> "str | None":
+    """The value of Composer's ``Event`` (duck-typed on the class name: Composer is never imported here)."""
+    if type(obj).__name__ == "Event" and not isinstance(obj, str):
+        value = getattr(obj, "value", None)
+        return value if isinstance(value, str) else None
+    return None
 
 
 def _with_affix(test) -> frozenset[Event]:

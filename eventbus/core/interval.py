@@ -2,13 +2,14 @@
 
 An interval is an int (epochs), a time string or Time (``"2ep"``, ``"100ba"``,
 ``"640sp"``, ``"0.25dur"``), or a callable ``(state, event) -> bool``; 0 never.
-Epoch intervals are checked at the epoch event, the others at the batch event
-(a ``dur`` fraction of an epoch-based max_duration at the epoch event); at
-FIT_END the action runs once more unless it already ran for the final batch.
+Epoch intervals are checked at the epoch event, the others (``dur`` included,
+as in Composer 0.32.1) at the batch event; at FIT_END the action runs once more
+unless it already ran for the final batch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from eventbus.core.events import Event
@@ -48,12 +49,7 @@ def interval_scheduler(interval: IntervalLike, *, name: str, batch_event: Event 
         if event is Event.FIT_END:
             return ts.batch.value != last_batch_done
         if every.unit is TimeUnit.DURATION:
-            if event not in (batch_event, epoch_event) or state.max_duration is None:
-                return False
-            unit = state.max_duration.unit
-            step = every.value * state.max_duration.value
-            before = prev.get(unit).value if prev is not None else 0
-            return int(ts.get(unit).value // step) > int(before // step)
+            return event is batch_event and _duration_due(state, every.value, name)
         if event is epoch_event:
             return every.unit is TimeUnit.EPOCH and ts.epoch.value % every.value == 0
         if event is not batch_event or every.unit is TimeUnit.EPOCH:
@@ -70,3 +66,28 @@ def interval_scheduler(interval: IntervalLike, *, name: str, batch_event: Event 
         return False
 
     return scheduler
+
+
+def _duration_due(state: Any, fraction: float, name: str) -> bool:
+    """Composer 0.32.1's rule for a ``dur`` interval, checked at the batch event.
+
+    The fraction becomes a whole number of steps in ``max_duration``'s unit, rounded up: for an
+    epoch duration ``ceil(epochs * fraction * dataloader_len)`` batches (``"0.5dur"`` of ``"1ep"``
+    over 4 batches: batches 2 and 4), for a batch duration ``ceil(batches * fraction)``; due when
+    the batch count is a multiple of it. Sample and token durations are due when the count crosses
+    a multiple of ``ceil(max_duration * fraction)``.
+    """
+    max_duration = state.max_duration
+    if max_duration is None or state.previous_timestamp is None:
+        return False
+    batch = state.timestamp.batch.value
+    if max_duration.unit is TimeUnit.EPOCH:
+        if state.dataloader_len is None:
+            raise ConfigError(f"{name}: a 'dur' interval needs a train dataloader with a length")
+        return batch % math.ceil(max_duration.value * fraction * int(state.dataloader_len)) == 0
+    step = math.ceil(max_duration.value * fraction)
+    if max_duration.unit is TimeUnit.BATCH:
+        return batch % step == 0
+    now = state.timestamp.get(max_duration.unit).value
+    before = state.previous_timestamp.get(max_duration.unit).value
+    return now // step != before // step

@@ -8,8 +8,11 @@ reads a device value; that is why heavy logging belongs in a subscriber.
 
 from __future__ import annotations
 
+import os
+import pathlib
+import shutil
 import sys
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TextIO, Union
 
 from eventbus.core.callback import Callback
 from eventbus.core.time import Time, TimeUnit, ensure_time
@@ -18,7 +21,8 @@ if TYPE_CHECKING:
     from eventbus.core.time import Timestamp
     from eventbus.training.state import State
 
-__all__ = ["Logger", "LoggerDestination", "InMemoryLogger", "ConsoleLogger", "to_number"]
+__all__ = ["Logger", "LoggerDestination", "InMemoryLogger", "ConsoleLogger", "to_number", "format_name",
+           "is_logger_destination"]
 
 
 def to_number(value: Any) -> Any:
@@ -32,7 +36,7 @@ def to_number(value: Any) -> Any:
 
 
 class LoggerDestination(Callback):
-    """Where logged metrics go; subclass and override what you store."""
+    """Where logged data goes; subclass and override what you store (Composer's methods, all no-ops)."""
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         pass
@@ -40,20 +44,58 @@ class LoggerDestination(Callback):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         pass
 
+    def log_traces(self, traces: dict[str, Any]) -> None:
+        pass
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
+                  step: Optional[int] = None) -> None:
+        pass
+
+    def log_images(self, images: Any, name: str = "Images", channels_last: bool = False,
+                   step: Optional[int] = None, masks: Optional[dict[str, Any]] = None,
+                   mask_class_labels: Optional[dict[int, str]] = None, use_table: bool = True) -> None:
+        pass
+
+    def upload_file(self, state: "State", remote_file_name: str, file_path: pathlib.Path, *,
+                    overwrite: bool) -> None:
+        """Store ``file_path`` as ``remote_file_name``; copy it first if you keep it for later."""
+
+    def can_upload_files(self) -> bool:
+        return False
+
+
+def is_logger_destination(obj: Any) -> bool:
+    """An eventbus LoggerDestination or any class named ``LoggerDestination`` in its MRO (Composer's),
+    so Composer's loggers get destination treatment without eventbus importing Composer."""
+    return isinstance(obj, LoggerDestination) or any(
+        cls.__name__ == "LoggerDestination" for cls in type(obj).__mro__)
+
+
+def format_name(template: str, state: "State") -> str:
+    """Composer's ``{run_name}``, ``{rank}``, ``{world_size}`` ... placeholders filled from ``state``."""
+    rank, world_size = getattr(state, "rank", 0), getattr(state, "world_size", 1)
+    return template.format(run_name=state.run_name, rank=rank, global_rank=rank, local_rank=rank,
+                           node_rank=0, world_size=world_size, local_world_size=world_size)
+
 
 class Logger:
-    """Sends metrics and hyperparameters to every destination.
+    """Composer's logging API: sends everything to every destination.
 
     ``step`` defaults to the number of batches trained so far, as in Composer.
+    Destinations may be eventbus's or Composer's own ``LoggerDestination``s.
     """
 
-    def __init__(self, state: "State", destinations: Sequence[LoggerDestination] = ()):
+    def __init__(self, state: "State", destinations: Sequence[Any] = (),
+                 artifacts_folder: Union[str, os.PathLike, None] = None):
         self._state = state
-        self.destinations: list[LoggerDestination] = list(destinations)
+        self.destinations: list[Any] = list(destinations)
+        self.artifacts_folder = pathlib.Path(artifacts_folder) if artifacts_folder is not None else None
+
+    def _step(self, step: Optional[int]) -> int:
+        return self._state.timestamp.batch.value if step is None else step
 
     def log_metrics(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
-        if step is None:
-            step = self._state.timestamp.batch.value
+        step = self._step(step)
         metrics = dict(metrics)
         for destination in self.destinations:
             destination.log_metrics(metrics, step)
@@ -62,6 +104,55 @@ class Logger:
         hyperparameters = dict(hyperparameters)
         for destination in self.destinations:
             destination.log_hyperparameters(hyperparameters)
+
+    def log_traces(self, traces: Mapping[str, Any]) -> None:
+        for destination in self.destinations:
+            _call_if_present(destination, "log_traces", dict(traces))
+
+    def log_table(self, columns: list[str], rows: list[list[Any]], name: str = "Table",
+                  step: Optional[int] = None) -> None:
+        step = self._step(step)
+        for destination in self.destinations:
+            _call_if_present(destination, "log_table", columns, rows, name, step)
+
+    def log_images(self, images: Any, name: str = "Images", channels_last: bool = False,
+                   step: Optional[int] = None, masks: Optional[dict[str, Any]] = None,
+                   mask_class_labels: Optional[dict[int, str]] = None, use_table: bool = True) -> None:
+        step = self._step(step)
+        for destination in self.destinations:
+            _call_if_present(destination, "log_images", images, name, channels_last, step, masks,
+                             mask_class_labels, use_table)
+
+    def upload_file(self, remote_file_name: str, file_path: Union[str, os.PathLike], *,
+                    overwrite: bool = False) -> None:
+        """Hand ``file_path`` to every destination that implements ``upload_file`` and, when the
+        trainer gave this logger a folder, copy it to ``<run folder>/artifacts/<remote_file_name>``.
+
+        Both names may use Composer's placeholders (``{run_name}``, ``{rank}``). The copy runs on
+        the calling thread, like Composer's upload hand-off; an existing copy is kept unless
+        ``overwrite``.
+        """
+        path = pathlib.Path(format_name(str(file_path), self._state))
+        remote = format_name(remote_file_name, self._state)
+        for destination in self.destinations:
+            _call_if_present(destination, "upload_file", state=self._state, remote_file_name=remote,
+                             file_path=path, overwrite=overwrite)
+        if self.artifacts_folder is not None:
+            target = self.artifacts_folder / remote
+            if overwrite or not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+
+    def has_file_upload_destination(self) -> bool:
+        """Whether uploaded files go somewhere: a destination that uploads, or the artifacts folder."""
+        return self.artifacts_folder is not None or any(
+            _call_if_present(d, "can_upload_files") for d in self.destinations)
+
+
+def _call_if_present(destination: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Destinations written for eventbus before this API grew may lack a method: skip them."""
+    function = getattr(destination, method, None)
+    return function(*args, **kwargs) if function is not None else None
 
 
 class InMemoryLogger(LoggerDestination):

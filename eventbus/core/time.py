@@ -13,16 +13,45 @@ from typing import Any, Union
 
 from eventbus.errors import ConfigError
 
-__all__ = ["TimeUnit", "Time", "Timestamp", "ensure_time"]
+__all__ = ["TimeUnit", "Time", "Timestamp", "as_time", "ensure_time", "foreign_value"]
+
+
+def foreign_value(obj: object, class_name: str) -> Any:
+    """``obj.value`` when ``obj`` is another library's ``class_name`` (Composer's ``TimeUnit``, ``Event``), else None.
+
+    Duck-typed on the class name so that eventbus never imports Composer: a
+    Composer callback hands us its own enums, and they must mean the same thing.
+    """
+    if type(obj).__name__ == class_name and not isinstance(obj, str):
+        value = getattr(obj, "value", None)
+        if isinstance(value, str):
+            return value
+    return None
 
 
 class TimeUnit(str, enum.Enum):
+    """A unit of training time; also accepts (and equals) Composer's ``TimeUnit`` of the same value."""
+
     ITERATION = "iter"
     EPOCH = "ep"
     BATCH = "ba"
     SAMPLE = "sp"
     TOKEN = "tok"
     DURATION = "dur"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "TimeUnit | None":
+        foreign = foreign_value(value, "TimeUnit")
+        return cls(foreign) if foreign is not None else None
+
+    def __eq__(self, other: object) -> bool:
+        foreign = foreign_value(other, "TimeUnit")
+        return self.value == foreign if foreign is not None else str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = str.__hash__  # defining __eq__ would otherwise drop the hash
 
 
 _TIMESTRING = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]+)\s*$")
@@ -97,6 +126,7 @@ class Time:
         return hash((self._value, self._unit))
 
     def _other_value(self, other: object) -> Union[int, float]:
+        other = as_time(other)
         if isinstance(other, Time):
             if other._unit is not self._unit:
                 raise TypeError(f"cannot combine {self} and {other}: units differ")
@@ -108,6 +138,7 @@ class Time:
         return NotImplemented  # type: ignore[return-value]
 
     def __eq__(self, other: object) -> bool:
+        other = as_time(other)
         if isinstance(other, Time) and other._unit is not self._unit:
             return False
         value = self._other_value(other)
@@ -146,16 +177,36 @@ class Time:
 
     __rmul__ = __mul__
 
-    def __truediv__(self, other: object) -> Union["Time", float]:
+    def __truediv__(self, other: object) -> "Time":
+        """As in Composer: Time / Time (same unit) is a ``dur`` fraction; Time / number keeps the unit."""
+        other = as_time(other)
         if isinstance(other, Time):
-            return self._value / self._other_value(other)
+            return Time(self._value / self._other_value(other), TimeUnit.DURATION)
         if isinstance(other, (int, float)):
-            return Time(self._value / other, self._unit)
+            value = self._value / other
+            return Time(value if self._unit is TimeUnit.DURATION else type(self._value)(value), self._unit)
         return NotImplemented
 
 
+def as_time(value: Any) -> Any:
+    """Composer's ``Time`` (anything named ``Time`` with ``.value`` and a ``.unit`` enum) as an eventbus
+    :class:`Time`; any other value unchanged. Lets Composer's callbacks compare their Times with ours."""
+    if isinstance(value, Time) or type(value).__name__ != "Time":
+        return value
+    unit = foreign_value(getattr(value, "unit", None), "TimeUnit")
+    number = getattr(value, "value", None)
+    if unit is None or not isinstance(number, (int, float)):
+        return value
+    try:
+        return Time(number, unit)
+    except ConfigError:  # a unit eventbus does not have (Composer's "sec")
+        return value
+
+
 def ensure_time(value: Union[Time, str, int], default_unit: TimeUnit, *, name: str = "time") -> Time:
-    """Accept a Time, a time string, or a bare int in ``default_unit``; ConfigError names ``name``."""
+    """Accept a Time (eventbus's or Composer's), a time string, or a bare int in ``default_unit``;
+    ConfigError names ``name``."""
+    value = as_time(value)
     if isinstance(value, Time):
         return value
     if isinstance(value, bool):
@@ -318,6 +369,7 @@ class Timestamp:
         return timestamp
 
     def _compare_value(self, other: object) -> tuple[Union[int, float], Union[int, float]]:
+        other = as_time(other)
         if not isinstance(other, Time):
             raise TypeError(f"cannot compare a Timestamp with {type(other).__name__}")
         return self.get(other.unit).value, other.value
@@ -325,6 +377,7 @@ class Timestamp:
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Timestamp):
             return self.state_dict() == other.state_dict()
+        other = as_time(other)
         if isinstance(other, Time):
             mine, theirs = self._compare_value(other)
             return mine == theirs

@@ -13,15 +13,18 @@ import json
 import os
 import pathlib
 import sys
+from typing import Any
 
 from eventbus.core.callback import Callback
+from eventbus.core.events import Event
 from eventbus.errors import ConfigError
 
-__all__ = ["load_callback"]
+__all__ = ["load_callback", "follows_callback_protocol"]
 
 
-def load_callback(spec: str) -> Callback:
-    """Instantiate ``module:Class[:kwargs-json]``; ConfigError names what failed."""
+def load_callback(spec: str) -> Any:
+    """Instantiate ``module:Class[:kwargs-json]``; ConfigError names what failed. The object may be
+    any callback following Composer's protocol (see :func:`follows_callback_protocol`)."""
     target, _, kwargs_text = spec.partition(":{")
     kwargs_text = "{" + kwargs_text if kwargs_text else ""
     module_name, sep, class_name = target.rpartition(":")
@@ -58,6 +61,19 @@ def load_callback(spec: str) -> Callback:
         callback = cls(**kwargs)
     except Exception as err:
         raise ConfigError(f"callback {spec!r}: {class_name}(**{kwargs}) failed: {err}") from None
-    if not isinstance(callback, Callback):
-        raise ConfigError(f"callback {spec!r}: {class_name} is not an eventbus.Callback")
+    if not follows_callback_protocol(callback):
+        raise ConfigError(
+            f"callback {spec!r}: {class_name} is not a callback: it needs a run_event(event, state, logger) "
+            f"method or per-event methods such as batch_end(state, logger) (eventbus.Callback, "
+            f"composer.Callback or composer.loggers.LoggerDestination)")
     return callback
+
+
+def follows_callback_protocol(obj: Any) -> bool:
+    """Composer's callback protocol: an eventbus or Composer ``Callback`` (or ``LoggerDestination``),
+    or any object with ``run_event(event, state, logger)`` or a method named after an event."""
+    if isinstance(obj, Callback) or any(c.__name__ in ("Callback", "LoggerDestination") for c in type(obj).__mro__):
+        return True
+    if callable(getattr(obj, "run_event", None)):
+        return True
+    return any(callable(getattr(obj, event.value, None)) for event in Event)

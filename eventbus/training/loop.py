@@ -158,6 +158,7 @@ class TrainLoop:
         state = self._state
         if state.timestamp.batch_in_epoch.value == 0 and not self._batches.in_epoch:
             self._engine.run_event(Event.EPOCH_START)
+            self._logger.log_metrics({"time/epoch": state.timestamp.epoch.value})  # Composer logs it here
         stopped_mid_epoch = False
         batches_this_epoch = 0
         for batch in self._batches.remaining():
@@ -177,6 +178,7 @@ class TrainLoop:
     def _end_epoch(self) -> None:
         state, run = self._state, self._engine.run_event
         self._batches.end_epoch()
+        self._log_train_metrics()  # Composer logs the epoch's last batch's train metrics again here
         if not self._schedulers_every_batch:
             for scheduler in state.schedulers:
                 scheduler.step()
@@ -198,8 +200,18 @@ class TrainLoop:
         start = state.timestamp
         self._log_timestamp(start)
 
-        self._train_batch(batch, samples)
+        total_loss = self._train_batch(batch, samples)
         self._optimizer_step()
+        # Composer's order after the step: the microbatch size, the loss, the schedulers, the train
+        # metrics, then the timestamp (a batch without microbatching is one microbatch of its own size).
+        size = state.device_train_microbatch_size
+        self._logger.log_metrics({"trainer/device_train_microbatch_size": size if size is not None else samples})
+        state.total_loss_dict = {"loss/train/total": total_loss}
+        self._logger.log_metrics(state.total_loss_dict)
+        if self._schedulers_every_batch:
+            for scheduler in state.schedulers:
+                scheduler.step()
+        self._log_train_metrics()
 
         seconds = self._clock.lap()
         samples, tokens, seconds = self._bus.agree_on_batch(samples, tokens, seconds)
@@ -209,8 +221,9 @@ class TrainLoop:
         self._evaluation.evaluate_if_due(Event.BATCH_END)
         run(Event.BATCH_CHECKPOINT)
 
-    def _train_batch(self, batch: Any, samples: int) -> None:
-        """BEFORE_TRAIN_BATCH .. AFTER_TRAIN_BATCH: gradients and the loss (averaged over ranks) are ready."""
+    def _train_batch(self, batch: Any, samples: int) -> torch.Tensor:
+        """BEFORE_TRAIN_BATCH .. AFTER_TRAIN_BATCH: gradients and the loss (averaged over ranks) are ready;
+        returns that loss."""
         state, run = self._state, self._engine.run_event
         run(Event.BEFORE_TRAIN_BATCH)
         state.model.train()
@@ -220,13 +233,17 @@ class TrainLoop:
             metric.reset()
         total_loss = distributed.average(self._forward_backward(batch, samples))  # the mean over ranks
         state.batch = batch
+        # The full batch's loss (see the report: Composer leaves the last microbatch's loss here).
         state.loss = total_loss
-        state.total_loss_dict = {"loss/train/total": total_loss}
-        self._logger.log_metrics(state.total_loss_dict)
+        run(Event.AFTER_TRAIN_BATCH)
+        return total_loss
+
+    def _log_train_metrics(self) -> None:
+        """Compute the train metrics and log them as ``metrics/train/<Name>`` (Composer does, by default)."""
+        state = self._state
         if state.train_metrics:
             state.train_metric_values = {name: m.compute() for name, m in state.train_metrics.items()}
             self._logger.log_metrics({f"metrics/train/{n}": v for n, v in state.train_metric_values.items()})
-        run(Event.AFTER_TRAIN_BATCH)
 
     def _forward_backward(self, batch: Any, samples: int) -> torch.Tensor:
         """Every microbatch's six events; gradients sum to the full batch's mean-loss gradient."""
@@ -254,21 +271,21 @@ class TrainLoop:
                 run(Event.AFTER_BACKWARD)
             contribution = state.loss.detach() if fraction == 1.0 else state.loss.detach() * fraction
             total = contribution if total is None else total + contribution
-            for metric in state.train_metrics.values():
-                state.model.update_metric(microbatch, state.outputs.detach(), metric)
+            if state.train_metrics:
+                # As Composer: the metrics see eval_forward's view of this microbatch's outputs.
+                with torch.no_grad():
+                    outputs = state.model.eval_forward(microbatch, state.outputs)
+                    for metric in state.train_metrics.values():
+                        state.model.update_metric(microbatch, outputs, metric)
         assert total is not None  # there is always at least one microbatch
         return total
 
     def _optimizer_step(self) -> None:
         for optimizer in self._state.optimizers:
             optimizer.step()
-        if self._schedulers_every_batch:
-            for scheduler in self._state.schedulers:
-                scheduler.step()
 
     def _log_timestamp(self, ts: Timestamp) -> None:
-        self._logger.log_metrics({
-            "time/epoch": ts.epoch.value,
+        self._logger.log_metrics({  # time/epoch is logged at EPOCH_START, as in Composer
             "time/batch": ts.batch.value,
             "time/sample": ts.sample.value,
             "time/batch_in_epoch": ts.batch_in_epoch.value,

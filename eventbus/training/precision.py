@@ -9,9 +9,20 @@ import torch
 
 from eventbus.errors import ConfigError
 
-__all__ = ["PRECISIONS", "check_precision", "autocast"]
+__all__ = ["PRECISIONS", "Precision", "check_precision", "autocast"]
 
 PRECISIONS = ("fp32", "amp_bf16")
+
+
+class Precision(str):
+    """A precision name that is still a plain string, with ``.value`` as on Composer's ``Precision``
+    enum (Composer's SpeedMonitor reads ``state.precision.value``)."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
 
 
 def check_precision(precision: str) -> None:

@@ -6,6 +6,7 @@ argument never leaves a half-started run (or a bound bus) behind.
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import time
@@ -24,7 +25,7 @@ __all__ = [
     "check_model", "resolve_device", "check_max_duration", "check_duration",
     "check_microbatch_size", "check_subset", "check_not_empty", "dataloader_len", "build_evaluators",
     "as_list", "by_class_name", "seed_everything", "is_sharded", "generate_run_name", "random_seed",
-    "collect_hyperparameters",
+    "collect_hyperparameters", "compile_schedulers", "default_scheduler_step_every_batch",
 ]
 
 # ---------------------------------------------------------------------- argument checks
@@ -117,6 +118,32 @@ def build_evaluators(eval_dataloader: Any, eval_interval: IntervalLike, subset: 
     if len(set(labels)) != len(labels):
         raise ConfigError(f"evaluator labels must be unique, got {labels}")
     return evaluators
+
+
+def default_scheduler_step_every_batch(schedulers: Sequence[Any]) -> bool:
+    """Composer's default: step every epoch when any PyTorch ``LRScheduler`` is given (its parameters are
+    in epochs), otherwise (Composer's schedulers) every batch."""
+    return not any(isinstance(s, torch.optim.lr_scheduler.LRScheduler) for s in schedulers)
+
+
+def compile_schedulers(schedulers: Sequence[Any], state: "State") -> list[Any]:
+    """PyTorch schedulers as they are; a Composer-style scheduler, a callable ``(state, ssr) -> factor``
+    (or ``(state) -> factor``), becomes a ``LambdaLR`` re-evaluating it on ``state`` at each step,
+    as Composer's ``compile_composer_scheduler`` does (single optimizer only, as there)."""
+    compiled = []
+    for scheduler in schedulers:
+        if hasattr(scheduler, "step") or not callable(scheduler):
+            compiled.append(scheduler)
+            continue
+        if len(state.optimizers) != 1:
+            raise ConfigError("a Composer-style scheduler (a callable of state) needs exactly one optimizer")
+        takes_ssr = len(inspect.signature(scheduler).parameters) != 1
+
+        def factor(_: int, scheduler: Any = scheduler, takes_ssr: bool = takes_ssr) -> float:
+            return scheduler(state, 1.0) if takes_ssr else scheduler(state)
+
+        compiled.append(torch.optim.lr_scheduler.LambdaLR(state.optimizers[0], factor))
+    return compiled
 
 
 def as_list(value: Any) -> list[Any]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.training.precision import Precision
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
@@ -49,7 +50,7 @@ class State:
         self.rank_zero_seed = rank_zero_seed
         self.seed = rank_zero_seed + rank
         self.device = device
-        self.precision = precision
+        self.precision = Precision(precision)
         self.max_duration = max_duration
         self.optimizers = list(optimizers)
         self.schedulers = list(schedulers)
@@ -83,6 +84,13 @@ class State:
         self.eval_metric_values: dict[str, dict[str, torch.Tensor]] = {}
 
         self.stop_reason: Optional[str] = None
+        # Read by Composer's callbacks (OptimizerMonitor reduces optimizer metrics across shards
+        # when FSDP is on): eventbus trains a user-sharded (fully_shard) model as it is.
+        self.fsdp_enabled = False
+        self.fsdp_config: Optional[dict[str, Any]] = None
+        self.profiler: Any = None
+        self.scaler: Any = None
+        self.auto_microbatching = False
         self._state_dict = state_dict_source  # the Trainer's state_dict
 
     def state_dict(self) -> dict[str, Any]:

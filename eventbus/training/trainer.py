@@ -19,16 +19,15 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, TextIO, Union
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus.bus.config import BusConfig
-from eventbus.core.callback import Callback
 from eventbus.core.engine import Engine
 from eventbus.core.events import Event
-from eventbus.core.logger import Logger, LoggerDestination
+from eventbus.core.logger import ConsoleLogger, Logger, is_logger_destination
 from eventbus.core.time import Time
 from eventbus.errors import ConfigError
 from eventbus.training import distributed
@@ -51,6 +50,9 @@ from eventbus.training.setup import (
     check_not_empty,
     check_subset,
     collect_hyperparameters,
+    compile_schedulers,
+    dataloader_len,
+    default_scheduler_step_every_batch,
     generate_run_name,
     is_sharded,
     random_seed,
@@ -84,17 +86,21 @@ class Trainer:
         step_schedulers_every_batch: Optional[bool] = None,
         device_train_microbatch_size: Optional[int] = None,
         algorithms: Sequence[Algorithm] = (),
-        callbacks: Sequence[Callback] = (),
-        loggers: Sequence[LoggerDestination] = (),
+        callbacks: Sequence[Any] = (),
+        loggers: Sequence[Any] = (),
         run_name: Optional[str] = None,
         seed: Optional[int] = None,
         device: Union[str, torch.device, None] = None,
         precision: str = "fp32",
-        compute_training_metrics: bool = False,
+        compute_training_metrics: bool = True,
         get_num_tokens_in_batch: Callable[[Any], int] = num_tokens,
         load_path: Union[str, os.PathLike, None] = None,
         bus: Union[None, bool, str, BusConfig] = None,
         run_folder: Union[str, os.PathLike, None] = None,
+        progress_bar: bool = False,
+        log_to_console: bool = False,
+        console_log_interval: Union[int, str, Time] = "1ba",
+        console_stream: Union[str, TextIO] = "stderr",
     ):
         check_model(model)
         self._device, rank, world_size = _join_process_group(device)
@@ -107,24 +113,29 @@ class Trainer:
         seed_everything(seed + rank)
         model = model.to(self._device)
         optimizer_list = self._prepare_parallelism(model, optimizers, world_size)
-        destinations = [*loggers, *(cb for cb in callbacks if isinstance(cb, LoggerDestination))]
+        destinations = _destinations(loggers, callbacks, progress_bar=progress_bar, log_to_console=log_to_console,
+                                     console_log_interval=console_log_interval, console_stream=console_stream)
         self.state = State(
             model, run_name=run_name, rank_zero_seed=seed, device=self._device, precision=precision,
             max_duration=check_max_duration(max_duration) if max_duration is not None else None,
             optimizers=optimizer_list, schedulers=as_list(schedulers),
-            callbacks=[cb for cb in callbacks if not isinstance(cb, LoggerDestination)], algorithms=algorithms,
+            callbacks=[cb for cb in callbacks if not is_logger_destination(cb)], algorithms=algorithms,
             device_train_microbatch_size=device_train_microbatch_size, rank=rank, world_size=world_size,
             state_dict_source=self.state_dict,
         )
         self.state.train_dataloader = train_dataloader
+        self.state.fsdp_enabled = self._sharded
+        self._train_subset_num_batches = train_subset_num_batches
         self._add_evaluators(build_evaluators(eval_dataloader, eval_interval, eval_subset_num_batches))
         if compute_training_metrics:
             self.state.train_metrics = model.get_metrics(is_train=True)
 
-        self.logger = Logger(self.state, destinations)
-        self.engine = Engine(self.state, self.logger)
         self.run_folder = pathlib.Path(run_folder) if run_folder is not None else pathlib.Path("runs") / run_name
-        self._assemble(bus, train_subset_num_batches, bool(step_schedulers_every_batch), get_num_tokens_in_batch)
+        self.logger = Logger(self.state, destinations, artifacts_folder=self.run_folder / "artifacts")
+        self.engine = Engine(self.state, self.logger)
+        every_batch = (step_schedulers_every_batch if step_schedulers_every_batch is not None
+                       else default_scheduler_step_every_batch(self.state.schedulers))
+        self._assemble(bus, train_subset_num_batches, every_batch, get_num_tokens_in_batch)
         self._initialize_run(load_path)
 
     def _initialize_run(self, load_path: Union[str, os.PathLike, None]) -> None:
@@ -132,6 +143,11 @@ class Trainer:
         with self._closing_on_error():
             self.engine.run_event(Event.INIT)
             self.logger.log_hyperparameters(self._hyperparameters)
+            state = self.state
+            if state.train_dataloader is not None:  # Composer labels the train dataloader right after INIT
+                state.dataloader, state.dataloader_label = state.train_dataloader, "train"
+                state.dataloader_len = dataloader_len(state.train_dataloader, self._train_subset_num_batches)
+            state.schedulers[:] = compile_schedulers(state.schedulers, state)
             self.engine.run_event(Event.BEFORE_LOAD)
             if load_path is not None:
                 self.load_state_dict(self._checkpoint.read(load_path))
@@ -238,6 +254,18 @@ class Trainer:
         except BaseException:
             self.engine.close()
             raise
+
+
+def _destinations(loggers: Sequence[Any], callbacks: Sequence[Any], *, progress_bar: bool, log_to_console: bool,
+                  console_log_interval: Union[int, str, Time], console_stream: Union[str, TextIO]) -> list[Any]:
+    """Composer's rule: ``loggers``, then the logger destinations passed as callbacks, plus a console
+    logger for ``log_to_console`` unless one was given. ``progress_bar`` is accepted for Composer's
+    signature; eventbus draws progress bars out of process (``workers.logger``, ``eventbus monitor``)."""
+    del progress_bar
+    destinations = [*loggers, *(cb for cb in callbacks if is_logger_destination(cb))]
+    if log_to_console and not any(type(d).__name__ == "ConsoleLogger" for d in destinations):
+        destinations.append(ConsoleLogger(log_interval=console_log_interval, stream=console_stream))
+    return destinations
 
 
 def _check_arguments(precision: str, microbatch_size: Any, train_subset_num_batches: Any,

@@ -1,0 +1,197 @@
+"""Composer's own callbacks and loggers inside eventbus's Trainer, against real Composer 0.32.1.
+
+Each test runs the same seeded job (same weights, data, optimizer and scheduler) once with
+``composer.Trainer`` and once with ``eventbus.Trainer``, both carrying Composer's callback and logger
+classes, and compares what they logged. Wall-clock values are compared by key only. Skipped when
+Composer is not installed (``sh ../shared/tools/composer-venv.sh .venv`` installs it).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+composer = pytest.importorskip("composer", reason="MosaicML Composer is not installed (see .ci/run)")
+
+from composer.callbacks import (  # noqa: E402  (after the importorskip above)
+    EarlyStopper,
+    LRMonitor,
+    MemoryMonitor,
+    OptimizerMonitor,
+    RuntimeEstimator,
+    SpeedMonitor,
+    ThresholdStopper,
+)
+from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger  # noqa: E402
+from composer.models import ComposerClassifier as ComposerComposerClassifier  # noqa: E402
+from composer.optim import CosineAnnealingScheduler  # noqa: E402
+
+import eventbus  # noqa: E402
+
+# Values that depend on the wall clock: the same key must be logged, the value cannot match.
+TIMED = ("throughput/", "time/train", "time/val", "time/total", "time/remaining_estimate", "memory/")
+# Composer logs these counters once more after the last batch; eventbus's (tested) series stops at it.
+COUNTERS = ("time/epoch", "time/batch", "time/sample", "time/batch_in_epoch", "time/sample_in_epoch")
+
+
+def _data(num: int = 64, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num, 8, generator=generator)
+    return DataLoader(TensorDataset(x, (x.sum(dim=1) > 0).long()), batch_size=16)
+
+
+def _module() -> torch.nn.Module:
+    torch.manual_seed(123)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _run(which: str, callbacks: list[Any], loggers: list[Any], **kwargs: Any) -> Any:
+    """The seeded job under ``which`` trainer; returns the trainer after fit."""
+    module = _module()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    common = dict(train_dataloader=_data(), eval_dataloader=_data(32, seed=1), optimizers=optimizer,
+                  schedulers=CosineAnnealingScheduler(t_max="1dur"), callbacks=callbacks, loggers=loggers,
+                  device="cpu", seed=7, progress_bar=False)
+    common.update(kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if which == "composer":
+            trainer = composer.Trainer(model=ComposerComposerClassifier(module, num_classes=2), **common)
+        else:
+            trainer = eventbus.Trainer(eventbus.ComposerClassifier(module, num_classes=2), bus=False, **common)
+        trainer.fit()
+        trainer.close()
+    return trainer
+
+
+def _series(memory: InMemoryLogger) -> dict[str, list[Any]]:
+    return {key: [_number(value) for _, value in values] for key, values in memory.data.items()}
+
+
+def _number(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _compare_series(ours: dict[str, list[Any]], theirs: dict[str, list[Any]]) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for key, expected in theirs.items():
+        got = ours[key]
+        if key.startswith(TIMED):
+            assert len(got) == len(expected), key
+        elif key in COUNTERS:
+            assert got == expected[:len(got)] and len(expected) - len(got) <= 1, key
+        else:
+            assert got == pytest.approx(expected, rel=1e-4, abs=1e-6), key
+
+
+def _monitors() -> list[Any]:
+    return [LRMonitor(), SpeedMonitor(window_size=2), RuntimeEstimator(), OptimizerMonitor(batch_log_interval=1),
+            MemoryMonitor()]
+
+
+def _file_keys(path: Any) -> set[str]:
+    text = path.read_text()
+    return set(re.findall(r"^\[metric\]\[batch=\d+\]: (\S+): ", text, flags=re.MULTILINE))
+
+
+def _tensorboard_tags(folder: Any) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        tags.update(accumulator.Tags()["scalars"])
+    return tags
+
+
+def test_composer_monitors_and_loggers_log_what_composer_logs(tmp_path):
+    results = {}
+    for which in ("composer", "eventbus"):
+        memory = InMemoryLogger()
+        file_logger = FileLogger(filename=str(tmp_path / which / "log.txt"), remote_file_name="uploaded/log.txt",
+                                 capture_stdout=False, capture_stderr=False)
+        board = TensorboardLogger(log_dir=str(tmp_path / which / "tb"), flush_interval=1)
+        trainer = _run(which, _monitors(), [memory, file_logger, board], max_duration="2ep", eval_interval="1ep")
+        results[which] = (_series(memory), _file_keys(tmp_path / which / "log.txt"),
+                          _tensorboard_tags(tmp_path / which / "tb"), trainer)
+    ours, theirs = results["eventbus"], results["composer"]
+    _compare_series(ours[0], theirs[0])
+    for prefix in ("lr-SGD/group0", "l2_norm/grad/global", "l2_norm/grad/module.0.weight",
+                   "throughput/batches_per_sec", "time/remaining_estimate", "metrics/train/MulticlassAccuracy",
+                   "metrics/eval/CrossEntropy"):
+        assert prefix in ours[0], prefix
+    assert ours[1] == theirs[1] and "loss/train/total" in ours[1]
+    assert ours[2] == theirs[2] and "loss/train/total" in ours[2]
+    # FileLogger uploads its file through Logger.upload_file: it lands in the run folder's artifacts/.
+    assert (ours[3].run_folder / "artifacts" / "uploaded" / "log.txt").is_file()
+
+
+@pytest.mark.parametrize("make_stopper", [
+    lambda: EarlyStopper("MulticlassAccuracy", "eval", patience="1ba", min_delta=10.0),
+    lambda: ThresholdStopper("MulticlassAccuracy", "eval", threshold=0.0),
+    lambda: EarlyStopper("MulticlassAccuracy", "train", patience=1, min_delta=10.0),
+], ids=["early-eval", "threshold-eval", "early-train-epochs"])
+def test_composer_stoppers_stop_where_composer_stops(make_stopper: Callable[[], Any]):
+    stopped = {}
+    for which in ("composer", "eventbus"):
+        memory = InMemoryLogger()
+        trainer = _run(which, [make_stopper()], [memory], max_duration="4ep", eval_interval="1ba")
+        stopped[which] = (int(trainer.state.timestamp.batch), _series(memory))
+    assert stopped["eventbus"][0] == stopped["composer"][0] < 16  # stopped early
+    _compare_series(stopped["eventbus"][1], stopped["composer"][1])
+
+
+class _Recorder(composer.Callback):
+    """A plain Composer callback: records every event's value (both trainers run it unchanged)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def run_event(self, event: Any, state: Any, logger: Any) -> None:
+        self.events.append(event.value)
+        if event.value == "batch_end":
+            assert event == composer.core.Event.BATCH_END
+
+
+@pytest.mark.parametrize("max_duration, interval, expected_eval_batches", [
+    ("1ep", "0.5dur", [2, 4]),
+    ("2ep", "0.25dur", [2, 4, 6, 8]),
+])
+def test_microbatched_dur_run_fires_composers_events_and_keys(max_duration, interval, expected_eval_batches):
+    runs = {}
+    for which in ("composer", "eventbus"):
+        recorder, memory = _Recorder(), InMemoryLogger()
+        _run(which, [recorder], [memory], max_duration=max_duration, eval_interval=interval,
+             device_train_microbatch_size=8)
+        runs[which] = (recorder.events, memory)
+    assert runs["eventbus"][0] == runs["composer"][0]
+    evaluated_at = [int(ts.batch) for ts, _ in runs["eventbus"][1].data["metrics/eval/CrossEntropy"]]
+    assert evaluated_at == expected_eval_batches
+    _compare_series(_series(runs["eventbus"][1]), _series(runs["composer"][1]))
+
+
+def test_composer_types_compare_and_convert_both_ways():
+    from composer.core import Event as CEvent
+    from composer.core import Time as CTime
+    from composer.core import TimeUnit as CTimeUnit
+
+    assert eventbus.Event.BATCH_END == CEvent.BATCH_END and eventbus.Event(CEvent.FIT_END) is eventbus.Event.FIT_END
+    assert eventbus.TimeUnit(CTimeUnit.EPOCH) is eventbus.TimeUnit.EPOCH
+    assert eventbus.TimeUnit.BATCH == CTimeUnit.BATCH and CTimeUnit(eventbus.TimeUnit.BATCH) == CTimeUnit.BATCH
+    assert eventbus.Time(3, "ep") - eventbus.Time(1, "ep") > CTime(1, CTimeUnit.EPOCH)
+    assert eventbus.Timestamp(batch=3) >= CTime(3, CTimeUnit.BATCH)
+    assert eventbus.Timestamp(epoch=2).get(CTimeUnit.EPOCH) == eventbus.Time(2, "ep")
+    assert (eventbus.Time(2, "ba") / CTime(4, CTimeUnit.BATCH)).value == 0.5
+
+
+def test_worker_loads_composer_callbacks_and_loggers():
+    from eventbus.daemons.loading import load_callback
+
+    assert isinstance(load_callback("composer.callbacks:LRMonitor"), LRMonitor)
+    assert isinstance(load_callback("composer.loggers:InMemoryLogger"), InMemoryLogger)
