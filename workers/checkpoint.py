@@ -27,7 +27,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
-from eventbus.checkpoint.files import save_atomically, save_sharded_atomically
+from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically, save_sharded_atomically, temp_name
 from eventbus.checkpoint.handle import TRANSFERS
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
@@ -85,6 +85,7 @@ class CheckpointSaver(Callback):
         self._due = interval_scheduler(save_interval, name="save_interval", batch_event=Event.BATCH_CHECKPOINT,
                                        epoch_event=Event.EPOCH_CHECKPOINT)
         self._trainer_state_dict: Optional[Callable[[], dict[str, Any]]] = None
+        self._cleaned: set[pathlib.Path] = set()  # folders whose stale temporary files were removed
 
     @property
     def capture_options(self) -> dict[str, Any]:
@@ -138,6 +139,11 @@ class CheckpointSaver(Callback):
         rank = int(getattr(state, "rank", 0))
         folder = self._folder(state, rank)
         folder.mkdir(parents=True, exist_ok=True)
+        if folder not in self._cleaned:
+            # A worker killed mid-write (SIGKILL, OOM) left its temporary file: remove it before writing.
+            for stale in remove_stale_temp_files(folder):
+                log.info("removed a stale temporary file %s", stale)
+            self._cleaned.add(folder)
         path = folder / _format(self.filename, state, rank)
         latest = folder / _format(self.latest_filename, state, rank) if self.latest_filename else None
         if sharded:
@@ -167,8 +173,7 @@ class CheckpointSaver(Callback):
     @staticmethod
     def _link_latest(link: pathlib.Path, target: pathlib.Path) -> None:
         """Point ``link`` at ``target`` (relative), replacing any old link atomically."""
-        tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
-        tmp.unlink(missing_ok=True)
+        tmp = temp_name(link)  # unpredictable, and os.symlink never replaces what is there
         os.symlink(os.path.relpath(target, link.parent), tmp)
         os.replace(tmp, link)
 

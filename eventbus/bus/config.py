@@ -33,6 +33,7 @@ class BusConfig:
 
     address: Optional[str] = None
     journal: bool = True
+    journal_segment_bytes: int = 256 << 20  # a journal segment this large is closed and the next one started
     queue_size: int = 1_000_000
     send_hwm: int = 100_000
     replay_cache: int = 50_000

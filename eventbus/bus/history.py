@@ -2,8 +2,11 @@
 
 Every message gets the next seq, goes to the journal, and only then to the
 wire (``flush_and_send``): a message a subscriber saw is always in the journal.
+On the wire it is preceded by its topic frame (see :mod:`eventbus.bus.wire`) and
+carries the links -- each topic's previous seq -- that let a subscriber of a
+few topics detect a message of its own that was dropped.
 Recent messages stay in a bounded cache for replay; older ones are read back
-from the journal by offset.
+from the journal (its sparse seq index keeps memory bounded).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, Optional
 import zmq
 
 from eventbus.bus import wire
-from eventbus.bus.journal import JournalWriter, read_record
+from eventbus.bus.journal import JournalWriter
 from eventbus.bus.records import Kind
 
 __all__ = ["History"]
@@ -29,24 +32,30 @@ class History:
         self.run_id, self.rank = run_id, rank
         self.journal = journal
         self.seq = 0
-        self._offsets = array.array("Q")  # journal offset of each seq (index seq - 1), 8 bytes each
         self._cache: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=cache_size)
         self._latest: dict[str, bytes] = {}  # the latest message of each event / kind, for joiners
         self.header_bytes = b""
-        self._pending: list[bytes] = []
+        self._pending: list[tuple[bytes, bytes]] = []  # (topic frame, message)
+        self._last_by_topic = array.array("I", bytes(wire.LINKS_BYTES))  # each topic's latest seq
+        self._topic_frames = [bytes([i]) for i in range(len(wire.TOPICS))]
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
         """Number, encode and journal one message; it is sent by the next ``flush_and_send``."""
         self.seq += 1
-        message = wire.encode(kind, self.run_id, self.rank, self.seq, event, wall, mono, payload)
+        topic = wire.topic_index(kind, event)
+        # Links are exact while seqs fit 32 bits; past that subscribers fall back to contiguous checks.
+        links = self._last_by_topic.tobytes() if self.seq <= 0xFFFFFFFF else None
+        message = wire.encode(kind, self.run_id, self.rank, self.seq, event, wall, mono, payload, links)
+        if links is not None:
+            self._last_by_topic[topic] = self.seq
         if self.journal is not None:
-            self._offsets.append(self.journal.append(message))
+            self.journal.append(message, self.seq)
         self._cache.append((self.seq, message))
         if kind == Kind.HEADER:
             self.header_bytes = message
         else:
             self._latest[event or kind] = message
-        self._pending.append(message)
+        self._pending.append((self._topic_frames[topic], message))
 
     def flush_and_send(self, pub: zmq.Socket) -> int:
         """Journal first, then the wire (never blocking: at the high-water mark ZeroMQ drops for
@@ -56,14 +65,26 @@ class History:
         if self.journal is not None:
             self.journal.flush()
         send = pub.send
-        for message in self._pending:
-            send(message, zmq.NOBLOCK)
+        more, dontwait = zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
+        for topic, message in self._pending:
+            send(topic, more)
+            send(message, dontwait)
         sent = len(self._pending)
         self._pending = []
         return sent
 
     def latest(self) -> list[bytes]:
         return list(self._latest.values())
+
+    def last_of(self, topics: Optional[list[str]]) -> int:
+        """The seq of the latest message among ``topics`` (names); of any message when None."""
+        if topics is None:
+            return self.seq
+        return max((self._last_by_topic[wire.TOPICS.index(name)] for name in topics), default=0)
+
+    def links(self) -> bytes:
+        """Each topic's latest seq so far (a subscriber's tail check compares its own topics)."""
+        return self._last_by_topic.tobytes()
 
     def messages(self, first: int, last: int) -> list[bytes]:
         """Seqs ``first..last`` (fewer if the journal ends early); the caller bounds the span."""
@@ -74,12 +95,4 @@ class History:
             return [m for _, m in itertools.islice(self._cache, start, start + last - first + 1)]
         if self.journal is None:
             return []
-        out = []
-        with open(self.journal.path, "rb") as file:
-            file.seek(self._offsets[first - 1])
-            for _ in range(last - first + 1):
-                record = read_record(file)
-                if record is None:
-                    break
-                out.append(record)
-        return out
+        return self.journal.read_range(first, last)  # older than the cache: the journal's sparse index

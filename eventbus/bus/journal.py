@@ -1,13 +1,40 @@
-"""The journal: every published message, in seq order, in one append-only file.
+"""The journal: every published message, in seq order, in append-only segment files.
 
-Record layout: ``[u32 length][u32 crc32][message bytes]`` (little-endian). A
-record whose header or body is incomplete, or whose checksum does not match,
-ends the readable journal: a crash mid-write leaves a torn tail that readers
-detect and ignore, and everything before it is intact.
+Segments: ``events.journal`` is segment 0, then ``events.journal.1``,
+``events.journal.2``, ...; readers follow them in that order. A writer never
+appends to an existing file: each :class:`JournalWriter` (a run, a resumed or
+restarted run) starts a new segment, so a torn tail left by a crash stays a
+tail. With ``segment_bytes`` set, a writer also starts a new segment once the
+current one reaches that size; a record never spans two segments.
+
+Segment header: ``MAGIC2`` (12 bytes), ``u64`` writer token (random per
+writer: segments of one writer continue its seqs), ``u32`` ordinal of the
+segment within that writer. Record: ``SYNC`` (4 bytes), ``u32`` length,
+``u32`` CRC32 of (length, seq, message), ``u64`` seq, message bytes
+(little-endian).
+
+Guarantees for readers (:class:`JournalReader`):
+
+* a damaged record (flipped byte, zeroed page, bad length) costs that record
+  only: the reader resynchronises on the next record whose ``SYNC`` and CRC
+  check out, and reports the damage (:class:`Damage`) with the seqs lost
+  between the records around it;
+* a torn tail (a prefix of one record, as a crash mid-write leaves it) ends a
+  segment silently: that record was never sent;
+* a symlink in place of a segment is not followed (reported as damage);
+* journals of the first format (``MAGIC``, no sync marker) are read up to their
+  first damaged record, which is reported.
+
+Memory: readers hold one record and a 1 MiB scan window; the writer's seq index
+is sparse (one entry per 256 KiB written).
 """
 
 from __future__ import annotations
 
+import array
+import bisect
+import dataclasses
+import errno
 import os
 import pathlib
 import struct
@@ -16,37 +43,120 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 from eventbus.errors import ConfigError
 
-__all__ = ["JournalWriter", "read_journal", "read_journal_at", "JOURNAL_NAME"]
+__all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "read_journal", "read_record",
+           "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
 
 JOURNAL_NAME = "events.journal"
-MAGIC = b"EVBJOURNAL1\n"  # first bytes of every journal file
-_HEADER = struct.Struct("<II")
+MAGIC = b"EVBJOURNAL1\n"  # the first format: [u32 length][u32 crc32][message], no seqs, no resync
+MAGIC2 = b"EVBJOURNAL2\n"
+SYNC = b"\xa5EvR"  # starts every record: what a reader looks for to resynchronise after damage
+_SEGMENT = struct.Struct("<12sQI")  # magic, writer token, segment ordinal within the writer
+_RECORD = struct.Struct("<4sIIQ")  # sync, length, crc32, seq
+_CHECKED = struct.Struct("<IQ")  # the header fields the CRC covers with the message: a bad length fails it
+_V1_RECORD = struct.Struct("<II")
 _MAX_RECORD = 1 << 30
+_SCAN_WINDOW = 1 << 20
+_INDEX_EVERY = 256 << 10  # bytes between two entries of the writer's sparse seq index
+DEFAULT_SEGMENT_BYTES = 256 << 20
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+PathLike = Union[str, os.PathLike]
+
+
+def segment_paths(path: PathLike) -> list[pathlib.Path]:
+    """The journal's segment files in reading order (present ones, symlinks included)."""
+    base = pathlib.Path(path)
+    numbered = []
+    if base.parent.is_dir():
+        for entry in os.scandir(base.parent):
+            prefix, _, number = entry.name.rpartition(".")
+            if prefix == base.name and number.isdigit() and number == str(int(number)) and int(number) > 0:
+                numbered.append((int(number), base.parent / entry.name))
+    return ([base] if os.path.lexists(base) else []) + [p for _, p in sorted(numbered)]
+
+
+def _segment_name(base: pathlib.Path, number: int) -> pathlib.Path:
+    return base if number == 0 else base.with_name(f"{base.name}.{number}")
 
 
 class JournalWriter:
-    """Appends records; owned by the bus thread. ``flush`` hands them to the OS.
+    """Appends records to a new segment of the journal at ``path``; owned by the bus thread.
 
-    Records survive a crash of the training process once flushed; ``fsync``
-    also survives a machine crash.
+    Records survive a crash of the training process once flushed; ``fsync`` also
+    survives a machine crash. Segment files are created exclusively and never
+    through a symlink. ``read_range`` serves this writer's records by seq.
     """
 
-    def __init__(self, path: Union[str, os.PathLike]):
-        self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: BinaryIO = open(self.path, "ab")
-        if self._file.tell() == 0:
-            self._file.write(MAGIC)
-        else:
-            _check_magic(self.path)  # appending to a journal from an earlier run of the same name
-        self.offset = self._file.tell()
+    def __init__(self, path: PathLike, segment_bytes: Optional[int] = None):
+        self.base = pathlib.Path(path)
+        self.segment_bytes = segment_bytes
+        self.base.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._token = int.from_bytes(os.urandom(8), "little")
+        self._segments: list[pathlib.Path] = []
+        # Sparse index: (seq, segment of this writer, offset) of one record per _INDEX_EVERY bytes.
+        self._index_seq, self._index_segment, self._index_offset = array.array("Q"), array.array("Q"), array.array("Q")
+        self._indexed_at = -_INDEX_EVERY
+        self.seq = 0
+        self._file: BinaryIO = self._open_segment()
 
-    def append(self, message: bytes) -> int:
-        """Write one record; returns its offset in the file."""
+    def _open_segment(self) -> BinaryIO:
+        existing = segment_paths(self.base)
+        number = 0 if not existing else max(int(p.name.rpartition(".")[2]) if p != self.base else 0
+                                            for p in existing) + 1
+        while True:
+            path = _segment_name(self.base, number)
+            try:  # O_EXCL: never an existing file, never through a planted (even dangling) symlink
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+                break
+            except FileExistsError:
+                number += 1  # another writer took it first
+        file = os.fdopen(fd, "wb")
+        file.write(_SEGMENT.pack(MAGIC2, self._token, len(self._segments)))
+        self._segments.append(path)
+        self.path = path  # the segment being written
+        self.offset = _SEGMENT.size
+        self._indexed_at = -_INDEX_EVERY
+        return file
+
+    def append(self, message: bytes, seq: Optional[int] = None) -> int:
+        """Write one record (``seq`` defaults to the previous one + 1); returns its offset in ``self.path``."""
+        seq = self.seq + 1 if seq is None else seq
+        if self.segment_bytes is not None and self.offset >= self.segment_bytes and self.offset > _SEGMENT.size:
+            self.flush(fsync=True)
+            self._file.close()
+            self._file = self._open_segment()
         offset = self.offset
-        self._file.write(_HEADER.pack(len(message), zlib.crc32(message)) + message)
-        self.offset += _HEADER.size + len(message)
+        if offset - self._indexed_at >= _INDEX_EVERY:
+            self._index_seq.append(seq)
+            self._index_segment.append(len(self._segments) - 1)
+            self._index_offset.append(offset)
+            self._indexed_at = offset
+        crc = zlib.crc32(message, zlib.crc32(_CHECKED.pack(len(message), seq)))
+        self._file.write(_RECORD.pack(SYNC, len(message), crc, seq) + message)
+        self.offset += _RECORD.size + len(message)
+        self.seq = seq
         return offset
+
+    def read_range(self, first_seq: int, last_seq: int) -> list[bytes]:
+        """This writer's records ``first_seq..last_seq`` in seq order, stopping before the first
+        one missing (not written, or damaged on disk); reads at most one index step before it."""
+        if first_seq > last_seq or not self._index_seq or first_seq > self.seq:
+            return []
+        self._file.flush()
+        at = max(bisect.bisect_right(self._index_seq, first_seq) - 1, 0)
+        segment, offset = self._index_segment[at], self._index_offset[at]
+        out: list[bytes] = []
+        for number in range(segment, len(self._segments)):
+            with _open_nofollow(self._segments[number]) as file:
+                size = os.fstat(file.fileno()).st_size
+                for _, _, seq, body in _scan_v2(file, offset if number == segment else _SEGMENT.size, size):
+                    if seq is None or body is None or seq < first_seq + len(out):
+                        continue  # a damaged span, or a record before the range
+                    if seq > first_seq + len(out):
+                        return out  # the next seq is missing: only a contiguous run is served
+                    out.append(body)
+                    if seq >= last_seq:
+                        return out
+        return out
 
     def flush(self, fsync: bool = False) -> None:
         self._file.flush()
@@ -59,42 +169,267 @@ class JournalWriter:
             self._file.close()
 
 
+def _open_nofollow(path: pathlib.Path) -> BinaryIO:
+    return os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
+
+
 def read_record(file: BinaryIO) -> Optional[bytes]:
-    """The next complete record, or None at the end or at a torn/corrupt tail."""
-    header = file.read(_HEADER.size)
-    if len(header) < _HEADER.size:
+    """The record at the file's position (no resync), or None at the end or at a torn/damaged record."""
+    header = file.read(_RECORD.size)
+    if len(header) < _RECORD.size:
         return None
-    length, crc = _HEADER.unpack(header)
-    if length > _MAX_RECORD:
+    sync, length, crc, seq = _RECORD.unpack(header)
+    if sync != SYNC or length > _MAX_RECORD:
         return None
     body = file.read(length)
-    if len(body) < length or zlib.crc32(body) != crc:
+    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq))) != crc:
         return None
     return body
 
 
-def _check_magic(path: pathlib.Path) -> None:
-    with open(path, "rb") as file:
-        if file.read(len(MAGIC)) != MAGIC:
-            raise ConfigError(f"{str(path)!r} is not an eventbus journal (it does not start with the journal "
-                              "header); point at <run folder>/events.journal")
+def _parse(file: BinaryIO, offset: int, size: int) -> Optional[tuple[int, bytes]]:
+    """``(seq, message)`` of an intact record at ``offset``, else None."""
+    if size - offset < _RECORD.size:
+        return None
+    file.seek(offset)
+    sync, length, crc, seq = _RECORD.unpack(file.read(_RECORD.size))
+    if sync != SYNC or length > _MAX_RECORD or offset + _RECORD.size + length > size:
+        return None
+    body = file.read(length)
+    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq))) != crc:
+        return None
+    return seq, body
 
 
-def read_journal(path: Union[str, os.PathLike], start_offset: int = 0) -> Iterator[bytes]:
-    """Yield every complete record's message bytes, stopping at a torn tail."""
-    for _, record in read_journal_at(path, start_offset):
-        yield record
+def _resync(file: BinaryIO, start: int, size: int) -> Optional[int]:
+    """Offset of the first intact record at or after ``start``; reads a window at a time."""
+    window = start
+    while window < size:
+        file.seek(window)
+        chunk = file.read(min(_SCAN_WINDOW, size - window) + len(SYNC) - 1)
+        found = chunk.find(SYNC)
+        while found != -1 and window + found < size:
+            if _parse(file, window + found, size) is not None:
+                return window + found
+            found = chunk.find(SYNC, found + 1)
+        window += _SCAN_WINDOW
+    return None
 
 
-def read_journal_at(path: Union[str, os.PathLike], start_offset: int = 0) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(offset, message bytes)`` from ``start_offset`` on, stopping at a torn tail."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"journal {str(path)!r} does not exist (expected <run folder>/{JOURNAL_NAME})")
-    _check_magic(path)
-    with open(path, "rb") as file:
-        offset = max(start_offset, len(MAGIC))
+def _is_torn(file: BinaryIO, offset: int, size: int) -> bool:
+    """Whether the bytes from ``offset`` to the end are a prefix of one record, as an interrupted
+    write leaves it (rather than damage): a plausible header whose message runs past the end."""
+    file.seek(offset)
+    head = file.read(min(size - offset, _RECORD.size))
+    if len(head) < _RECORD.size:
+        return head == SYNC[:len(head)] or head.startswith(SYNC)
+    sync, length, _, _ = _RECORD.unpack(head)
+    return sync == SYNC and length <= _MAX_RECORD and offset + _RECORD.size + length > size
+
+
+def _scan_v2(file: BinaryIO, offset: int, size: int) -> Iterator[tuple[int, int, Optional[int], Optional[bytes]]]:
+    """``(offset, end, seq, message)`` per record from ``offset``; ``(offset, end, None, None)`` for a
+    damaged span; stops at the end or before a torn tail."""
+    while offset < size:
+        parsed = _parse(file, offset, size)
+        if parsed is not None:
+            end = offset + _RECORD.size + len(parsed[1])
+            yield offset, end, parsed[0], parsed[1]
+            offset = end
+            continue
+        following = _resync(file, offset + 1, size)
+        if following is None:
+            if not _is_torn(file, offset, size):
+                yield offset, size, None, None  # damage up to the end: not what a crash leaves
+            return
+        yield offset, following, None, None
+        offset = following
+
+
+def _scan_v1(file: BinaryIO, offset: int, size: int) -> Iterator[tuple[int, int, Optional[int], Optional[bytes]]]:
+    """The first format: no sync marker, so reading stops at the first damaged record (reported)."""
+    while offset < size:
         file.seek(offset)
-        while (record := read_record(file)) is not None:
-            yield offset, record
-            offset += _HEADER.size + len(record)
+        header = file.read(_V1_RECORD.size)
+        if len(header) < _V1_RECORD.size:
+            return
+        length, crc = _V1_RECORD.unpack(header)
+        if length <= _MAX_RECORD and offset + _V1_RECORD.size + length > size:
+            return  # torn tail
+        body = file.read(length) if length <= _MAX_RECORD else b""
+        if length > _MAX_RECORD or zlib.crc32(body) != crc:
+            yield offset, size, None, None
+            return
+        yield offset, offset + _V1_RECORD.size + length, 0, body
+        offset += _V1_RECORD.size + length
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Position:
+    """Where a record starts: the segment's index in reading order, and the offset in it."""
+
+    segment: int = 0
+    offset: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    position: Position
+    end: Position  # where the next record starts
+    seq: int  # 0 for the first format, which has no seqs in its framing
+    data: bytes
+
+
+@dataclasses.dataclass
+class Damage:
+    """Bytes no record could be read from; ``first_lost..last_lost`` are the seqs they held
+    (None where the framing cannot tell: the journal ends, or another writer follows)."""
+
+    path: str
+    offset: int
+    size: int
+    first_lost: Optional[int] = None
+    last_lost: Optional[int] = None
+    note: str = ""
+
+    @property
+    def lost(self) -> Optional[int]:
+        """How many seqs were lost; None when unknown (at least one)."""
+        if self.first_lost is None or self.last_lost is None:
+            return None
+        return max(self.last_lost - self.first_lost + 1, 0)
+
+    def describe(self) -> str:
+        if self.note:
+            return f"{self.path}: {self.note}"
+        if self.first_lost is not None and self.last_lost is not None:
+            seqs = (f"seqs {self.first_lost}..{self.last_lost} lost" if self.last_lost >= self.first_lost
+                    else "no seq lost")
+        elif self.first_lost is not None:
+            seqs = f"seqs from {self.first_lost} on lost"
+        else:
+            seqs = "its seqs unknown"
+        return f"{self.path}: {self.size} damaged bytes at offset {self.offset}, {seqs}"
+
+
+def summarize(damage: list[Damage]) -> str:
+    """One line: how many seqs were lost, and where."""
+    known = sum(d.lost or 0 for d in damage)
+    unknown = any(d.lost is None for d in damage)
+    ranges = ", ".join(f"{d.first_lost}..{d.last_lost if d.last_lost is not None else '?'}"
+                       for d in damage if d.first_lost is not None and (d.lost is None or d.lost > 0))
+    count = f"{known}{'+' if unknown else ''} seqs lost"
+    return f"{count} in {len(damage)} damaged region(s)" + (f" (seqs {ranges})" if ranges else "")
+
+
+class _Losses:
+    """Names the seqs each damaged span held, from the intact records of the same writer around it."""
+
+    def __init__(self, damage: list[Damage]):
+        self.damage = damage
+        self._token: Optional[int] = None
+        self._last: Optional[int] = None  # the last intact seq of the current writer
+        self._pending: list[Damage] = []
+
+    def segment(self, token: Optional[int], ordinal: Optional[int]) -> None:
+        if token is None or token != self._token:
+            self._settle(None)  # a new writer: damage before it ran to the previous writer's end
+            self._last = 0 if ordinal == 0 else None  # a writer numbers from seq 1
+        self._token = token
+
+    def damaged(self, damage: Damage) -> None:
+        self.damage.append(damage)
+        self._pending.append(damage)
+
+    def record(self, seq: int) -> None:
+        self._settle(seq)
+        self._last = seq if seq > 0 else None  # the first format has no seqs in its framing
+
+    def finish(self) -> None:
+        self._settle(None)
+
+    def _settle(self, next_seq: Optional[int]) -> None:
+        if not self._pending:
+            return
+        first = self._pending[0]
+        first.first_lost = self._last + 1 if self._last is not None else None
+        first.last_lost = next_seq - 1 if next_seq is not None else None
+        self._pending = []
+
+
+class JournalReader:
+    """Reads a journal's segments in order, resynchronising after damage (see the module docstring).
+
+    ``damage`` lists what the last :meth:`records` pass could not read; ``summary()`` says it in a line.
+    """
+
+    def __init__(self, path: PathLike):
+        self.path = pathlib.Path(path)
+        self._segments = segment_paths(self.path)
+        if not self._segments:
+            raise ConfigError(f"journal {str(self.path)!r} does not exist (expected <run folder>/{JOURNAL_NAME})")
+        self.damage: list[Damage] = []
+
+    @property
+    def segments(self) -> list[pathlib.Path]:
+        return list(self._segments)
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.damage)
+
+    def summary(self) -> str:
+        return summarize(self.damage)
+
+    def records(self, start: Position = Position()) -> Iterator[Record]:
+        """Every intact record from ``start`` on, in journal order, following segments as they appear."""
+        self.damage = []
+        losses = _Losses(self.damage)
+        number = start.segment
+        while True:
+            if number >= len(self._segments):
+                self._segments = segment_paths(self.path)  # the writer may have started another
+                if number >= len(self._segments):
+                    break
+            yield from self._segment(number, start.offset if number == start.segment else 0, losses)
+            number += 1
+        losses.finish()
+
+    def _segment(self, number: int, offset: int, losses: _Losses) -> Iterator[Record]:
+        path = self._segments[number]
+        try:
+            file = _open_nofollow(path)
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise ConfigError(f"journal segment {str(path)!r} cannot be read: {err}") from None
+            losses.damaged(Damage(str(path), 0, 0, note="a symlink, not followed; its records are not read"))
+            return
+        with file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(_SEGMENT.size)
+            scan, start, token, ordinal = _scan_v2, 0, None, None
+            if head.startswith(MAGIC):
+                scan, start = _scan_v1, len(MAGIC)
+            elif head.startswith(MAGIC2) and len(head) == _SEGMENT.size:
+                _, token, ordinal = _SEGMENT.unpack(head)
+                start = _SEGMENT.size
+            elif len(head) < _SEGMENT.size and MAGIC2.startswith(head[:len(MAGIC2)]):
+                return  # created, header not complete yet: nothing written
+            elif _resync(file, 0, size) is None:
+                raise ConfigError(f"{str(path)!r} is not an eventbus journal (it does not start with the journal "
+                                  f"header); point at <run folder>/{JOURNAL_NAME}")
+            losses.segment(token, ordinal)
+            for at, end, seq, body in scan(file, max(offset, start), size):
+                if seq is None or body is None:
+                    losses.damaged(Damage(str(path), at, end - at))
+                    continue
+                losses.record(seq)
+                yield Record(Position(number, at), Position(number, end), seq, body)
+
+
+def read_journal(path: PathLike) -> Iterator[bytes]:
+    """Every intact record's message bytes, in order, across segments (damage skipped; see JournalReader)."""
+    for record in JournalReader(path).records():
+        yield record.data

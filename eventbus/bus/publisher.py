@@ -84,7 +84,7 @@ class Publisher:
 
     def start(self, header: dict[str, Any]) -> None:
         """Bind the sockets and open the journal on the bus thread; raises ConfigError if that fails."""
-        self.run_folder.mkdir(parents=True, exist_ok=True)
+        self.run_folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # the journal and ipc sockets: owner only
         server_key, authorized = self.config.server_key, self.config.authorized_keys
         if bool(server_key) != bool(authorized):
             raise ConfigError("CURVE needs both server_key (a .key_secret file) and authorized_keys (a folder)")
@@ -174,7 +174,8 @@ class _BusThread(threading.Thread):
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         router.bind(self.publisher.service_address)
         journal_path = self.publisher.journal_path
-        return pub, router, JournalWriter(journal_path) if journal_path else None
+        journal = JournalWriter(journal_path, segment_bytes=self.config.journal_segment_bytes) if journal_path else None
+        return pub, router, journal
 
     def run(self) -> None:
         # A context of its own: the CURVE authenticator guards exactly this publisher's sockets.
@@ -260,10 +261,9 @@ class _BusThread(threading.Thread):
     def _drain_subscribers(self, poller: zmq.Poller) -> None:
         """Before the end of the run: let live workers apply everything and send back their last
         metrics (journaled and published before END), for at most ``drain_timeout`` seconds."""
-        last = self._history.seq
         deadline = time.monotonic() + self.config.drain_timeout
         while time.monotonic() < deadline:
-            behind = self._service.subscribers.behind(last)
+            behind = self._service.subscribers.behind(self._history)
             if not behind:
                 return
             if poller.poll(20):

@@ -56,12 +56,22 @@ class GapFiller:
                 reply = wire.decode_request(frames[0])
                 current = reply.get("seq")
                 if reply.get("run_id") == run_id and isinstance(current, int) and current >= next_seq:
-                    await self.fill(next_seq, current)
+                    await self._fill_tail(next_seq, current, reply.get("links"))
                 return
             self._service_down_until = loop.time() + _SERVICE_BACKOFF
         self._journal.fill(next_seq, 1 << 62)
         if self._sequencer.next_seq != next_seq:
             self._stats.gaps += 1
+
+    async def _fill_tail(self, next_seq: int, current: int, links: object) -> None:
+        """The publisher is at ``current``: fill up to it, unless its links show that nothing of
+        this subscriber's topics was published since ``next_seq`` (then there is nothing to fetch)."""
+        topics = self._sequencer.topics
+        if topics is not None and isinstance(links, bytes):
+            if 0 <= wire.previous_of(links, topics) < next_seq:
+                self._sequencer.skip_to(current + 1)
+                return
+        await self.fill(next_seq, current)
 
     async def _from_replay(self, first: int, last: int) -> int:
         """Queue what the replay service returns from ``first`` on; returns the first seq still missing."""

@@ -7,7 +7,8 @@ context, and the ZAP domain is enforced, so a client with an unknown key, no
 key, or only the server's public key gets nothing.
 
 Key files are ZeroMQ certificates: ``NAME.key`` (public) and
-``NAME.key_secret`` (public and secret, mode 0600).
+``NAME.key_secret`` (public and secret, mode 0600). A secret key file that group
+or others can access is refused, as ssh refuses such a private key.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from eventbus.errors import ConfigError
 
-__all__ = ["ZAP_DOMAIN", "generate_keys", "ServerKeys", "ClientKeys"]
+__all__ = ["ZAP_DOMAIN", "generate_keys", "check_secret_permissions", "ServerKeys", "ClientKeys"]
 
 ZAP_DOMAIN = "eventbus"
 PathLike = Union[str, os.PathLike]
@@ -47,7 +48,20 @@ def generate_keys(directory: PathLike, name: Optional[str] = None) -> list[pathl
     return written
 
 
+def check_secret_permissions(path: PathLike, what: str = "secret key") -> None:
+    """Refuse a secret key file that group or others may read or write, as ssh does."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise ConfigError(f"{what} {os.fspath(path)!r} is not readable: {err}") from None
+    if mode & 0o077:
+        raise ConfigError(f"{what} {os.fspath(path)!r} has permissions {mode & 0o777:04o}: a secret key must not "
+                          f"be accessible by others; run chmod 600 {os.fspath(path)}")
+
+
 def _load(path: PathLike, *, secret: bool, what: str) -> tuple[bytes, Optional[bytes]]:
+    if secret:
+        check_secret_permissions(path, what)
     try:
         public, secret_key = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as err:

@@ -47,12 +47,16 @@ class Sequencer:
 
     ``start``/``resume`` pick the join point (see :meth:`join`). ``follow``: a message of a new
     run switches to that run from its seq 1 and calls ``on_new_run``; otherwise it is refused.
+    ``topics``: the topic indices this subscriber receives (the publisher filters the rest);
+    a message's links say whether one of them was missed since the last one queued, so seqs
+    of other topics are stepped over, never mistaken for gaps. None: every seq is expected.
     """
 
     def __init__(self, stats: SubscriberStats, *, max_bytes: int = wire.MAX_MESSAGE_BYTES, start: str = "latest",
                  resume: Optional[tuple[str, int]] = None, follow: bool = False,
-                 on_new_run: Optional[Callable[[], None]] = None):
+                 on_new_run: Optional[Callable[[], None]] = None, topics: Optional[frozenset[int]] = None):
         self._stats = stats
+        self.topics = topics
         self._max_bytes = max_bytes
         self._start = start
         self._resume = resume
@@ -106,7 +110,14 @@ class Sequencer:
         if envelope.seq < self.next_seq:
             self._stats.duplicates += 1
             return None
+        if self.topics is not None and 0 <= wire.previous_of(envelope.links, self.topics) < self.next_seq:
+            self.next_seq = envelope.seq  # the seqs in between are other topics': nothing of ours is missing
         return self.next_seq
+
+    def skip_to(self, seq: int) -> None:
+        """Nothing of this subscriber's topics exists before ``seq`` that it has not queued."""
+        if self.next_seq is not None and seq > self.next_seq:
+            self.next_seq = seq
 
     def _switch_run(self, run_id: str) -> bool:
         if not self._follow or run_id in self._finished_runs:
@@ -127,7 +138,11 @@ class Sequencer:
             self._queue(item)
 
     def recover(self, item: Decoded) -> None:
-        """Queue a message recovered from the replay service or the journal (it is the next seq)."""
+        """Queue a message recovered from the replay service or the journal (it is the next seq);
+        a message of a topic this subscriber does not receive is stepped over."""
+        if self.topics is not None and item.envelope.topic not in self.topics:
+            self.next_seq = item.envelope.seq + 1
+            return
         item.recovered = True
         self._queue(item)
         self._stats.recovered += 1

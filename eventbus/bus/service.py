@@ -72,6 +72,8 @@ class SubscriberTable:
         entry["last_seen"] = time.time()
         if request.op is Op.HELLO:
             entry["stats"], entry["callbacks"] = request.get("stats"), request.get("callbacks")
+            if request.get("topics") is not None:
+                entry["topics"] = request.get("topics")
         if request.get("applied") is not None:
             entry["applied"] = request.get("applied")
         while len(self.entries) > self.max_entries:
@@ -81,11 +83,13 @@ class SubscriberTable:
         now = time.time()
         return [name for name, seen in list(self.entries.items()) if now - seen.get("last_seen", 0) <= within]
 
-    def behind(self, last_seq: int, within: float = 15.0) -> list[str]:
-        """Live workers that report progress and have not applied ``last_seq`` yet."""
+    def behind(self, history: History, within: float = 15.0) -> list[str]:
+        """Live workers that report progress and have not applied the last message they receive
+        (the run's last, or the last of their topics when they receive only some)."""
         now = time.time()
         return [name for name, seen in self.entries.items()
-                if "applied" in seen and now - seen.get("last_seen", 0) < within and seen["applied"] < last_seq]
+                if "applied" in seen and now - seen.get("last_seen", 0) < within
+                and seen["applied"] < history.last_of(seen.get("topics"))]
 
 
 Handler = Callable[[list[bytes], Request], None]
@@ -160,7 +164,7 @@ class RequestService:
         self._reply(route, "replay", request, *messages, first=first, last=first + len(messages) - 1)
 
     def _ping(self, route: list[bytes], request: Request) -> None:
-        self._reply(route, "pong", request, seq=self._history.seq)
+        self._reply(route, "pong", request, seq=self._history.seq, links=self._history.links())
 
     def _stop(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1

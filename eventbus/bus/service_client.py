@@ -121,8 +121,11 @@ class ServiceClient:
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
         self.send("metrics", metrics=plain, step=step, source=source or self.identity)
 
-    def hello(self, stats: dict[str, Any], callbacks: Sequence[str] = (), applied: Optional[int] = None) -> None:
-        extra = {"applied": applied} if applied is not None else {}
+    def hello(self, stats: dict[str, Any], callbacks: Sequence[str] = (), applied: Optional[int] = None,
+              topics: Optional[Sequence[str]] = None) -> None:
+        extra: dict[str, Any] = {"applied": applied} if applied is not None else {}
+        if topics is not None:
+            extra["topics"] = list(topics)  # the trainer waits at the end only for what this one receives
         self.send("hello", stats=stats, callbacks=list(callbacks), source=self.identity, **extra)
 
     def progress(self, applied: int) -> None:

@@ -28,6 +28,7 @@ filling); this module holds the sockets, the receive loop and the delivery.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
 import time
@@ -46,6 +47,8 @@ from eventbus.bus.sequencer import Decoded, Sequencer, decode
 from eventbus.bus.service_client import SOCKET_SLACK, ServiceClient
 from eventbus.bus.snapshot import Snapshot
 from eventbus.core.events import Event
+
+_DRAIN_BATCH = 1024  # messages taken per wake-up before the event loop gets a turn
 
 __all__ = ["Message", "Subscriber", "SubscriberStats", "journal_messages"]
 
@@ -135,7 +138,9 @@ class _RunView:
 class Subscriber:
     """Receives one publisher's messages; see the module docstring for the guarantees.
 
-    ``events`` limits which events are yielded (all seqs are still tracked).
+    ``events`` limits which events are received: the publisher sends only those (with the run
+    header, the end of the run, and logged metrics unless ``metrics=False``), and gap detection
+    still notices a missed one of them (see :class:`~eventbus.bus.sequencer.Sequencer`).
     ``resume=(run_id, seq)`` continues after ``seq`` if the run is still ``run_id``.
     ``journal`` is a path to fall back on when the replay service cannot answer
     (by default the path announced in the run header, if it exists here).
@@ -161,6 +166,8 @@ class Subscriber:
         keys: Optional[ClientKeys] = None,
         follow: bool = False,
         rank: Optional[int] = None,
+        metrics: bool = True,
+        receive_hwm: int = 100_000,
     ):
         if start not in ("latest", "beginning"):
             raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
@@ -168,6 +175,8 @@ class Subscriber:
         self.events = frozenset(Event(e) for e in events) if events is not None else None
         self.identity = identity or f"subscriber-{os.getpid()}"
         self._max_bytes = max_message_bytes
+        self._receive_hwm = receive_hwm  # messages ZeroMQ queues here before it drops (then replayed)
+        self._received_topics: collections.Counter[int] = collections.Counter()
         self._keys = keys if keys is not None else ClientKeys.from_environment()
         self._stats = SubscriberStats()
         self._service = ServiceClient(
@@ -176,8 +185,11 @@ class Subscriber:
         )
         self._view = _RunView(self._stats, self.events, control=self._service.control,
                               fetch=self._service.fetch_checkpoint)
+        self._topics = _topics(self.events, metrics)
         self._sequencer = Sequencer(self._stats, max_bytes=max_message_bytes, start=start, resume=resume,
-                                    follow=follow, on_new_run=self._view.reset)
+                                    follow=follow, on_new_run=self._view.reset,
+                                    topics=frozenset(wire.TOPICS.index(name) for name in self._topics)
+                                    if self._topics is not None else None)
         self._journal = JournalSource(os.fspath(journal) if journal is not None else None, self._sequencer,
                                       header=lambda: self._view.header)
         self._gaps = GapFiller(self._service, self._journal, self._sequencer, self._stats)
@@ -213,6 +225,11 @@ class Subscriber:
         """The latest snapshot delivered (after joining: the run's current state)."""
         return self._view.state
 
+    def received_topics(self) -> dict[str, int]:
+        """Messages that arrived on the socket, by topic: what the publisher's filter let through."""
+        return {wire.TOPICS[index]: count for index, count in sorted(self._received_topics.items())
+                if index < len(wire.TOPICS)}
+
     def stats(self) -> SubscriberStats:
         self._stats.buffered = len(self._sequencer)
         return dataclasses.replace(self._stats)
@@ -225,10 +242,13 @@ class Subscriber:
         if self._keys is not None:
             self._keys.apply(self._sub)
         self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + SOCKET_SLACK)
-        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for topic in wire.topic_frames(self._topics) if self._topics is not None else [b""]:
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._sub.connect(self.address)  # before the snapshot request: the Clone pattern
+        # The same socket, used synchronously to drain what arrived without an await per message.
+        self._drain: zmq.Socket = zmq.Socket.shadow(self._sub.underlying)
         self._service.connect(context)
         await self._join()
         return self
@@ -276,7 +296,7 @@ class Subscriber:
 
     def hello(self, callbacks: Sequence[str] = (), applied: Optional[int] = None) -> None:
         """A heartbeat with this subscriber's stats; the trainer's ``stats`` request reports it."""
-        self._service.hello(dataclasses.asdict(self.stats()), callbacks, applied)
+        self._service.hello(dataclasses.asdict(self.stats()), callbacks, applied, self._topics)
 
     def progress(self, applied: int) -> None:
         """Everything up to seq ``applied`` is applied: the trainer waits for this before ending a run."""
@@ -313,14 +333,28 @@ class Subscriber:
                 continue
             if self._sequencer.finished:
                 raise StopAsyncIteration
+            if self._journal.pump():  # joined from the journal: the next part of it, memory bounded
+                continue
             await self._receive_one()
 
     async def _receive_one(self) -> None:
+        """Wait for messages once, then take everything the socket holds without waiting again
+        (one await per batch instead of per message: most of a subscriber's cost otherwise)."""
         assert self._sub is not None, "use 'async with Subscriber(...)'"
         if not await self._sub.poll(self._idle_check * 1000):
             await self._gaps.check_tail()
             return
-        frame = await self._sub.recv()
+        recv, again = self._drain.recv_multipart, zmq.Again
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except again:
+                return
+            if len(frames) == 2 and len(frames[0]) == 1:
+                self._received_topics[frames[0][0]] += 1
+            await self._accept(frames[-1])  # [topic, envelope]; a one-frame message is its envelope
+
+    async def _accept(self, frame: bytes) -> None:
         self._stats.received += 1
         item = self._sequencer.decode(frame)
         if item is None or not self._is_my_rank(item.envelope.rank):
@@ -340,6 +374,13 @@ class Subscriber:
             self._stats.other_ranks += 1
             return False
         return True
+
+
+def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[str]]:
+    """The topic names to subscribe to; None for all of them."""
+    if events is None:
+        return None if metrics else [name for name in wire.TOPICS if name != "metrics"]
+    return ["header", "end", *(["metrics"] if metrics else []), *sorted(e.value for e in events)]
 
 
 async def journal_messages(path: Union[str, os.PathLike]) -> AsyncIterator[Message]:

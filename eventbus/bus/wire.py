@@ -3,6 +3,7 @@
 Envelope (a msgpack array, in this order)::
 
     [version, kind, run_id, rank, seq, event, wall_time, mono_time, payload]
+    [version, kind, run_id, rank, seq, event, wall_time, mono_time, links, payload]
 
 * ``version``  -- :data:`PROTOCOL_VERSION`; anything else is rejected.
 * ``kind``     -- ``header`` (run metadata, first of a run), ``event`` (an Event
@@ -10,6 +11,14 @@ Envelope (a msgpack array, in this order)::
 * ``run_id``   -- 32 hex chars shared by every rank of a run.
 * ``rank``, ``seq`` -- ``seq`` counts 1, 2, 3, ... per (run_id, rank) with no gaps.
 * ``payload``  -- a map of plain values (no pickle, ever).
+* ``links``    -- (the publisher always sends them) per topic, the seq of that topic's
+  previous message, as little-endian u32s indexed like :data:`TOPICS`. A subscriber
+  that receives only some topics learns from them whether it missed one of its own.
+
+On the PUB socket each message is two frames, ``[topic, envelope]``: the topic is
+one byte, the index of the event (or kind) in :data:`TOPICS`, so the publisher's
+ZeroMQ filters what each subscriber receives. The journal and the replay service
+hold the envelope alone.
 
 Control requests (subscriber to publisher) are msgpack maps with an ``op``.
 Decoding is bounded in bytes, container sizes, nesting depth and types;
@@ -18,16 +27,18 @@ anything else raises :class:`ProtocolError`.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import msgpack
 
+from eventbus.core.events import Event
 from eventbus.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
-    "encode_request", "decode_request",
+    "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of",
 ]
 
 PROTOCOL_VERSION = 1
@@ -38,6 +49,35 @@ MAX_CONTAINER_LEN = 100_000
 
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 _SCALARS = (str, int, float, bool, bytes, type(None))
+
+# Topics: the message kinds that are not events, then the 40 events in Composer's order.
+TOPICS: tuple[str, ...] = ("header", "metrics", "end", *(e.value for e in Event))
+_TOPIC_INDEX = {name: i for i, name in enumerate(TOPICS)}
+_EVENT_NAMES = frozenset(e.value for e in Event)
+LINKS_BYTES = 4 * len(TOPICS)
+
+
+def topic_index(kind: str, event: Optional[str]) -> int:
+    """The topic of a message: its event, or its kind for header / metrics / end."""
+    return _TOPIC_INDEX[event if kind == "event" and event is not None else kind]
+
+
+def topic_frames(names: Iterable[str]) -> list[bytes]:
+    """The ZeroMQ subscriptions for topic names (event values or kinds)."""
+    return [bytes([_TOPIC_INDEX[name]]) for name in names]
+
+
+def previous_of(links: bytes, topics: Iterable[int]) -> int:
+    """The latest seq, before this message, of any of ``topics``; -1 when the links are missing."""
+    if len(links) != LINKS_BYTES:
+        return -1
+    seqs = memoryview(links).cast("I")
+    return max((seqs[i] for i in topics), default=0)
+
+
+def links_of(last_seqs: "array.array[int]") -> bytes:
+    """Encode the publisher's per-topic last seqs (an ``array('I')`` indexed like TOPICS)."""
+    return last_seqs.tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +90,18 @@ class Envelope:
     wall_time: float
     mono_time: float
     payload: dict[str, Any]
+    links: bytes = b""
+
+    @property
+    def topic(self) -> int:
+        return topic_index(self.kind, self.event)
 
 
 def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-           mono_time: float, payload: dict[str, Any]) -> bytes:
-    return _packer.pack([PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time, payload])
+           mono_time: float, payload: dict[str, Any], links: Optional[bytes] = None) -> bytes:
+    if links is None:
+        return _packer.pack([PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time, payload])
+    return _packer.pack([PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time, links, payload])
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -97,8 +144,11 @@ def _check_plain(value: Any, depth: int, where: str) -> None:
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
     """Parse and validate one message; raises ProtocolError saying what is wrong."""
     obj = _unpack(data, "message", max_bytes)
-    if not isinstance(obj, list) or len(obj) != 9:
-        raise ProtocolError("message: expected a 9-field envelope array")
+    if not isinstance(obj, list) or len(obj) not in (9, 10):
+        raise ProtocolError("message: expected a 9-field envelope array (10 with links)")
+    links = obj.pop(8) if len(obj) == 10 else b""
+    if not isinstance(links, bytes) or len(links) not in (0, LINKS_BYTES):
+        raise ProtocolError(f"message: links must be {LINKS_BYTES} bytes")
     version, kind, run_id, rank, seq, event, wall, mono, payload = obj
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -113,12 +163,14 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Envelope:
         raise ProtocolError("message: rank must be an int >= 0 and seq an int >= 1")
     if event is not None and (not isinstance(event, str) or len(event) > 64):
         raise ProtocolError("message: event must be a short string or nil")
+    if kind == "event" and event not in _EVENT_NAMES:
+        raise ProtocolError(f"message: unknown event {str(event)[:40]!r}")
     if not isinstance(wall, (int, float)) or not isinstance(mono, (int, float)):
         raise ProtocolError("message: wall_time and mono_time must be numbers")
     if not isinstance(payload, dict):
         raise ProtocolError("message: payload must be a map")
     _check_plain(payload, 1, "message payload")
-    return Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), payload)
+    return Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), payload, links)
 
 
 def encode_request(op: str, **fields: Any) -> bytes:

@@ -1,14 +1,79 @@
-"""Checkpoint files written so that a crash leaves the old file or the new one, never a torn one."""
+"""Checkpoint files written so that a crash leaves the old file or the new one, never a torn one.
+
+Temporary names are ``.<name>.tmp-<pid>-<random>`` in the target folder, created
+exclusively (``O_EXCL|O_NOFOLLOW``): a file or symlink planted there is never
+followed or overwritten. The writing process holds a lock on its temporary file;
+:func:`remove_stale_temp_files` removes those whose writer is gone (a SIGKILL
+mid-write), which the checkpoint worker does before it first writes into a folder.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
+import re
+import secrets
 import shutil
 import warnings
 from typing import Any, Optional, Union
 
-__all__ = ["save_atomically", "save_sharded_atomically"]
+__all__ = ["save_atomically", "save_sharded_atomically", "temp_name", "remove_stale_temp_files"]
+
+_TEMP = re.compile(r"^\..+\.tmp-(\d+)(?:-[0-9a-f]+)?$")  # the old names had no random part
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def temp_name(path: pathlib.Path) -> pathlib.Path:
+    """A fresh unpredictable temporary name beside ``path`` that names this process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _unlocked(path: pathlib.Path) -> bool:
+    """A regular file nobody holds a lock on (its writer may live in another pid namespace)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return True  # a symlink or a folder: no lock to check
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temp_files(folder: Union[str, os.PathLike]) -> list[pathlib.Path]:
+    """Remove the temporary files, folders and links in ``folder`` whose writing process is gone
+    (its pid is dead and it holds no lock); returns what was removed. Symlinks are removed, not followed."""
+    folder = pathlib.Path(folder)
+    removed: list[pathlib.Path] = []
+    if not folder.is_dir():
+        return removed
+    for entry in os.scandir(folder):
+        match = _TEMP.match(entry.name)
+        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
+            continue
+        path = folder / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(path, ignore_errors=True)
+        elif _unlocked(path):
+            path.unlink(missing_ok=True)
+        else:
+            continue
+        removed.append(path)
+    return removed
 
 
 def save_sharded_atomically(state: dict[str, Any], folder: Union[str, os.PathLike]) -> None:
@@ -19,8 +84,8 @@ def save_sharded_atomically(state: dict[str, Any], folder: Union[str, os.PathLik
     import torch.distributed.checkpoint as dcp
 
     folder = pathlib.Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_name(folder)
+    os.mkdir(tmp, 0o700)  # exclusive: fails on anything already there, a symlink included
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", ".*single process.*")  # no process group here, on purpose
@@ -45,9 +110,11 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
     import torch
 
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
     try:
-        with open(tmp, "wb") as raw:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # says "being written" to remove_stale_temp_files in any pid namespace
+        with os.fdopen(fd, "wb") as raw:
             file = _ErrorKeepingWriter(raw)
             try:
                 torch.save(obj, file)

@@ -11,14 +11,22 @@ The bus thread announces the staged checkpoint on the event it belongs to
 A buffer is reused only when it is acknowledged *and* ZeroMQ has let go of
 every frame sent from it; when every buffer is busy, that checkpoint is skipped
 and reported.
+
+Buffer files are ``eventbus-<run_id>-<pid>-<n>-<size>``, created exclusively with
+mode 0600 (never through a symlink); the trainer holds a shared lock on each.
+At start (``StagingBuffers()``), the trainer removes the buffers of dead
+trainers: those whose pid is gone and on which nobody holds a lock (a trainer in
+another pid namespace sharing this /dev/shm holds its lock).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import mmap
 import os
 import pathlib
+import re
 import tempfile
 import threading
 import time
@@ -29,7 +37,51 @@ import torch
 
 from eventbus.checkpoint.layout import ALIGN, flatten
 
-__all__ = ["StagingBuffers", "Staged"]
+__all__ = ["StagingBuffers", "Staged", "remove_stale_buffers"]
+
+_BUFFER = re.compile(r"^eventbus-[0-9a-f]+-(\d+)-\d+-\d+$")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _owner_gone(pid: int, path: pathlib.Path) -> bool:
+    """The pid is dead here and no process anywhere holds the buffer's lock."""
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return False  # another user's live process
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
+        return True  # a symlink in the buffers' name pattern: remove the link itself
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_stale_buffers(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the staging buffers of dead trainers owned by this user; returns what was removed."""
+    removed = []
+    for entry in os.scandir(directory):
+        match = _BUFFER.match(entry.name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except FileNotFoundError:
+            continue
+        path = directory / entry.name
+        if _owner_gone(int(match.group(1)), path):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def _shm_dir() -> pathlib.Path:
@@ -72,6 +124,7 @@ class StagingBuffers:
         self.run_id = run_id
         self.max_buffers = max_buffers
         self.directory = directory or _shm_dir()
+        remove_stale_buffers(self.directory)  # what killed trainers left in shared memory
         self._buffers: list[_Buffer] = []
         self._lock = threading.Lock()
         self._side_stream: Optional[torch.cuda.Stream] = None
@@ -116,7 +169,9 @@ class StagingBuffers:
             for buffer in free:  # too small: replace it
                 self._drop(buffer)
             path = self.directory / f"eventbus-{self.run_id}-{os.getpid()}-{len(self._buffers)}-{size}"
-            file = open(path, "w+b")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" to remove_stale_buffers, in any pid namespace
+            file = os.fdopen(fd, "w+b")
             file.truncate(size)
             buffer = _Buffer(path, size, file, mmap.mmap(file.fileno(), size), busy=True)
             self._buffers.append(buffer)
