@@ -12,10 +12,18 @@ Logged metrics: a hosted callback's ``logger.log_metrics`` goes to the trainer
 over the control channel and comes back as a ``metrics`` message, which hosted
 LoggerDestinations receive like every other logged metric.
 
+Messages reach a callback in batches: whatever queued up while it was busy goes
+to its thread in one hand-off, so a fast callback costs one thread switch per
+batch, not per message.
+
 With a cursor file, each callback's last applied seq and its ``state_dict()``
-are recorded after every event; a restarted host loads that state into the new
-callback objects and resumes after that seq, so an event is applied once,
-except one that was in flight in a callback at the instant of a SIGKILL.
+are committed together (group commit): after a message, once the time spent
+applying since the last commit reaches ``COMMIT_RATIO`` times what a commit
+costs, or ``COMMIT_INTERVAL`` seconds have passed. A callback slower than that
+commits after every message; a fast one at most a few times per second, so
+commits stay a small fraction of its time. A restarted host loads the committed
+state and resumes after that seq: only messages applied in the last
+``COMMIT_INTERVAL`` (or the one in flight) can be applied again after a SIGKILL.
 """
 
 from __future__ import annotations
@@ -27,18 +35,23 @@ import json
 import logging
 import os
 import pathlib
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from eventbus.bus.subscriber import Message
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
-from eventbus.core.logger import Logger, LoggerDestination
+from eventbus.core.logger import Logger, LoggerDestination, is_logger_destination
 
-__all__ = ["CallbackHost", "Cursor"]
+__all__ = ["CallbackHost", "Cursor", "subscription"]
 
 log = logging.getLogger(__name__)
 
 _END = object()
+_BATCH = 512  # messages handed to a callback's thread at once
+COMMIT_RATIO = 10.0  # apply at least this many times a commit's cost between two commits...
+COMMIT_INTERVAL = 0.25  # ...or commit when this many seconds passed since the last one
 
 
 class Cursor:
@@ -46,6 +59,7 @@ class Cursor:
 
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = pathlib.Path(path)
+        self._lock = threading.Lock()
         self.run_id: Optional[str] = None
         self.journal: Optional[str] = None
         self.seqs: dict[str, int] = {}
@@ -64,17 +78,21 @@ class Cursor:
             return None
         return self.run_id, min(self.seqs.get(name, 0) for name in names)
 
-    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None) -> None:
-        """Remember that ``name`` applied ``seq``, with its ``state_dict()`` as of then."""
-        if run_id != self.run_id:
-            self.run_id, self.seqs, self.states = run_id, {}, {}
-        self.seqs[name] = seq
-        self.states[name] = state
-        self.journal = journal or self.journal
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
-                                   "journal": self.journal}, default=str))
-        os.replace(tmp, self.path)
+    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None) -> float:
+        """Commit that ``name`` applied ``seq``, with its ``state_dict()`` as of then; returns the
+        seconds the commit took. Thread-safe: each callback commits from its own thread."""
+        started = time.perf_counter()
+        with self._lock:
+            if run_id != self.run_id:
+                self.run_id, self.seqs, self.states = run_id, {}, {}
+            self.seqs[name] = seq
+            self.states[name] = state
+            self.journal = journal or self.journal
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
+                                       "journal": self.journal}, default=str))
+            os.replace(tmp, self.path)
+        return time.perf_counter() - started
 
 
 def _handles(callback: Callback, event: Event) -> bool:
@@ -87,6 +105,24 @@ def _handles(callback: Callback, event: Event) -> bool:
 
 
 _DEPRECATED = {Event.FIT_START: "training_start", Event.FIT_END: "training_end"}
+
+
+def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Event]], bool]:
+    """What hosting ``callbacks`` needs from the bus: the events they handle (None: every event,
+    for a callback that overrides ``run_event``) and whether any of them takes logged metrics.
+    A worker subscribes to exactly that, so the publisher filters out everything else."""
+    events: set[Event] = set()
+    for callback in callbacks:
+        if type(callback).run_event is not Callback.run_event:
+            return None, True
+        events.update(event for event in Event if _handles(callback, event))
+    return frozenset(events), any(_takes_metrics(cb) for cb in callbacks)
+
+
+def _takes_metrics(callback: Any) -> bool:
+    """A logger destination (eventbus's or Composer's) that does something with logged metrics."""
+    method = getattr(type(callback), "log_metrics", None)
+    return is_logger_destination(callback) and method is not None and method is not LoggerDestination.log_metrics
 
 
 class _SubscriberLogger(Logger):
@@ -122,6 +158,14 @@ class _Slot:
         self.errors = 0
         self.applied = 0
         self.last_seq = 0
+        self.committed_seq = 0
+        self.run_id: Optional[str] = None
+        self.commit_cost = 0.0  # seconds the last commit took
+        self.committed_at = time.monotonic()
+        self.since_commit = 0.0  # seconds spent applying since then
+        self.runs_async = any(inspect.iscoroutinefunction(getattr(callback, name, None))
+                              for name in ("run_event", "log_metrics", "log_hyperparameters",
+                                           *(event.value for event in Event)))
 
 
 class CallbackHost:
@@ -192,54 +236,105 @@ class CallbackHost:
 
     async def _consume(self, slot: _Slot) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            message = await slot.queue.get()
-            if message is _END:
-                return
+        ending = False
+        while not ending:
+            batch = [await slot.queue.get()]
+            while len(batch) < _BATCH and not slot.queue.empty():
+                batch.append(slot.queue.get_nowait())
+            if batch[-1] is _END or _END in batch:
+                ending = True
+                batch = [m for m in batch if m is not _END]
             if self.failure is not None and self.fail_fast:
                 continue
-            slot.state = message.state
-            slot.logger.state = message.state
-            try:
-                await self._apply(slot, message, loop)
-            except Exception as err:
-                slot.errors += 1
-                log.exception("callback %s failed on %s (seq %d)", slot.name,
-                              message.event or message.kind, message.seq)
-                if self.fail_fast:
-                    self.failure = err
+            if slot.runs_async:
+                for message in batch:
+                    await self._apply_async(slot, message)
+            elif batch:
+                # One hand-off for the whole batch; failures come back to be handled on the loop.
+                failure = await loop.run_in_executor(slot.executor, self._apply_batch, slot, batch)
+                if failure is not None and self.fail_fast:
+                    self.failure = failure
                     self.stop()
-                    continue
-            slot.applied += 1
-            slot.last_seq = message.seq
-            if self.cursor is not None:
-                journal = message.state.header.get("journal") if message.state is not None else None
-                self.cursor.record(message.run_id, slot.name, message.seq, slot.callback.state_dict(), journal)
+        self._commit(slot, force=True)
 
-    async def _apply(self, slot: _Slot, message: Message, loop: asyncio.AbstractEventLoop) -> None:
-        callback = slot.callback
-        if message.kind == "metrics":
-            if (isinstance(callback, LoggerDestination) and message.metrics is not None
-                    and type(callback).log_metrics is not LoggerDestination.log_metrics):
-                await self._call(slot, callback.log_metrics, loop, message.metrics, message.step)
+    def _apply_batch(self, slot: _Slot, batch: list[Message]) -> Optional[BaseException]:
+        """On the callback's own thread: apply each message in order; stop at a failure under fail_fast."""
+        for message in batch:
+            started = time.perf_counter()
+            try:
+                for method, args in self._calls(slot, message):
+                    method(*args)
+            except Exception as err:
+                self._failed(slot, message)
+                if self.fail_fast:
+                    return err
+            self._applied(slot, message, time.perf_counter() - started)
+        return None
+
+    async def _apply_async(self, slot: _Slot, message: Message) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            for method, args in self._calls(slot, message):
+                if inspect.iscoroutinefunction(method):
+                    await method(*args)
+                else:
+                    await loop.run_in_executor(slot.executor, method, *args)
+        except Exception as err:
+            self._failed(slot, message)
+            if self.fail_fast:
+                self.failure = err
+                self.stop()
+                return
+        self._applied(slot, message, time.perf_counter() - started)
+
+    def _failed(self, slot: _Slot, message: Message) -> None:
+        slot.errors += 1
+        log.exception("callback %s failed on %s (seq %d)", slot.name, message.event or message.kind, message.seq)
+
+    def _applied(self, slot: _Slot, message: Message, seconds: float) -> None:
+        slot.applied += 1
+        slot.last_seq = message.seq
+        slot.since_commit += seconds
+        if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or \
+                time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:
+            self._commit(slot)
+
+    def _commit(self, slot: _Slot, force: bool = False) -> None:
+        """Group commit of one callback's progress (called between its messages, on its thread)."""
+        if self.cursor is None or slot.state is None or (slot.committed_seq == slot.last_seq and not force):
             return
-        if message.kind == "header" and isinstance(callback, LoggerDestination):
+        journal = slot.state.header.get("journal")
+        run_id = slot.run_id or slot.state.run_id
+        slot.commit_cost = self.cursor.record(run_id, slot.name, slot.last_seq, slot.callback.state_dict(), journal)
+        slot.committed_seq, slot.since_commit, slot.committed_at = slot.last_seq, 0.0, time.monotonic()
+
+    def _calls(self, slot: _Slot, message: Message) -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """What applying ``message`` to this callback means: the methods to call, in order."""
+        callback: Any = slot.callback  # an eventbus or Composer callback, or a logger destination
+        slot.state = message.state
+        slot.logger.state = message.state
+        slot.run_id = message.run_id
+        if message.kind == "metrics":
+            if message.metrics is not None and _takes_metrics(callback):
+                return [(callback.log_metrics, (message.metrics, message.step))]
+            return []
+        if message.kind == "header" and is_logger_destination(callback):
             # The header precedes INIT on the wire; the trainer logs hyperparameters after INIT.
             slot.hyperparameters = dict(message.state.hyperparameters) if message.state is not None else {}
-            if slot.seen_init:
-                await self._call(slot, callback.log_hyperparameters, loop, slot.hyperparameters)
-            return
+            return [(callback.log_hyperparameters, (slot.hyperparameters,))] if slot.seen_init else []
         if message.event is None:
-            return
-        overridden = type(callback).run_event is not Callback.run_event
-        if overridden:
-            await self._call(slot, callback.run_event, loop, message.event, message.state, slot.logger)
+            return []
+        calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        if type(callback).run_event is not Callback.run_event:
+            calls.append((callback.run_event, (message.event, message.state, slot.logger)))
         elif _handles(callback, message.event):
-            await self._call(slot, getattr(callback, message.event.value), loop, message.state, slot.logger)
+            calls.append((getattr(callback, message.event.value), (message.state, slot.logger)))
         if message.event is Event.INIT:
             slot.seen_init = True
-            if slot.hyperparameters and isinstance(callback, LoggerDestination):
-                await self._call(slot, callback.log_hyperparameters, loop, slot.hyperparameters)
+            if slot.hyperparameters and is_logger_destination(callback):
+                calls.append((callback.log_hyperparameters, (slot.hyperparameters,)))
+        return calls
 
     @staticmethod
     async def _call(slot: _Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:

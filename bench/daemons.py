@@ -1,0 +1,218 @@
+"""7. The default deployment's cost: `eventbus run`'s daemons against the trainer alone, the bus alone
+and Composer with the same callbacks in process, at two step sizes; worker CPU per message beside floors.
+
+Steps/s are medians over alternating repeats (this machine is noisy). A worker's CPU per message is
+its user+system CPU from the moment training starts to its exit, divided by the messages it received.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+
+from bench.common import emit, median, python_env, table
+from bench.models import classifier, loader
+from eventbus import Trainer
+
+# name: (width, depth, batch size) -> about 1 ms and about 30 ms per step on one CPU thread
+STEP_SIZES = {"~1 ms": (64, 2, 16), "~30 ms": (1024, 3, 512)}
+DAEMONS = ("logger", "timing", "checkpoint")
+FLOOR_READER = r"""
+import sys, time, resource, msgpack, zmq
+sock = zmq.Context().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+sock.connect(sys.argv[1])
+decode = sys.argv[2] == "decode"
+print("ready", flush=True)
+n, cpu = 0, None
+while True:
+    if not sock.poll(3000):
+        break
+    frames = sock.recv_multipart()
+    if cpu is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF); cpu = usage.ru_utime + usage.ru_stime
+    if decode:
+        msgpack.unpackb(frames[-1], raw=False)
+    n += 1
+    if frames[0] == bytes([2]):  # the end of the run
+        break
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(f"messages {n} cpu {usage.ru_utime + usage.ru_stime - (cpu or 0):.6f}", flush=True)
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
+
+
+class _Worker:
+    """A daemon process whose CPU is counted from ``mark()`` (training starts) to its exit."""
+
+    def __init__(self, name: str, command: list[str], folder: str):
+        self.name = name
+        self.log = open(f"{folder}/{name}.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, *command], cwd=folder, env=python_env(),
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
+        self.start_cpu = 0.0
+        self.cpu = 0.0
+
+    def mark(self) -> None:
+        self.start_cpu = _cpu_seconds(self.proc.pid)
+
+    def finish(self) -> tuple[float, int]:
+        """(CPU seconds since mark, messages received)."""
+        cpu = self.start_cpu
+        while self.proc.poll() is None:
+            try:
+                cpu = _cpu_seconds(self.proc.pid)
+            except (OSError, IndexError):
+                break
+            time.sleep(0.02)
+        self.proc.wait(timeout=120)
+        self.log.seek(0)
+        text = self.log.read()
+        found = re.search(r"done; (\d+) messages", text)
+        return cpu - self.start_cpu, int(found.group(1)) if found else 0
+
+
+def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bus: Any,
+           workers: list[_Worker] = ()) -> float:
+    width, depth, batch_size = shape
+    trainer = Trainer(classifier(width, depth), loader(batches, batch_size), max_duration=f"{batches}ba",
+                      device="cpu", run_folder=f"{folder}/{name}", bus=bus, progress_bar=False)
+    if workers:  # every worker connected and idle before the clock starts
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(trainer.publisher.subscribers()) < len(workers):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        for worker in workers:
+            worker.mark()
+    started = time.perf_counter()
+    trainer.fit()
+    seconds = time.perf_counter() - started
+    trainer.close()
+    return batches / seconds
+
+
+def _plain(shape: tuple[int, int, int], batches: int) -> float:
+    width, depth, batch_size = shape
+    model, data = classifier(width, depth), loader(batches, batch_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    started = time.perf_counter()
+    for batch in data:
+        optimizer.zero_grad()
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        optimizer.step()
+    return batches / (time.perf_counter() - started)
+
+
+def _composer(shape: tuple[int, int, int], batches: int, folder: str, name: str) -> Optional[float]:
+    """Composer 0.32.1 with the daemons' callbacks in process, if Composer is installed."""
+    try:
+        from composer import Trainer as ComposerTrainer
+        from composer.callbacks import LRMonitor, MemoryMonitor, OptimizerMonitor, RuntimeEstimator, SpeedMonitor
+        from composer.loggers import FileLogger
+        from composer.models import ComposerClassifier
+    except Exception:
+        return None
+    width, depth, batch_size = shape
+    module = classifier(width, depth).module
+    trainer = ComposerTrainer(
+        model=ComposerClassifier(module, num_classes=10), train_dataloader=loader(batches, batch_size),
+        max_duration=f"{batches}ba", device="cpu", progress_bar=False, log_to_console=False,
+        callbacks=[SpeedMonitor(window_size=50), RuntimeEstimator(), LRMonitor(), OptimizerMonitor(),
+                   MemoryMonitor()],
+        loggers=[FileLogger(f"{folder}/{name}/log.txt")], save_folder=f"{folder}/{name}/ckpt", save_interval="1ep",
+        run_name=name)
+    started = time.perf_counter()
+    trainer.fit()
+    seconds = time.perf_counter() - started
+    trainer.close()
+    return batches / seconds
+
+
+def _daemons(address: str, folder: str, name: str) -> list[_Worker]:
+    state = ["--state-dir", f"{folder}/{name}-state"]
+    commands = [("logger", ["-m", "workers.logger", "--connect", address, "--no-console", *state]),
+                ("timing", ["-m", "workers.timing", "--connect", address, *state]),
+                ("checkpoint", ["-m", "workers.checkpoint", "--connect", address, "--save-interval", "1ep",
+                                "--keep", "1", "--overwrite", "--runs-dir", f"{folder}/{name}-ck", *state])]
+    return [_Worker(n, c, folder) for n, c in commands]
+
+
+def _floors(shape: tuple[int, int, int], batches: int, folder: str) -> dict[str, float]:
+    """CPU per message of minimal receivers and of no-op eventbus workers, on one real run."""
+    address = f"ipc://{folder}/floor.bus"
+    readers = {kind: subprocess.Popen([sys.executable, "-c", FLOOR_READER, address, kind], stdout=subprocess.PIPE,
+                                      text=True, env=python_env()) for kind in ("recv", "decode")}
+    noop = "bench.callbacks:NoOpBatchEnd"
+    workers = [_Worker("noop", ["-m", "eventbus", "worker", "--connect", address, "--callback", noop], folder),
+               _Worker("noop-identity", ["-m", "eventbus", "worker", "--connect", address, "--callback", noop,
+                                         "--identity", "noop", "--state-dir", f"{folder}/floor-state"], folder)]
+    for reader in readers.values():
+        reader.stdout.readline()  # "ready"
+    time.sleep(1.0)
+    _train(shape, batches, folder, "floor", address, workers)
+    out: dict[str, float] = {}
+    for kind, reader in readers.items():
+        found = re.search(r"messages (\d+) cpu ([\d.]+)", reader.communicate(timeout=60)[0])
+        if found and int(found.group(1)):
+            out[f"floor: pyzmq {kind}"] = float(found.group(2)) / int(found.group(1)) * 1e6
+    for worker in workers:
+        cpu, messages = worker.finish()
+        out[f"no-op batch_end worker{' + identity' if 'identity' in worker.name else ''}"] = \
+            cpu / max(messages, 1) * 1e6
+    return out
+
+
+def run(quick: bool) -> dict:
+    torch.set_num_threads(1)
+    repeats = 1 if quick else 3
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for label, shape in STEP_SIZES.items():
+            batches = (60 if quick else 600) if shape[0] < 512 else (8 if quick else 100)
+            times: dict[str, list[float]] = {k: [] for k in ("plain", "alone", "bus", "daemons", "composer")}
+            cpu: dict[str, list[float]] = {name: [] for name in DAEMONS}
+            for r in range(repeats):  # alternate the setups so that noise hits them alike
+                tag = f"{label[1:-3]}-{r}"
+                times["plain"].append(_plain(shape, batches))
+                times["alone"].append(_train(shape, batches, folder, f"a{tag}", False))
+                times["bus"].append(_train(shape, batches, folder, f"b{tag}", f"ipc://{folder}/b{tag}.bus"))
+                address = f"ipc://{folder}/c{tag}.bus"
+                workers = _daemons(address, folder, f"c{tag}")
+                times["daemons"].append(_train(shape, batches, folder, f"c{tag}", address, workers))
+                for worker in workers:
+                    seconds, messages = worker.finish()
+                    cpu[worker.name].append(seconds / max(messages, 1) * 1e6)
+                composer = _composer(shape, batches, folder, f"d{tag}")
+                if composer is not None:
+                    times["composer"].append(composer)
+            steps = {k: median(v) for k, v in times.items() if v}
+            alone = steps["alone"]
+            rows = [(k, steps[k], steps[k] / alone, steps[k] / steps["plain"],
+                     (1 / steps[k] - 1 / steps["plain"]) * 1e3) for k in steps]
+            table(f"7. daemons, {label} steps ({batches} batches; steps/s, ratios)",
+                  ["", "steps/s", "x trainer alone", "x plain loop", "ms/batch over plain"], rows)
+            results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": steps["daemons"] / alone,
+                              "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
+                              "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()}}
+        floors = _floors(STEP_SIZES["~1 ms"], 60 if quick else 600, folder)
+    per_message = dict(results["~1 ms"]["worker_cpu_us_per_message"], **floors)
+    table("7. worker CPU per message received (µs), ~1 ms steps", ["", "µs"], list(per_message.items()))
+    results["cpu_per_message_us"] = per_message
+    emit("daemons", results)
+    return results
+
+
+if __name__ == "__main__":
+    run("--quick" in sys.argv)
