@@ -93,9 +93,12 @@ def test_hostile_requests_neither_crash_the_trainer_nor_stop_its_record(tmp_path
         wire.encode_request("metrics", metrics={"x": {"nested": [1, 2]}}),
         wire.encode_request("replay", run_id=trainer.publisher.run_id, **{"from": 1, "to": "all"}),
         wire.encode_request("hello", source="s" * 10_000),
+        wire.encode_request("metrics", metrics={f"k{i}": "x" * 900 for i in range(500)}),  # 460 KB
     ]
     for body in hostile:
         dealer.send(body)
+    dealer.send_multipart([b"frame"] * 20 + [wire.encode_request("ping")])  # 21 frames
+    hostile.append(b"")
     deadline = time.monotonic() + 10
     while trainer.publisher.stats().protocol_errors < len(hostile) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -20,7 +20,9 @@ class Leases:
     """Capture leases, checkpoint options and stop requests of one publisher."""
 
     def __init__(self) -> None:
-        self._captures: dict[str, tuple[float, int]] = {}  # name -> (expiry, monotonic clock; every N batches)
+        # name -> (expiry on the monotonic clock, every N batches); replaced whole, read without a lock.
+        # Public so the training thread's per-event check is one attribute read.
+        self.captures: dict[str, tuple[float, int]] = {}
         self._stops: collections.deque[str] = collections.deque(maxlen=64)
         self.checkpoint_options: dict[str, str] = {}
 
@@ -31,28 +33,25 @@ class Leases:
         """Lease ``what`` for ``ttl`` seconds, captured every ``interval`` batches (validated by the caller)."""
         what = list(what)
         expiry = time.monotonic() + ttl
-        captures = dict(self._captures)
+        captures = dict(self.captures)
         for name in what:
             captures[name] = (expiry, max(1, interval))
         if checkpoint_options is not None and "checkpoint" in what:  # only the checkpoint worker's say
             self.checkpoint_options = dict(checkpoint_options)
-        self._captures = captures
+        self.captures = captures
 
     def request_stop(self, reason: str) -> None:
         self._stops.append(reason)
 
     # ---------------------------------------------------------------- training thread
 
-    def any(self) -> bool:
-        return bool(self._captures)
-
     def holds(self, name: str) -> bool:
-        lease = self._captures.get(name)
+        lease = self.captures.get(name)
         return lease is not None and lease[0] > time.monotonic()
 
     def due(self, name: str, batch: int) -> bool:
         """Leased, and ``batch`` is one of the lease's batches."""
-        lease = self._captures.get(name)
+        lease = self.captures.get(name)
         return lease is not None and lease[0] > time.monotonic() and batch % lease[1] == 0
 
     def wants_stop(self) -> bool:

@@ -31,6 +31,7 @@ MAX_METRIC_KEY_CHARS = 200
 MAX_TTL_SECONDS = 300.0
 MAX_CALLBACKS = 100
 CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint"})
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024
 CHECKPOINT_OPTIONS = frozenset({"save_interval"})
 
 
@@ -48,6 +49,10 @@ class Op(str, enum.Enum):
     CAPTURE = "capture"  # lease a costly capture (grad norms, memory, flops, checkpoints)
     CHECKPOINT_ACK = "checkpoint_ack"  # a staged checkpoint buffer was written; it may be reused
     CHECKPOINT_FETCH = "checkpoint_fetch"  # send a staged checkpoint buffer (worker on another host)
+
+
+# A metrics request is journaled and re-published: its size bounds what a client can add per request.
+MAX_REQUEST_BYTES = {Op.METRICS: 64 * 1024, Op.HELLO: 32 * 1024}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,6 +196,9 @@ def parse_request(data: bytes, max_bytes: int = wire.MAX_MESSAGE_BYTES) -> Reque
         op = Op(raw["op"])
     except ValueError:
         raise ProtocolError(f"request: unknown op {raw['op'][:40]!r}") from None
+    limit = MAX_REQUEST_BYTES.get(op, DEFAULT_MAX_REQUEST_BYTES)
+    if len(data) > limit:  # what a request makes the trainer keep (journal, cache, tables) stays small
+        raise ProtocolError(f"{op.value} request: {len(data)} bytes exceeds its {limit}-byte limit")
     schema = SCHEMAS[op]
     fields: dict[str, Any] = {}
     for name, value in raw.items():

@@ -27,6 +27,8 @@ __all__ = ["RequestService", "PublisherStats", "SubscriberTable", "StagingArea"]
 
 log = logging.getLogger(__name__)
 
+_MAX_ROUTE_FRAMES = 4  # the client's identity, plus one per proxy in front of it
+
 
 @dataclasses.dataclass
 class PublisherStats:
@@ -116,6 +118,9 @@ class RequestService:
     def serve(self, frames: list[bytes]) -> None:
         """Handle one multipart request: routing frames (a proxy's, the client's), then the body."""
         route, body = frames[:-1], frames[-1]
+        if len(route) > _MAX_ROUTE_FRAMES:
+            self._refuse(route[-1:], f"a request of {len(frames)} frames ignored (at most {_MAX_ROUTE_FRAMES + 1})")
+            return
         try:
             request = parse_request(body, self._max_bytes)
         except ProtocolError as err:

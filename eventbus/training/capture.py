@@ -39,6 +39,7 @@ _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, 
                                 Event.FIT_END})
 _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
+_METRIC_EVENTS = frozenset({Event.EVAL_END, Event.AFTER_TRAIN_BATCH})
 
 
 class _StagedValue:
@@ -102,6 +103,7 @@ class EventCapture(EventSink):
         self.checkpoint_source = checkpoint_source
         self.distributed, self.sharded = distributed, sharded
         self.metrics_destination = _MetricsForwarder(self)
+        self._put = publisher.put
         self._agreed_stop = self._agreed_checkpoint = False
         self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
         self._checkpoint_interval: Optional[str] = None
@@ -122,17 +124,19 @@ class EventCapture(EventSink):
         self.publisher.close()
 
     def publish(self, event: Event, state: "State") -> None:
-        """Capture one event; called by the engine after the local callbacks. Never blocks."""
+        """Capture one event; called by the engine after the local callbacks. Never blocks.
+
+        This runs ~15 times per batch on the training thread: keep it to reference-taking."""
         if event is Event.BATCH_END:
             self._apply_stop_request(state)
         changes = self._changes(event, state)
         staged = None
-        if (self.leases.any() or self._agreed_checkpoint) and event in _CAPTURE_EVENTS:
+        if event in _CAPTURE_EVENTS and (self.leases.captures or self._agreed_checkpoint):
             captured, staged = self._capture_on_demand(event, state)
             if captured:
                 changes = dict(changes or {}, **captured)
         length = state.dataloader_len
-        self.publisher.put(EventRecord(
+        self._put(EventRecord(
             event.value, time.time(), time.monotonic(), state.timestamp,
             state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
             length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
@@ -149,10 +153,14 @@ class EventCapture(EventSink):
 
     def _changes(self, event: Event, state: "State") -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""
+        loss = state.loss
+        if loss is self._last_loss and event not in _LR_EVENTS and event not in _METRIC_EVENTS \
+                and state.max_duration is self._last_max_duration and state.stop_reason is self._last_stop_reason:
+            return None  # the common case: nothing changed since the previous event
         changes: dict[str, Any] = {}
-        if state.loss is not self._last_loss:
-            self._last_loss = state.loss
-            changes[Key.LOSS] = stage(state.loss)
+        if loss is not self._last_loss:
+            self._last_loss = loss
+            changes[Key.LOSS] = stage(loss)
         if event in _LR_EVENTS:
             changes[Key.LEARNING_RATES] = {type(o).__name__: [stage(g["lr"]) for g in o.param_groups]
                                            for o in state.optimizers}
