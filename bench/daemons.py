@@ -7,6 +7,7 @@ its user+system CPU from the moment training starts to its exit, divided by the 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -30,18 +31,19 @@ sock.setsockopt(zmq.SUBSCRIBE, b"")
 sock.connect(sys.argv[1])
 decode = sys.argv[2] == "decode"
 print("ready", flush=True)
-n, cpu = 0, None
-while True:
-    if not sock.poll(3000):
-        break
-    frames = sock.recv_multipart()
+n, cpu, ended = 0, None, False
+while not ended and sock.poll(3000):  # one wait, then drain without waiting
     if cpu is None:
         usage = resource.getrusage(resource.RUSAGE_SELF); cpu = usage.ru_utime + usage.ru_stime
-    if decode:
-        msgpack.unpackb(frames[-1], raw=False)
-    n += 1
-    if frames[0] == bytes([2]):  # the end of the run
-        break
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        if decode:
+            msgpack.unpackb(frames[-1], raw=False)
+        n += 1
+        ended = ended or frames[0] == bytes([2])  # the end of the run
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(f"messages {n} cpu {usage.ru_utime + usage.ru_stime - (cpu or 0):.6f}", flush=True)
 """
@@ -68,15 +70,10 @@ class _Worker:
         self.start_cpu = _cpu_seconds(self.proc.pid)
 
     def finish(self) -> tuple[float, int]:
-        """(CPU seconds since mark, messages received)."""
-        cpu = self.start_cpu
-        while self.proc.poll() is None:
-            try:
-                cpu = _cpu_seconds(self.proc.pid)
-            except (OSError, IndexError):
-                break
-            time.sleep(0.02)
-        self.proc.wait(timeout=120)
+        """(CPU seconds since mark, messages received), once the daemon exits at the end of the run."""
+        _, status, usage = os.wait4(self.proc.pid, 0)  # the child's whole CPU time, read as it is reaped
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        cpu = usage.ru_utime + usage.ru_stime
         self.log.seek(0)
         text = self.log.read()
         found = re.search(r"done; (\d+) messages", text)

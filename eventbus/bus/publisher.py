@@ -236,8 +236,7 @@ class _BusThread(threading.Thread):
                     break
                 self._encode(record)
             self._send()
-            while poller.poll(0):
-                self._service.serve(self._router.recv_multipart())
+            self._serve_waiting(poller, 0)
         self._finish(poller)
 
     def _finish(self, poller: zmq.Poller) -> None:
@@ -253,8 +252,7 @@ class _BusThread(threading.Thread):
             writing = staging is not None and staging.busy()
             if time.monotonic() > (checkpoint_deadline if writing else deadline):
                 break
-            if poller.poll(20):
-                self._service.serve(self._router.recv_multipart())
+            self._serve_waiting(poller, 20)
         if staging is not None and staging.busy():
             log.error("closing with a staged checkpoint the checkpoint worker did not acknowledge")
 
@@ -266,8 +264,7 @@ class _BusThread(threading.Thread):
             behind = self._service.subscribers.behind(self._history)
             if not behind:
                 return
-            if poller.poll(20):
-                self._service.serve(self._router.recv_multipart())
+            self._serve_waiting(poller, 20)
         log.warning("closing before %s applied the whole run (drain_timeout=%ss)", ", ".join(behind),
                     self.config.drain_timeout)
 
@@ -290,8 +287,16 @@ class _BusThread(threading.Thread):
         self._history.append(kind, event, time.time(), time.monotonic(), payload)
         self._send()
 
+    def _serve_waiting(self, poller: zmq.Poller, timeout_ms: int) -> None:
+        """Answer every request waiting (up to ``timeout_ms`` for the first), then send what they
+        published in one journal flush: workers send metrics back every batch."""
+        while poller.poll(timeout_ms):
+            self._service.serve(self._router.recv_multipart())
+            timeout_ms = 0
+        self._send()
+
     def _publish_metrics(self, payload: dict[str, Any]) -> None:
-        self._emit(Kind.METRICS, None, payload)
+        self._history.append(Kind.METRICS, None, time.time(), time.monotonic(), payload)  # sent by the caller
 
     def _send(self) -> None:
         self._stats.published += self._history.flush_and_send(self._pub)
