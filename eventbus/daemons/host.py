@@ -241,9 +241,9 @@ class CallbackHost:
             batch = [await slot.queue.get()]
             while len(batch) < _BATCH and not slot.queue.empty():
                 batch.append(slot.queue.get_nowait())
-            if batch[-1] is _END or _END in batch:
+            if any(message is _END for message in batch):
                 ending = True
-                batch = [m for m in batch if m is not _END]
+                batch = [message for message in batch if message is not _END]
             if self.failure is not None and self.fail_fast:
                 continue
             if slot.runs_async:
