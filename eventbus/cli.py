@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import pathlib
+import re
 import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -68,9 +70,30 @@ def _add_worker_command(commands: Any) -> None:
     worker.add_argument("--events", nargs="+", metavar="EVENT", help="only these events (default: all)")
     worker.add_argument("--journal", help="journal to recover from if the trainer's replay service is gone")
     worker.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
+    worker.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                        help="give up (exit code 2) when no trainer serves ADDR within SECONDS (default: wait; "
+                             "a local address nobody serves is reported at once)")
     worker.add_argument("--follow", action="store_true",
                         help="keep going when the run ends: follow the next run on the same address with fresh "
                              "callbacks (a restarted trainer)")
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds, zero or more (argparse type: its error is the one-line message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be zero or more seconds, got {text!r}")
+    return value
+
+
+def _key_name(text: str) -> str:
+    """A key pair's file name: no path, so the pair lands in DIR."""
+    if not text or "/" in text or text.startswith("."):
+        raise argparse.ArgumentTypeError(f"must be a plain file name (no '/', not starting with '.'), got {text!r}")
+    return text
 
 
 def _add_bus_commands(commands: Any) -> None:
@@ -85,7 +108,7 @@ def _add_bus_commands(commands: Any) -> None:
                     "allow-list the trainer reads). With --name: one more pair to hand to another client "
                     "(copy its .key into the allow-list).")
     generate.add_argument("directory", type=pathlib.Path)
-    generate.add_argument("--name", help="write only this pair")
+    generate.add_argument("--name", type=_key_name, help="write only this pair")
 
     status = commands.add_parser("status", help="ask a running trainer for its bus statistics",
                                  description="Print the publisher's counters and its live subscribers as JSON; "
@@ -93,7 +116,7 @@ def _add_bus_commands(commands: Any) -> None:
     status.add_argument("address", help="the trainer's bus address")
     status.add_argument("--subscriber", action="append", default=[],
                         help="also require that this subscriber identity sent a heartbeat recently")
-    status.add_argument("--timeout", type=float, default=3.0)
+    status.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for an answer (default: 3)")
 
     proxy = commands.add_parser(
         "proxy", help="one address for all ranks of a torchrun job",
@@ -105,7 +128,7 @@ def _add_bus_commands(commands: Any) -> None:
     proxy.add_argument("--connect", required=True, metavar="ADDR", help="rank 0's bus address")
     proxy.add_argument("--bind", required=True, metavar="ADDR",
                        help="the address subscribers connect to (its request service is the next port, or .ctl)")
-    proxy.add_argument("--wait", type=float, default=300.0, metavar="SECONDS",
+    proxy.add_argument("--wait", type=_seconds, default=300.0, metavar="SECONDS",
                        help="how long to wait for rank 0 to answer (default: 300)")
 
 
@@ -126,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return monitor_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_dash_values(argv))
     setup_logging(logging.INFO)
     if args.command == "worker":
         return serve("eventbus worker", args, _worker_callbacks)
@@ -140,17 +163,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
+_DASH_VALUE = re.compile(r"-\.?\d")  # "-1ep", "-1", "-.5": a value, though argparse would take it for an option
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """``--opt -1ep`` as ``--opt=-1ep``: argparse reads a dash-led value as a missing one; this way the
+    value reaches the option's own check, which names what is wrong with it."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _DASH_VALUE.match(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from eventbus.daemons.job import run_job
 
         return run_job(args)
     if args.command == "keys":
-        from eventbus.bus.security import generate_keys
-
-        for path in generate_keys(args.directory, args.name):
-            print(path)
-        return 0
+        return _generate_keys(args)
     if args.command == "status":
         from eventbus.daemons.worker import bus_status
 
@@ -160,6 +194,21 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "replay":
         return _run_replay(args)
     raise ConfigError(f"unknown command {args.command!r}")
+
+
+def _generate_keys(args: argparse.Namespace) -> int:
+    from eventbus.bus.security import generate_keys
+
+    folder: pathlib.Path = args.directory
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{str(folder)!r} exists and is not a directory")
+    try:
+        paths = generate_keys(folder, args.name)
+    except OSError as err:  # an unwritable place (/proc/x, a read-only disk): say where, not a traceback
+        raise ConfigError(f"cannot write keys into {str(folder)!r}: {err.strerror or err}") from None
+    for path in paths:
+        print(path)
+    return 0
 
 
 def _worker_callbacks(args: argparse.Namespace) -> list[Callback]:
@@ -176,7 +225,18 @@ def _run_replay(args: argparse.Namespace) -> int:
     if not args.journal.is_file():
         raise ConfigError(f"journal {str(args.journal)!r} does not exist")
     callbacks = [load_callback(spec) for spec in args.callback]
+    print(f"eventbus replay: {asyncio.run(_which_run(args.journal))} from {args.journal}", file=sys.stderr,
+          flush=True)
     return asyncio.run(replay_journal(str(args.journal), callbacks, fail_fast=args.fail_fast))
+
+
+async def _which_run(journal: pathlib.Path) -> str:
+    """The run a journal replay shows (the first one the journal holds), by name and id."""
+    from eventbus.bus.subscriber import journal_messages
+
+    async for message in journal_messages(journal):
+        return f"replaying run {message.state.run_name} (id {message.run_id})"
+    return "replaying an empty journal"
 
 
 def _run_proxy(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import math
 import os
 import pathlib
@@ -24,7 +25,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import LoggerDestination
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.daemons.runtime import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLogger", "main"]
 
@@ -146,80 +147,147 @@ def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
     os.replace(tmp, target)
 
 
-class ProgressLogger(LoggerDestination):
-    """A live progress bar per epoch and evaluation on a terminal; Composer-style lines otherwise.
+# What the progress display shows, and under which short name: a few keys, never every metric
+# (gradient norms alone are dozens of keys, and a line longer than the terminal wraps and scrolls).
+BAR_KEYS = {"loss/train/total": "loss", "throughput/samples_per_sec": "samples/s"}
+RUN_ETA_KEY = "time/remaining_estimate"  # hours, from the timing worker's RuntimeEstimator
 
-    ``epoch 2 [######----]  120/215  00:12<00:10  9.5 it/s  loss/train/total 2.3101``
+
+class ProgressLogger(LoggerDestination):
+    """A tqdm bar per epoch on a terminal, Composer-style lines otherwise.
+
+    On a terminal: one line that updates in place at any width (``epoch 1/2: 45%|###  | 97/215
+    [00:30<00:37, 3.2ba/s, loss=2.31, samples/s=102, run ETA 01:10]``); eval results, the final line
+    and this process's log records are written above it. Off a terminal, every ``log_interval``
+    batches: ``epoch 1 [batch 50/215] loss 2.3101  samples/s 102.4  run ETA 01:10``.
     """
 
-    def __init__(self, stream: Optional[TextIO] = None, log_interval: int = 50, width: int = 24):
+    def __init__(self, stream: Optional[TextIO] = None, log_interval: int = 50, width: Optional[int] = None):
         self.stream = stream or sys.stderr
         self.log_interval = log_interval
-        self.width = width
+        self.width = width  # columns for the bar line; None: the terminal's width, followed as it changes
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._latest: dict[str, Any] = {}
-        self._phase_start = time.monotonic()
-        self._phase_first_batch = 0
+        self._bar: Any = None
+        self._done_line: Optional[str] = None
+
+    def init(self, state: Any, logger: Logger) -> None:
+        if self.interactive:  # a log record printed mid-bar would glue onto it: put it above the bar
+            _route_logging_above_bar(self.stream)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         for key, value in metrics.items():
-            if not key.startswith("time/") or key in ("time/remaining_estimate",):
+            if key in BAR_KEYS or key == RUN_ETA_KEY:
                 self._latest[key] = to_number(value)
 
     def epoch_start(self, state: Any, logger: Logger) -> None:
-        self._phase_start, self._phase_first_batch = time.monotonic(), state.timestamp.batch_in_epoch.value
+        if not self.interactive:
+            return
+        from tqdm import tqdm
 
-    def eval_start(self, state: Any, logger: Logger) -> None:
-        self._eval_started = time.monotonic()
+        self._close_bar()
+        ts = state.timestamp
+        self._bar = tqdm(total=_epoch_batches(state), initial=int(ts.batch_in_epoch), desc=_epoch_title(state),
+                         file=self.stream, unit="ba", dynamic_ncols=self.width is None, ncols=self.width,
+                         leave=True, mininterval=0.25, smoothing=0.1)
 
     def batch_end(self, state: Any, logger: Logger) -> None:
-        done = state.timestamp.batch_in_epoch.value
-        epoch_done = bool(state.dataloader_len) and done == int(state.dataloader_len)
-        if self.interactive or done % self.log_interval == 0 or epoch_done:
-            self._show(f"epoch {int(state.timestamp.epoch) + 1}", done, state.dataloader_len,
-                       self._phase_start, done - self._phase_first_batch, final=False)
+        done = int(state.timestamp.batch_in_epoch)
+        if self.interactive and self._bar is None:  # joined mid-epoch (a restarted logger): open its bar now
+            self.epoch_start(state, logger)
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix("=", ", "), refresh=False)
+            self._bar.update(done - self._bar.n)
+            return
+        total = _epoch_batches(state)
+        if not self.interactive and (done % self.log_interval == 0 or done == total):
+            title = f"epoch {int(state.timestamp.epoch) + 1} [batch {done}/{total if total else '?'}]"
+            self._write(f"{title} {self._postfix(' ', '  ')}".rstrip())
 
     def epoch_end(self, state: Any, logger: Logger) -> None:
-        if self.interactive:
-            self.stream.write("\n")
+        self._close_bar()
 
     def eval_end(self, state: Any, logger: Logger) -> None:
         label = state.dataloader_label
         values = state.eval_metric_values.get(label, {})
         text = "  ".join(f"{name} {_fmt(value)}" for name, value in values.items())
-        self._clear()
-        self.stream.write(f"eval {label}: {text}\n")
-        self.stream.flush()
+        self._write(f"eval {label}: {text}  (after batch {int(state.timestamp.batch)})")
 
     def fit_end(self, state: Any, logger: Logger) -> None:
-        self._clear()
+        # Said at close, after everything the run still does (a final evaluation comes after FIT_END).
         ts = state.timestamp
-        self.stream.write(f"done: {int(ts.epoch)} epochs, {int(ts.batch)} batches, {int(ts.sample)} samples"
-                          f" in {ts.total_wct.total_seconds():.1f}s of training\n")
-        self.stream.flush()
+        self._done_line = (f"done: {int(ts.epoch)} epochs, {int(ts.batch)} batches, {int(ts.sample)} samples"
+                           f" in {ts.total_wct.total_seconds():.1f}s of training")
 
-    def _clear(self) -> None:
-        if self.interactive:
-            self.stream.write("\r\x1b[2K")
+    def close(self, state: Any, logger: Logger) -> None:
+        self._close_bar()
+        if self._done_line is not None:
+            self._write(self._done_line)
+            self._done_line = None
 
-    def _show(self, title: str, done: int, total: Any, started: float, progressed: int, final: bool) -> None:
-        elapsed = time.monotonic() - started
-        rate = progressed / elapsed if elapsed > 0 else 0.0
-        total_n = int(total) if total is not None else None
-        if total_n:
-            filled = min(self.width, round(self.width * done / total_n))
-            bar = "[" + "#" * filled + "-" * (self.width - filled) + "]"
-            eta = (total_n - done) / rate if rate > 0 else math.nan
-            count = f"{done:>{len(str(total_n))}}/{total_n}"
-        else:
-            bar, eta, count = "", math.nan, str(done)
-        metrics = "  ".join(f"{k} {_fmt(v)}" for k, v in self._latest.items() if not k.startswith("metrics/"))
-        line = f"{title} {bar} {count}  {_clock(elapsed)}<{_clock(eta)}  {rate:.1f} it/s  {metrics}".rstrip()
-        if self.interactive:
-            self.stream.write("\r\x1b[2K" + line)
+    def _postfix(self, equals: str, separator: str) -> str:
+        parts = [f"{name}{equals}{_fmt(self._latest[key])}" for key, name in BAR_KEYS.items() if key in self._latest]
+        eta = self._latest.get(RUN_ETA_KEY)
+        if isinstance(eta, (int, float)):
+            parts.append(f"run ETA {_clock(eta * 3600)}")
+        return separator.join(parts)
+
+    def _write(self, line: str) -> None:
+        """A whole line: above the bar on a terminal (tqdm clears and redraws it), plain otherwise."""
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
         else:
             self.stream.write(line + "\n")
-        self.stream.flush()
+            self.stream.flush()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.refresh()
+            self._bar.close()
+            self._bar = None
+
+
+def _epoch_batches(state: Any) -> Optional[int]:
+    """Batches this epoch will run: the loader's length, or fewer when max_duration ('150ba') ends it early."""
+    per_epoch = int(state.dataloader_len) if state.dataloader_len else None
+    ts, duration = state.timestamp, state.max_duration
+    if duration is not None and duration.unit.value == "ba":
+        left = int(duration.value) - (int(ts.batch) - int(ts.batch_in_epoch))
+        return min(per_epoch, left) if per_epoch else left
+    return per_epoch
+
+
+def _epoch_title(state: Any) -> str:
+    """'epoch 1/2' (counted from 1, as the monitor does), or 'epoch 1' when the run is not in epochs."""
+    duration = state.max_duration
+    of = f"/{int(duration.value)}" if duration is not None and duration.unit.value == "ep" else ""
+    return f"epoch {int(state.timestamp.epoch) + 1}{of}"
+
+
+class _AboveBar(logging.Handler):
+    """Log records written with tqdm.write: above the bar, which is redrawn below them."""
+
+    def __init__(self, stream: TextIO):
+        super().__init__()
+        self.stream = stream
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # a log line must never break the logger
+            self.handleError(record)
+
+
+def _route_logging_above_bar(stream: TextIO) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stderr, stream):
+            handler.close()
+            root.removeHandler(handler)
+    root.addHandler(_AboveBar(stream))
 
 
 def _clock(seconds: float) -> str:

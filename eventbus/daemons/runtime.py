@@ -17,14 +17,15 @@ import asyncio
 import logging
 import pathlib
 import sys
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from eventbus.errors import EventBusError
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
 
-__all__ = ["OneLineErrorParser", "add_daemon_arguments", "setup_logging", "run_daemon", "serve"]
+__all__ = ["OneLineErrorParser", "add_daemon_arguments", "setup_logging", "run_daemon", "serve", "server_problem",
+           "wait_for_server"]
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
@@ -79,6 +80,8 @@ def serve(prog: str, args: argparse.Namespace,
     except (EventBusError, ValueError) as err:  # the options were wrong, not a bug while running
         return _error(prog, err)
     try:
+        # A hint (or, with --timeout, an error) instead of a silent wait on an address nobody serves.
+        wait_for_server(prog, args.connect, getattr(args, "timeout", None), block=False)
         options = {name: getattr(args, name) for name in _WORKER_OPTIONS if hasattr(args, name)}
         return asyncio.run(run_worker(args.connect, factory, **options))
     except EventBusError as err:
@@ -103,3 +106,71 @@ def _callback_factory(build: Callable[[argparse.Namespace], Sequence[Callback]],
         return first.pop() if first else list(build(args))
 
     return make
+
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0")
+
+
+def server_problem(address: str) -> Optional[str]:
+    """Why nobody serves ``address`` (a missing or dead ipc socket, a refused local port), or None.
+
+    Only what can be told for sure is checked: an ipc path, and tcp on this host. A remote tcp
+    address is left to ZeroMQ, which keeps trying (the trainer may start later).
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    if address.startswith("ipc://"):
+        path = pathlib.Path(address[len("ipc://"):])
+        if not path.exists():
+            return f"{path} does not exist"
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: Any = str(path)
+    else:
+        parts = urlsplit(address)
+        if parts.scheme != "tcp" or parts.hostname not in _LOOPBACK or parts.port is None:
+            return None
+        probe = socket.socket(socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET)
+        target = ("127.0.0.1" if parts.hostname in ("localhost", "0.0.0.0") else parts.hostname, parts.port)
+    with probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(target)
+        except OSError as err:
+            return f"nothing listens there ({err.strerror or err})"
+    return None
+
+
+def ended_run_hint(address: str) -> str:
+    """For an ipc address in a run folder that holds a journal: how to see that (ended) run."""
+    if address.startswith("ipc://"):
+        journal = pathlib.Path(address[len("ipc://"):]).parent / "events.journal"
+        if journal.is_file():
+            return f"; the run there has ended: eventbus monitor {journal} shows it"
+    return ""
+
+
+def wait_for_server(prog: str, address: str, timeout: Optional[float], block: bool = True) -> None:
+    """Say (once) that nobody serves ``address``; with ``timeout``, wait that long for a server.
+
+    ``timeout`` None: with ``block`` wait as long as it takes (a trainer starting later), without it
+    return at once (a restarted worker still catches up from the journal). Otherwise EventBusError
+    (a one-line error, exit code 2) after ``timeout`` seconds, at once for 0.
+    """
+    import time
+
+    problem = server_problem(address)
+    if problem is None:
+        return
+    message = f"no trainer serves {address}: {problem}{ended_run_hint(address)}"
+    if timeout is not None and timeout <= 0:
+        raise EventBusError(message)
+    if timeout is None:  # with a timeout, the one line is the error at its end
+        print(f"{prog}: waiting: {message}", file=sys.stderr, flush=True)
+        if not block:
+            return
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while server_problem(address) is not None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise EventBusError(f"{message} (gave up after {timeout:g}s)")
+        time.sleep(0.25)

@@ -32,11 +32,11 @@ import shutil
 import signal
 import socket
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 from urllib.parse import urlsplit
 
 from eventbus.bus.journal import JOURNAL_NAME
-from eventbus.daemons.runtime import OneLineErrorParser
+from eventbus.daemons.runtime import OneLineErrorParser, wait_for_server
 from eventbus.errors import EventBusError
 from eventbus.monitor.fmt import BLOCKS
 from eventbus.monitor.model import DEFAULT_METRICS, Tracker, ViewModel
@@ -144,6 +144,7 @@ async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     screen.start()
+    restore_keys = _listen_for_quit(loop, stop) if screen.interactive else None
     tasks: list[asyncio.Task] = []
     try:
         identity = f"monitor-{socket.gethostname()}-{os.getpid()}"
@@ -159,7 +160,40 @@ async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if restore_keys is not None:
+            restore_keys()
         screen.finish()
+
+
+def _listen_for_quit(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Optional[Callable[[], None]]:
+    """On a terminal, ``q`` (or ``Q``) detaches like Ctrl-C: keys are read one at a time, unechoed.
+    Returns what puts the terminal back, or None when stdin is not a terminal."""
+    try:
+        import termios
+        import tty
+    except ImportError:  # not a POSIX terminal: Ctrl-C still detaches
+        return None
+    if not sys.stdin.isatty():
+        return None
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def on_key() -> None:
+        try:
+            keys = os.read(fd, 64)
+        except OSError:
+            keys = b""
+        if not keys or b"q" in keys.lower():  # a closed stdin ends the wait for keys as well
+            stop.set()
+
+    loop.add_reader(fd, on_key)
+
+    def restore() -> None:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+    return restore
 
 
 async def _show_once(subscriber: Any, tracker: Tracker, screen: _Screen, receive: asyncio.Task,
@@ -207,6 +241,10 @@ async def _show_journal(path: pathlib.Path, tracker: Tracker, screen: _Screen) -
         tracker.feed(message)
     tracker.source_note = f"journal {path} ({tracker.messages} messages)"
     screen.draw(tracker.view(ascii_only=screen.ascii_only))
+    # Which run this is, by name and id: a journal may hold more than one (a resumed run).
+    view = tracker.view(ascii_only=True)
+    print(f"eventbus monitor: showing run {view.run_name} (id {tracker.run_id}) from {path}", file=sys.stderr,
+          flush=True)
     return 0
 
 
@@ -260,7 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refresh", type=_seconds, default=0.5, metavar="SECONDS",
                         help="redraw at most this often (default: 0.5)")
     parser.add_argument("--once", action="store_true",
-                        help="print one plain-text frame after joining, then exit")
+                        help="print one plain-text frame after joining, then exit (exit code 2 when no trainer "
+                             "serves TARGET)")
+    parser.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                        help="give up (exit code 2) when no trainer serves TARGET within SECONDS "
+                             "(default: wait for one, saying so)")
     return parser
 
 
@@ -275,6 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             path = _journal_path(target)
             return asyncio.run(_show_journal(path, tracker, _Screen(sys.stdout, interactive=False)))
         _check_address(target)
+        # Nobody serving the address is said at once (with --once or --timeout: an error, exit code 2).
+        wait_for_server(parser.prog, target, 0.0 if args.once else args.timeout)
         interactive = not args.once and sys.stdout.isatty()
         if interactive:  # log lines would tear the screen: show them on it instead
             _log_to_dashboard(tracker)

@@ -205,8 +205,14 @@ class TrainerHealth:
         view.trainer = dict(reply.get("publisher") or {})
         trainer_now = reply.get("now")
         published = reply.get("seq")
-        for identity, seen in sorted((reply.get("subscribers") or {}).items()):
-            if isinstance(seen, dict):
+        subscribers = {str(k): v for k, v in (reply.get("subscribers") or {}).items() if isinstance(v, dict)}
+        # A callback that sends metrics back shows up in the trainer's table under its own name, seen only
+        # when it sends (OptimizerMonitor: every few batches). It is part of its daemon, not a daemon: it
+        # is neither counted nor judged stale on its own.
+        hosted = {str(c) for seen in subscribers.values() if isinstance(seen.get("callbacks"), list)
+                  for c in seen["callbacks"]}
+        for identity, seen in sorted(subscribers.items()):
+            if identity not in hosted or isinstance(seen.get("callbacks"), list):
                 view.daemons.append(_daemon_view(str(identity), seen,
                                                  trainer_now if _is_number(trainer_now) else time.time(),
                                                  published if _is_number(published) else None))
@@ -412,7 +418,10 @@ class Tracker:
         ts = state.timestamp
         max_duration = state.max_duration
         per_epoch = self._train_batches_per_epoch
-        view.epoch, view.batch_in_epoch = int(ts.epoch), int(ts.batch_in_epoch)
+        view.batch_in_epoch = int(ts.batch_in_epoch)
+        # Counted from 1, as the progress bar of `eventbus run` counts: the epoch under way, or between
+        # epochs (and at the end) the one just finished.
+        view.epoch = int(ts.epoch) + 1 if view.batch_in_epoch > 0 else max(1, int(ts.epoch))
         view.batch, view.sample = int(ts.batch), int(ts.sample)
         view.batches_per_epoch = per_epoch
         view.event = self.event

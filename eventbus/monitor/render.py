@@ -32,7 +32,9 @@ def render(view: ViewModel, width: int = 100, height: int = 40) -> list[str]:
              *_metrics_panel(view, width), rule, *_bus_panel(view)]
     daemon_lines = [_daemon_row(d) for d in view.daemons]
     if view.trainer_answering:
-        lines.append(_row("daemons", f"{len(view.daemons)} known" if view.daemons else "none connected"))
+        callbacks = sum(len(d.callbacks) for d in view.daemons)
+        count = f"{len(view.daemons)} connected" + (f", hosting {callbacks} callbacks" if callbacks else "")
+        lines.append(_row("daemons", count if view.daemons else "none connected"))
     notes = [_row("note", note) for note in view.notes]
 
     room = height - len(lines) - len(notes)
