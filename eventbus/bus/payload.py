@@ -40,6 +40,8 @@ class PayloadBuilder:
         }
         self._last_timestamp: Any = None
         self._last_timestamp_dict: dict[str, Any] = {}
+        self._last_previous: Any = None
+        self._last_previous_dict: Optional[dict[str, Any]] = None
 
     def event_payload(self, record: EventRecord) -> dict[str, Any]:
         """The full snapshot at this event. Waits for the record's staged device copies."""
@@ -50,8 +52,14 @@ class PayloadBuilder:
         if record.timestamp is not self._last_timestamp:  # most events of a batch share one Timestamp
             self._last_timestamp = record.timestamp
             self._last_timestamp_dict = record.timestamp.state_dict()
+        if record.previous_timestamp is not self._last_previous:  # changes once per batch
+            self._last_previous = record.previous_timestamp
+            self._last_previous_dict = (record.previous_timestamp.state_dict()
+                                        if record.previous_timestamp is not None else None)
         payload = dict(self._current)
         payload[Key.TIMESTAMP] = self._last_timestamp_dict
+        if self._last_previous_dict is not None:
+            payload[Key.PREVIOUS_TIMESTAMP] = self._last_previous_dict
         payload[Key.LABEL] = record.dataloader_label
         payload[Key.DATALOADER_LEN] = record.dataloader_len
         payload[Key.SAMPLES] = record.batch_num_samples
@@ -70,6 +78,12 @@ class PayloadBuilder:
             if key == Key.EVAL_METRICS:
                 label, values = value
                 current[Key.EVAL_METRICS] = dict(current[Key.EVAL_METRICS], **{label: resolve(values)})
+            elif key == Key.OPTIMIZERS:
+                optimizers = resolve(value)
+                current[Key.OPTIMIZERS] = optimizers
+                # The older, lr-only view of the same capture.
+                current[Key.LEARNING_RATES] = {name: [group.get("lr") for group in groups]
+                                               for name, groups in optimizers}
             elif key == Key.GRAD_NORMS:
                 names, norms = value
                 current[Key.GRAD_NORMS] = dict(zip(names, resolve(norms)))

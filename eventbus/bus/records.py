@@ -35,7 +35,10 @@ class Key:
     SAMPLES: Final = "samples"  # state.batch_num_samples
     TOKENS: Final = "tokens"  # state.batch_num_tokens
     LOSS: Final = "loss"
-    LEARNING_RATES: Final = "lrs"  # {optimizer class name: [lr per param group]}
+    LEARNING_RATES: Final = "lrs"  # {optimizer class name: [lr per param group]}, derived from OPTIMIZERS
+    OPTIMIZERS: Final = "optimizers"  # [[class name, [{hyperparameter: number} per param group]]]
+    SCHEDULERS: Final = "schedulers"  # [[class name, [last lr per group] or None]]
+    PREVIOUS_TIMESTAMP: Final = "prev_ts"  # Timestamp.state_dict(), or absent
     TRAIN_METRICS: Final = "train_metrics"  # {metric name: value}
     EVAL_METRICS: Final = "eval_metrics"  # {dataloader label: {metric name: value}}
     MAX_DURATION: Final = "max_duration"  # a time string
@@ -45,6 +48,11 @@ class Key:
     MEMORY: Final = "memory"  # torch.cuda.memory_stats()
     BATCH_FLOPS: Final = "batch_flops"
     CHECKPOINT: Final = "checkpoint"  # a staged checkpoint's descriptor
+    # Run header: what does not change during a run, sent once.
+    MODEL: Final = "model"  # {"class": name, "params": [[name, shape, dtype, requires_grad]]}
+    EVALUATORS: Final = "evaluators"  # [[label, [metric name]]]
+    TRAIN_METRIC_NAMES: Final = "train_metric_names"
+    FSDP_ENABLED: Final = "fsdp_enabled"
     # Metrics messages.
     METRICS: Final = "metrics"
     STEP: Final = "step"
@@ -83,6 +91,7 @@ class EventRecord:
     batch_num_tokens: int
     changes: Optional[dict[str, Any]] = None  # Key -> captured value (may be Deferred)
     checkpoint: Optional[StagedCheckpointRef] = None
+    previous_timestamp: Any = None  # the live (immutable) previous Timestamp, by reference
 
 
 @dataclasses.dataclass(slots=True)

@@ -11,6 +11,16 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from eventbus.bus.records import Key
+from eventbus.bus.views import (
+    DeviceView,
+    EvaluatorView,
+    MetricView,
+    ModelView,
+    OptimizerView,
+    Scalar,
+    SchedulerView,
+    named_view,
+)
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit
 
@@ -19,6 +29,16 @@ __all__ = ["Snapshot"]
 
 def _time(text: Optional[str]) -> Optional[Time]:
     return Time.from_timestring(text) if text else None
+
+
+def _scalar(value: Any) -> Any:
+    return Scalar(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _metrics(names: Any, values: dict[str, Any]) -> dict[str, MetricView]:
+    """Composer's ``{metric name: metric}``: every name the trainer has, valued as last computed."""
+    names = list(names or ()) + [name for name in values if name not in (names or ())]
+    return {name: named_view(MetricView, name)(name, values.get(name)) for name in names}
 
 
 class Snapshot:
@@ -75,6 +95,11 @@ class Snapshot:
         return self._cached("eval_timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
 
     @property
+    def previous_timestamp(self) -> Optional[Timestamp]:
+        ts = self._payload.get(Key.PREVIOUS_TIMESTAMP)
+        return self._cached("previous_timestamp", lambda: Timestamp.from_state_dict(ts) if ts else None)
+
+    @property
     def max_duration(self) -> Optional[Time]:
         return self._cached("max_duration",
                             lambda: _time(self._payload.get(Key.MAX_DURATION) or self.header.get("max_duration")))
@@ -91,7 +116,8 @@ class Snapshot:
         return StagedCheckpoint(staged, self._control, self._fetch) if isinstance(staged, dict) else None
 
     dataloader_label = property(lambda self: self._payload.get(Key.LABEL))
-    loss = property(lambda self: self._payload.get(Key.LOSS))
+    # A float with the tensor methods callbacks call on a loss (``.item()``, ``.detach()``...).
+    loss = property(lambda self: _scalar(self._payload.get(Key.LOSS)))
     learning_rates = property(lambda self: self._payload.get(Key.LEARNING_RATES) or {})
     train_metric_values = property(lambda self: self._payload.get(Key.TRAIN_METRICS) or {})
     eval_metric_values = property(lambda self: self._payload.get(Key.EVAL_METRICS) or {})
@@ -112,14 +138,56 @@ class Snapshot:
     world_size = property(lambda self: self.header.get("world_size", 1))
     seed = property(lambda self: self.header.get("seed"))
     rank_zero_seed = property(lambda self: self.header.get("seed"))
-    device = property(lambda self: self.header.get("device"))
+    device = property(lambda self: DeviceView(self.header.get("device") or "cpu"))
+    fsdp_enabled = property(lambda self: bool(self.header.get(Key.FSDP_ENABLED, False)))
     precision = property(lambda self: self.header.get("precision"))
     hyperparameters = property(lambda self: self.header.get("hyperparameters", {}))
     device_train_microbatch_size = property(lambda self: self.header.get("device_train_microbatch_size"))
 
     @property
-    def total_loss_dict(self) -> dict[str, float]:
-        return {"loss/train/total": self.loss} if self.loss is not None else {}
+    def total_loss_dict(self) -> dict[str, Any]:
+        loss = self.loss
+        return {"loss/train/total": loss} if loss is not None else {}
+
+    # Composer's live objects, as read-only views of what the trainer captured.
+
+    @property
+    def model(self) -> ModelView:
+        """Parameters (names, shapes, dtypes from the header) with ``.grad`` norms where captured."""
+        model = self.header.get(Key.MODEL) or {}
+        return self._cached("model", lambda: named_view(ModelView, model.get("class"))(
+            model.get("params", ()), self.grad_norms))
+
+    @property
+    def optimizers(self) -> list[OptimizerView]:
+        """Each optimizer's param groups (hyperparameters, no params) as of its last LR event."""
+        return self._cached("optimizers", lambda: [
+            named_view(OptimizerView, name)(groups) for name, groups in self._payload.get(Key.OPTIMIZERS) or ()])
+
+    @property
+    def schedulers(self) -> list[SchedulerView]:
+        return self._cached("schedulers", lambda: [
+            named_view(SchedulerView, name)(last_lr) for name, last_lr in self._payload.get(Key.SCHEDULERS) or ()])
+
+    @property
+    def evaluators(self) -> list[EvaluatorView]:
+        return [EvaluatorView(label, selected) for label, _, selected in self.header.get(Key.EVALUATORS, ())]
+
+    @property
+    def train_metrics(self) -> dict[str, MetricView]:
+        """``{name: metric}``; ``metric.compute()`` is the value the trainer last computed."""
+        return self._cached("train_metrics", lambda: _metrics(
+            self.header.get(Key.TRAIN_METRIC_NAMES), self.train_metric_values))
+
+    @property
+    def eval_metrics(self) -> dict[str, dict[str, MetricView]]:
+        """``{dataloader label: {name: metric}}``, valued as of each label's last EVAL_END."""
+        def build() -> dict[str, dict[str, MetricView]]:
+            values = self.eval_metric_values
+            labels = {label: names for label, names, _ in self.header.get(Key.EVALUATORS, ())}
+            return {label: _metrics(labels.get(label), values.get(label, {}))
+                    for label in list(labels) + [label for label in values if label not in labels]}
+        return self._cached("eval_metrics", build)
 
     @property
     def lrs(self) -> dict[str, list[float]]:

@@ -44,7 +44,7 @@ from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, is_logger_destination
 
-__all__ = ["CallbackHost", "Cursor", "subscription"]
+__all__ = ["CallbackHost", "Cursor", "declare_captures", "subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,18 @@ def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Even
     return frozenset(events), any(_takes_metrics(cb) for cb in callbacks)
 
 
+def declare_captures(callback: Any) -> None:
+    """Give Composer's own OptimizerMonitor the ``captures`` an eventbus callback would declare, so
+    the worker's heartbeat leases the gradient norms its ``p.grad`` views read (its code unchanged)."""
+    cls = type(callback)
+    if cls.__name__ == "OptimizerMonitor" and cls.__module__.startswith("composer.") \
+            and getattr(callback, "captures", None) is None:
+        callback.captures = frozenset({"grad_norms"})
+        # Every batch: a lease interval counts batches at AFTER_TRAIN_BATCH (before the timestamp
+        # advances), while the monitor tests ``batch % interval`` at BATCH_END, one batch later.
+        callback.capture_interval = 1
+
+
 def _takes_metrics(callback: Any) -> bool:
     """A logger destination (eventbus's or Composer's) that does something with logged metrics."""
     method = getattr(type(callback), "log_metrics", None)
@@ -179,6 +191,8 @@ class CallbackHost:
             _Slot(cb, name if names.count(name) == 1 else f"{name}#{i}", send, queue_size)
             for i, (cb, name) in enumerate(zip(callbacks, names))
         ]
+        for callback in callbacks:
+            declare_captures(callback)  # before the worker's heartbeat reads what to lease
         self.fail_fast = fail_fast
         self.cursor = cursor
         self.failure: Optional[BaseException] = None

@@ -19,6 +19,7 @@ import torch
 
 from eventbus.bus.config import BusConfig
 from eventbus.bus.publisher import Publisher
+from eventbus.bus.records import Key
 from eventbus.checkpoint.staging import StagingBuffers
 from eventbus.errors import ConfigError
 from eventbus.training import distributed
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from eventbus.core.logger import Logger
     from eventbus.training.state import State
 
-__all__ = ["BusLink", "start_bus"]
+__all__ = ["BusLink", "start_bus", "static_surface"]
 
 BusArgument = Union[None, bool, str, BusConfig]
 
@@ -60,7 +61,7 @@ def start_bus(bus: BusArgument, *, state: "State", engine: "Engine", logger: "Lo
         "max_duration": str(state.max_duration) if state.max_duration is not None else None,
         "device_train_microbatch_size": state.device_train_microbatch_size,
         "hyperparameters": hyperparameters, "pid": os.getpid(), "host": socket.gethostname(),
-        "run_folder": str(run_folder.resolve()),
+        "run_folder": str(run_folder.resolve()), **static_surface(state),
     })
     capture = EventCapture(publisher, staging, checkpoint_source, distributed=state.world_size > 1,
                            sharded=sharded)
@@ -69,6 +70,19 @@ def start_bus(bus: BusArgument, *, state: "State", engine: "Engine", logger: "Lo
     journal = f", journal {publisher.journal_path}" if publisher.journal_path else ""
     print(f"eventbus: run {state.run_name} publishing on {publisher.address}{journal}", file=sys.stderr, flush=True)
     return capture
+
+
+def static_surface(state: "State") -> dict[str, Any]:
+    """What a snapshot's ``model``, ``evaluators`` and metric names read, sent once in the header:
+    parameter names, shapes, dtypes (never values), evaluator labels, metric names."""
+    params = [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in state.model.named_parameters()]
+    return {
+        Key.MODEL: {"class": type(state.model).__name__, "params": params},
+        Key.EVALUATORS: [[e.label, list(state.eval_metrics.get(e.label, {})), e.metric_names]
+                         for e in state.evaluators],
+        Key.TRAIN_METRIC_NAMES: list(state.train_metrics),
+        Key.FSDP_ENABLED: state.fsdp_enabled,
+    }
 
 
 class BusLink:

@@ -39,7 +39,30 @@ _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, 
                                 Event.FIT_END})
 _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
-_METRIC_EVENTS = frozenset({Event.EVAL_END, Event.AFTER_TRAIN_BATCH})
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _is_hyperparameter(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1  # an lr kept as a tensor (capturable optimizers)
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (lr, momentum, betas, ...), not its params; 0-dim tensors
+    staged. A few dict items per group, at the LR events only."""
+    return [{key: stage(value) for key, value in group.items() if key != "params" and _is_hyperparameter(value)}
+            for group in optimizer.param_groups]
+
+
+def _last_lr(scheduler: Any) -> Optional[list[Any]]:
+    get_last_lr = getattr(scheduler, "get_last_lr", None)
+    if get_last_lr is None:
+        return None
+    try:
+        return [stage(lr) for lr in get_last_lr()]
+    except AttributeError:  # a torch scheduler asked before its first step
+        return None
 
 
 class _StagedValue:
@@ -111,6 +134,7 @@ class EventCapture(EventSink):
         self._last_loss: Any = None
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
+        self._last_train_values: Any = None  # the trainer replaces the dict whenever it computes them
 
     def agree(self, *, stop: bool, checkpoint: bool) -> None:
         """What all ranks decided for this batch: stop at its BATCH_END; stage its checkpoints."""
@@ -140,7 +164,7 @@ class EventCapture(EventSink):
             event.value, time.time(), time.monotonic(), state.timestamp,
             state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
             length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
-            changes, staged))
+            changes, staged, state.previous_timestamp))
 
     def _apply_stop_request(self, state: "State") -> None:
         if self.distributed:
@@ -154,7 +178,8 @@ class EventCapture(EventSink):
     def _changes(self, event: Event, state: "State") -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""
         loss = state.loss
-        if loss is self._last_loss and event not in _LR_EVENTS and event not in _METRIC_EVENTS \
+        if loss is self._last_loss and event not in _LR_EVENTS and event is not Event.EVAL_END \
+                and state.train_metric_values is self._last_train_values \
                 and state.max_duration is self._last_max_duration and state.stop_reason is self._last_stop_reason:
             return None  # the common case: nothing changed since the previous event
         changes: dict[str, Any] = {}
@@ -162,12 +187,14 @@ class EventCapture(EventSink):
             self._last_loss = loss
             changes[Key.LOSS] = stage(loss)
         if event in _LR_EVENTS:
-            changes[Key.LEARNING_RATES] = {type(o).__name__: [stage(g["lr"]) for g in o.param_groups]
-                                           for o in state.optimizers}
+            changes[Key.OPTIMIZERS] = [(type(o).__name__, _hyperparameters(o)) for o in state.optimizers]
+            changes[Key.SCHEDULERS] = [(type(s).__name__, _last_lr(s)) for s in state.schedulers]
         if event is Event.EVAL_END and state.dataloader_label in state.eval_metric_values:
             values = state.eval_metric_values[state.dataloader_label]
             changes[Key.EVAL_METRICS] = (state.dataloader_label, {k: stage(v) for k, v in values.items()})
-        elif event is Event.AFTER_TRAIN_BATCH and state.train_metric_values:
+        if state.train_metric_values is not self._last_train_values:
+            # Computed after AFTER_TRAIN_BATCH, before BATCH_END: captured at the first event that sees them.
+            self._last_train_values = state.train_metric_values
             changes[Key.TRAIN_METRICS] = {k: stage(v) for k, v in state.train_metric_values.items()}
         if state.max_duration is not self._last_max_duration or state.stop_reason is not self._last_stop_reason:
             self._last_max_duration, self._last_stop_reason = state.max_duration, state.stop_reason
