@@ -1,4 +1,4 @@
-"""``python -m bench [publish_cost|slow_callbacks|throughput|checkpoint_stall|daemons|gpu ...] [--quick]``."""
+"""``python -m bench [publish_cost|slow_callbacks|throughput|checkpoint_stall|gpu|daemons ...] [--quick]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 from bench.common import machine
 
-BENCHMARKS = ["publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "daemons", "gpu"]
+BENCHMARKS = ["publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "gpu", "daemons"]
 
 
 def main(argv=None) -> int:

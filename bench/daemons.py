@@ -1,4 +1,4 @@
-"""7. The default deployment's cost: `eventbus run`'s daemons against the trainer alone, the bus alone
+"""6. The default deployment's cost: `eventbus run`'s daemons against the trainer alone, the bus alone
 and Composer with the same callbacks in process, at two step sizes; worker CPU per message beside floors.
 
 Steps/s are medians over alternating repeats (this machine is noisy). A worker's CPU per message is
@@ -198,14 +198,14 @@ def run(quick: bool) -> dict:
             alone = steps["alone"]
             rows = [(k, steps[k], steps[k] / alone, steps[k] / steps["plain"],
                      (1 / steps[k] - 1 / steps["plain"]) * 1e3) for k in steps]
-            table(f"7. daemons, {label} steps ({batches} batches; steps/s, ratios)",
+            table(f"6. daemons, {label} steps ({batches} batches; steps/s, ratios)",
                   ["", "steps/s", "x trainer alone", "x plain loop", "ms/batch over plain"], rows)
             results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": steps["daemons"] / alone,
                               "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
                               "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()}}
         floors = _floors(STEP_SIZES["~1 ms"], 60 if quick else 600, folder)
     per_message = dict(results["~1 ms"]["worker_cpu_us_per_message"], **floors)
-    table("7. worker CPU per message received (µs), ~1 ms steps", ["", "µs"], list(per_message.items()))
+    table("6. worker CPU per message received (µs), ~1 ms steps", ["", "µs"], list(per_message.items()))
     results["cpu_per_message_us"] = per_message
     emit("daemons", results)
     return results
