@@ -50,13 +50,20 @@ print(f"messages {n} cpu {usage.ru_utime + usage.ru_stime - (cpu or 0):.6f}", fl
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
+    """CPU time of every thread of ``pid``, in nanoseconds resolution (``schedstat``), in seconds."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except OSError:
+            pass  # a thread that just ended
+    return total / 1e9
 
 
 class _Worker:
-    """A daemon process whose CPU is counted from ``mark()`` (training starts) to its exit."""
+    """A daemon process whose CPU is counted from ``mark()`` (training starts) to ``sample()`` (the run
+    has ended and the daemon applied all of it): start-up and teardown are not per-message costs."""
 
     def __init__(self, name: str, command: list[str], folder: str):
         self.name = name
@@ -69,11 +76,17 @@ class _Worker:
     def mark(self) -> None:
         self.start_cpu = _cpu_seconds(self.proc.pid)
 
+    def sample(self) -> None:
+        try:
+            self.cpu = _cpu_seconds(self.proc.pid)
+        except OSError:  # already gone: its whole life counts, read when it is reaped
+            self.cpu = -1.0
+
     def finish(self) -> tuple[float, int]:
-        """(CPU seconds since mark, messages received), once the daemon exits at the end of the run."""
-        _, status, usage = os.wait4(self.proc.pid, 0)  # the child's whole CPU time, read as it is reaped
+        """(CPU seconds from mark to sample, messages received), once the daemon exits."""
+        _, status, usage = os.wait4(self.proc.pid, 0)
         self.proc.returncode = os.waitstatus_to_exitcode(status)
-        cpu = usage.ru_utime + usage.ru_stime
+        cpu = self.cpu if self.cpu >= 0 else usage.ru_utime + usage.ru_stime
         self.log.seek(0)
         text = self.log.read()
         found = re.search(r"done; (\d+) messages", text)
@@ -95,7 +108,9 @@ def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bu
     started = time.perf_counter()
     trainer.fit()
     seconds = time.perf_counter() - started
-    trainer.close()
+    trainer.close()  # returns once live workers applied the whole run (or after drain_timeout)
+    for worker in workers or ():
+        worker.sample()
     return batches / seconds
 
 

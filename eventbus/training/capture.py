@@ -38,7 +38,9 @@ _EVAL_EVENTS = frozenset(e for e in Event if e.is_eval)
 _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT,
                                 Event.FIT_END})
 _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
-_LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_START, Event.BATCH_END})
+# Where hyperparameters can have changed: schedulers step inside the batch, so BATCH_END covers the
+# next BATCH_START too (one capture per batch instead of two).
+_LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
 _PLAIN = (int, float, bool, str, type(None))
 
 
@@ -48,11 +50,21 @@ def _is_hyperparameter(value: Any) -> bool:
     return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
 
 
-def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
+def _hyperparameters(optimizer: Any, keys_by_group: dict[int, tuple[str, ...]]) -> list[dict[str, Any]]:
     """Each param group's hyperparameters (lr, momentum, betas, ...), not its params; 0-dim tensors
-    staged. A few dict items per group, at the LR events only."""
-    return [{key: stage(value) for key, value in group.items() if key != "params" and _is_hyperparameter(value)}
-            for group in optimizer.param_groups]
+    staged. Which keys are hyperparameters is decided once per group (``keys_by_group``)."""
+    groups = []
+    for group in optimizer.param_groups:
+        keys = keys_by_group.get(id(group))
+        if keys is None:
+            keys = keys_by_group[id(group)] = tuple(
+                key for key, value in group.items() if key != "params" and _is_hyperparameter(value))
+        groups.append({key: value if type(value) in _PLAIN_TYPES else stage(value)
+                       for key, value in ((key, group[key]) for key in keys)})
+    return groups
 
 
 def _last_lr(scheduler: Any) -> Optional[list[Any]]:
@@ -127,6 +139,7 @@ class EventCapture(EventSink):
         self.distributed, self.sharded = distributed, sharded
         self.metrics_destination = _MetricsForwarder(self)
         self._put = publisher.put
+        self._hyperparameter_keys: dict[int, tuple[str, ...]] = {}  # id(param group) -> its plain keys
         self._agreed_stop = self._agreed_checkpoint = False
         self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
         self._checkpoint_interval: Optional[str] = None
@@ -187,7 +200,8 @@ class EventCapture(EventSink):
             self._last_loss = loss
             changes[Key.LOSS] = stage(loss)
         if event in _LR_EVENTS:
-            changes[Key.OPTIMIZERS] = [(type(o).__name__, _hyperparameters(o)) for o in state.optimizers]
+            changes[Key.OPTIMIZERS] = [(type(o).__name__, _hyperparameters(o, self._hyperparameter_keys))
+                                       for o in state.optimizers]
             changes[Key.SCHEDULERS] = [(type(s).__name__, _last_lr(s)) for s in state.schedulers]
         if event is Event.EVAL_END and state.dataloader_label in state.eval_metric_values:
             values = state.eval_metric_values[state.dataloader_label]
