@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import collections
 import itertools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import zmq
 
@@ -39,7 +39,8 @@ class History:
         self._last_by_topic = array.array("I", bytes(wire.LINKS_BYTES))  # each topic's latest seq
         self._topic_frames = [bytes([i]) for i in range(len(wire.TOPICS))]
 
-    def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
+    def append(self, kind: str, event: Optional[str], wall: float, mono: float,
+               payload: Union[dict[str, Any], bytes]) -> None:
         """Number, encode and journal one message; it is sent by the next ``flush_and_send``."""
         self.seq += 1
         topic = wire.topic_index(kind, event)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from eventbus.bus.records import PER_BATCH_KEYS, EventRecord, Key
+from eventbus.bus.wire import pack_payload
 
 __all__ = ["PayloadBuilder", "resolve"]
 
@@ -42,13 +43,31 @@ class PayloadBuilder:
         self._last_timestamp_dict: dict[str, Any] = {}
         self._last_previous: Any = None
         self._last_previous_dict: Optional[dict[str, Any]] = None
+        self._packed: Optional[bytes] = None  # the previous event's packed snapshot, and what it was of
+        self._packed_key: tuple[Any, ...] = ()
 
-    def event_payload(self, record: EventRecord) -> dict[str, Any]:
-        """The full snapshot at this event. Waits for the record's staged device copies."""
-        if record.event == "batch_start":
+    def event_payload(self, record: EventRecord) -> bytes:
+        """The full snapshot at this event, packed. Waits for the record's staged device copies.
+
+        Most events of a batch change nothing but the event name: the packed snapshot of the
+        previous event is reused then (one msgpack of the snapshot per change, not per event)."""
+        if record.event == "batch_start" and any(self._current[key] is not None for key in PER_BATCH_KEYS):
             self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
+            self._packed = None
         if record.changes:
             self._apply(record.changes)
+            self._packed = None
+        key = (record.timestamp, record.previous_timestamp, record.dataloader_label, record.dataloader_len,
+               record.batch_num_samples, record.batch_num_tokens)
+        reusable = record.checkpoint is None and record.eval_timestamp is None
+        if reusable and self._packed is not None and _same(key, self._packed_key):
+            return self._packed
+        packed = pack_payload(self._build(record))
+        if reusable:
+            self._packed, self._packed_key = packed, key
+        return packed
+
+    def _build(self, record: EventRecord) -> dict[str, Any]:
         if record.timestamp is not self._last_timestamp:  # most events of a batch share one Timestamp
             self._last_timestamp = record.timestamp
             self._last_timestamp_dict = record.timestamp.state_dict()
@@ -93,3 +112,8 @@ class PayloadBuilder:
     @staticmethod
     def metrics_payload(metrics: dict[str, Any], step: Optional[int], source: str) -> dict[str, Any]:
         return {Key.METRICS: resolve(metrics), Key.STEP: step, Key.SOURCE: source}
+
+
+def _same(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
+    """Timestamps by identity (immutable objects, shared by the events of a batch), the rest by value."""
+    return len(key) == len(other) and key[0] is other[0] and key[1] is other[1] and key[2:] == other[2:]

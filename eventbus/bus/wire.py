@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import msgpack
 
@@ -38,7 +38,7 @@ from eventbus.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
-    "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of",
+    "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of", "pack_payload",
 ]
 
 PROTOCOL_VERSION = 1
@@ -98,10 +98,22 @@ class Envelope:
 
 
 def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-           mono_time: float, payload: dict[str, Any], links: Optional[bytes] = None) -> bytes:
-    if links is None:
-        return _packer.pack([PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time, payload])
-    return _packer.pack([PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time, links, payload])
+           mono_time: float, payload: Union[dict[str, Any], bytes], links: Optional[bytes] = None) -> bytes:
+    """One envelope. ``payload`` may be already packed (``pack_payload``): most events of a batch
+    carry the same snapshot, so the bus thread packs it once and reuses the bytes."""
+    fields: list[Any] = [PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time]
+    if links is not None:
+        fields.append(links)
+    if isinstance(payload, bytes):
+        # A fixarray's first byte is 0x90 | length: the same array with one more element, then the payload.
+        head = _packer.pack(fields)
+        return bytes([0x90 | (len(fields) + 1)]) + head[1:] + payload
+    fields.append(payload)
+    return _packer.pack(fields)
+
+
+def pack_payload(payload: dict[str, Any]) -> bytes:
+    return _packer.pack(payload)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
