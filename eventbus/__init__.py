@@ -19,12 +19,19 @@ process, what crosses the wire, and what runs in the processes that follow a run
     job's model and data), and ``capture`` (what the training thread hands the bus).
 
 ``eventbus.bus`` -- the wire and both of its ends (no torch):
-    ``wire`` (envelope and bounded codec), ``protocol`` (request operations and
-    their schemas), ``journal`` (the run's crash-safe record), ``publisher``
-    (the bus thread: number, journal, send), ``service`` (the request service:
-    snapshot, replay, control), ``subscriber`` (:class:`Subscriber`: an asyncio
-    stream in seq order, gaps filled), ``snapshot`` (:class:`Snapshot`: the
-    read-only ``state`` out of process), ``ranks``, ``proxy``, ``security`` (CURVE).
+    publishing side: ``records`` (the typed record the training thread hands
+    over, and the payload keys), ``payload`` (records into packed snapshots),
+    ``publisher`` (the bus thread), ``history`` (seq, journal before wire, topic
+    frames and links, replay cache), ``service`` (one handler per request
+    operation), ``leases`` (capture leases, stop requests), ``journal`` (the
+    run's crash-safe segmented record), ``config`` (:class:`BusConfig`, addresses);
+    shared: ``wire`` (envelope, topics, bounded codec), ``protocol`` (request
+    operations and their schemas), ``security`` (CURVE);
+    subscribing side: ``subscriber`` (:class:`Subscriber`: an asyncio stream in
+    seq order, only its topics, gaps filled), ``sequencer``, ``recovery``,
+    ``journal_source``, ``service_client``, ``snapshot`` and ``views``
+    (:class:`Snapshot`: Composer's read-only ``state`` out of process),
+    ``ranks`` (:class:`AllRanks`), ``proxy``.
 
 ``eventbus.checkpoint`` -- staging into shared memory (training side), the
     staged-checkpoint handle and atomic files (checkpoint worker side).
