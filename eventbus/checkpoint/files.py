@@ -18,40 +18,16 @@ import shutil
 import warnings
 from typing import Any, Optional, Union
 
+from eventbus.checkpoint.ownership import NOFOLLOW, pid_alive, unlocked
+
 __all__ = ["save_atomically", "save_sharded_atomically", "temp_name", "remove_stale_temp_files"]
 
 _TEMP = re.compile(r"^\..+\.tmp-(\d+)(?:-[0-9a-f]+)?$")  # the old names had no random part
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def temp_name(path: pathlib.Path) -> pathlib.Path:
     """A fresh unpredictable temporary name beside ``path`` that names this process."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-def _unlocked(path: pathlib.Path) -> bool:
-    """A regular file nobody holds a lock on (its writer may live in another pid namespace)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError:
-        return True  # a symlink or a folder: no lock to check
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def remove_stale_temp_files(folder: Union[str, os.PathLike]) -> list[pathlib.Path]:
@@ -63,12 +39,12 @@ def remove_stale_temp_files(folder: Union[str, os.PathLike]) -> list[pathlib.Pat
         return removed
     for entry in os.scandir(folder):
         match = _TEMP.match(entry.name)
-        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
+        if match is None or int(match.group(1)) == os.getpid() or pid_alive(int(match.group(1))):
             continue
         path = folder / entry.name
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(path, ignore_errors=True)
-        elif _unlocked(path):
+        elif unlocked(path):
             path.unlink(missing_ok=True)
         else:
             continue
@@ -111,7 +87,7 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
 
     path = pathlib.Path(path)
     tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # says "being written" to remove_stale_temp_files in any pid namespace
         with os.fdopen(fd, "wb") as raw:

@@ -36,33 +36,11 @@ import msgpack
 import torch
 
 from eventbus.checkpoint.layout import ALIGN, flatten
+from eventbus.checkpoint.ownership import NOFOLLOW, writer_gone
 
 __all__ = ["StagingBuffers", "Staged", "remove_stale_buffers"]
 
 _BUFFER = re.compile(r"^eventbus-[0-9a-f]+-(\d+)-\d+-\d+$")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def _owner_gone(pid: int, path: pathlib.Path) -> bool:
-    """The pid is dead here and no process anywhere holds the buffer's lock."""
-    try:
-        os.kill(pid, 0)
-        return False
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        return False  # another user's live process
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError:
-        return True  # a symlink in the buffers' name pattern: remove the link itself
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def remove_stale_buffers(directory: pathlib.Path) -> list[pathlib.Path]:
@@ -78,7 +56,7 @@ def remove_stale_buffers(directory: pathlib.Path) -> list[pathlib.Path]:
         except FileNotFoundError:
             continue
         path = directory / entry.name
-        if _owner_gone(int(match.group(1)), path):
+        if writer_gone(int(match.group(1)), path):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
@@ -169,7 +147,7 @@ class StagingBuffers:
             for buffer in free:  # too small: replace it
                 self._drop(buffer)
             path = self.directory / f"eventbus-{self.run_id}-{os.getpid()}-{len(self._buffers)}-{size}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" to remove_stale_buffers, in any pid namespace
             file = os.fdopen(fd, "w+b")
             file.truncate(size)

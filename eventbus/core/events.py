@@ -54,6 +54,8 @@ from __future__ import annotations
 import enum
 import warnings
 
+from eventbus.core.time import foreign_value
+
 __all__ = ["Event"]
 
 # Names from Composer's earlier documentation, kept so old callbacks keep working.
@@ -134,7 +136,7 @@ class Event(str, enum.Enum, metaclass=_EventMeta):
 
     @classmethod
     def _missing_(cls, value: object) -> "Event | None":
-        foreign = _composer_value(value)
+        foreign = foreign_value(value, "Event")
         if foreign is not None:
             return cls(foreign)  # Composer's Event.BATCH_END -> Event.BATCH_END
         if isinstance(value, str) and value.upper() in _DEPRECATED_NAMES:
@@ -147,7 +149,7 @@ class Event(str, enum.Enum, metaclass=_EventMeta):
 
     def __eq__(self, other: object) -> bool:
         # Composer's callbacks compare the event they get with their own Event members.
-        foreign = _composer_value(other)
+        foreign = foreign_value(other, "Event")
         return self.value == foreign if foreign is not None else str.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
@@ -181,14 +183,6 @@ class Event(str, enum.Enum, metaclass=_EventMeta):
     @property
     def is_predict(self) -> bool:
         return self.value.startswith("predict")
-
-
-def _composer_value(obj: object) -> "str | None":
-    """The value of Composer's ``Event`` (duck-typed on the class name: Composer is never imported here)."""
-    if type(obj).__name__ == "Event" and not isinstance(obj, str):
-        value = getattr(obj, "value", None)
-        return value if isinstance(value, str) else None
-    return None
 
 
 def _with_affix(test) -> frozenset[Event]:
