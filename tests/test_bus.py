@@ -46,7 +46,8 @@ class SlowBatches(Callback):
 
 def trainer(tmp_path, **kwargs):
     kwargs.setdefault("bus", f"ipc://{tmp_path}/bus")
-    return Trainer(make_model(), make_loader(), device="cpu", run_name="bus-test", **kwargs)
+    kwargs.setdefault("run_name", "bus-test")
+    return Trainer(make_model(), make_loader(), device="cpu", **kwargs)
 
 
 def test_docs_callbacks_print_the_same_in_a_worker_as_in_process(tmp_path, spawn, capsys):
@@ -249,6 +250,40 @@ async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
     stamps = [m.payload for m in map(wire.decode, read_journal(run.publisher.journal_path))
               if m.event == "after_train_batch" and m.payload.get("grad_norms")]
     assert stamps and all(p["ts"]["batch"] % 2 == 0 for p in stamps)
+
+
+def test_a_following_subscriber_finds_a_restarted_run_none_of_whose_messages_arrived_live(tmp_path):
+    """A restarted trainer's messages can all pass before a subscriber's SUB socket reconnects
+    (ZeroMQ's slow joiner). Here none can arrive (the subscriber listens on an address nobody
+    publishes on): its idle check asks the trainer's service, sees the new run, replays it."""
+    from eventbus.bus.config import service_address_for
+
+    address = f"ipc://{tmp_path}/bus"
+
+    def run(name, batches):
+        return BackgroundTrainer(trainer(tmp_path, max_duration=f"{batches}ba", callbacks=[SlowBatches(0.5)],
+                                         run_name=name, run_folder=tmp_path / name)).start()
+
+    async def follow():
+        runs: dict[str, list[str]] = {}
+        first = run("first", 2)
+        async with Subscriber(f"ipc://{tmp_path}/nobody-publishes-here", service_address=service_address_for(address),
+                              follow=True, start="beginning") as subscriber:
+            async for message in subscriber:
+                runs.setdefault(message.run_id, []).append(message.event.value if message.event else message.kind)
+                if message.kind == "end" and len(runs) == 1:
+                    await asyncio.to_thread(first.join)
+                    second = run("second", 3)
+                elif message.kind == "end":
+                    await asyncio.to_thread(second.join)
+                    return list(runs.values())
+        return list(runs.values())
+
+    runs = asyncio.run(asyncio.wait_for(follow(), 120))
+    assert len(runs) == 2, "the subscriber did not find the restarted run"
+    for events, batches in zip(runs, (2, 3)):
+        assert events[0] == "header" and events[1] == "init" and events[-1] == "end"
+        assert events.count("batch_end") == batches and events[-2] == "fit_end"
 
 
 TRAINER_SCRIPT = """

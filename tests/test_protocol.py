@@ -16,8 +16,9 @@ from tests.conftest import make_loader, make_model
 
 # One valid request per operation, as real clients send them.
 VALID = {
-    Op.HELLO: {"stats": {"received": 3, "lag_seconds": 0.5}, "callbacks": ["SpeedMonitor"], "applied": 7},
-    Op.PROGRESS: {"applied": 12},
+    Op.HELLO: {"stats": {"received": 3, "lag_seconds": 0.5}, "callbacks": ["SpeedMonitor"], "applied": 7,
+               "run_id": "cd" * 16},
+    Op.PROGRESS: {"applied": 12, "run_id": "cd" * 16},
     Op.STATS: {"id": 1},
     Op.SNAPSHOT: {"id": 2},
     Op.PING: {"id": 3},
@@ -112,3 +113,21 @@ def test_hostile_requests_neither_crash_the_trainer_nor_stop_its_record(tmp_path
     kinds = [wire.decode(record).kind for record in read_journal(trainer.publisher.journal_path)]
     assert kinds[0] == "header" and kinds[-1] == "end"
     assert kinds.count("event") > 3 * 32  # every batch of every epoch made it to the journal
+
+
+def test_the_run_waits_for_a_following_worker_still_on_a_crashed_run():
+    """A worker that follows restarts reports which run it applied; until it has switched to this
+    run (it replays it from the start) the trainer counts it behind, so the run does not end first."""
+    from eventbus.bus.history import History
+    from eventbus.bus.service import SubscriberTable
+
+    history = History("new" * 8, 0, None, 100)
+    for _ in range(5):
+        history.append("event", "batch_end", 0.0, 0.0, {})
+    table = SubscriberTable()
+    table.seen(parse_request(request(Op.PROGRESS, applied=90, run_id="old" * 8)))  # further, in the old run
+    assert table.behind(history) == ["tester"]
+    table.seen(parse_request(request(Op.PROGRESS, applied=5, run_id="new" * 8)))
+    assert table.behind(history) == []
+    table.seen(parse_request(request(Op.PROGRESS, applied=4)))  # not following: its seq is all there is
+    assert table.behind(history) == ["tester"]

@@ -169,8 +169,9 @@ _COMMON = {
 
 SCHEMAS: dict[Op, dict[str, Field]] = {
     Op.HELLO: {"stats": Field(_counters(64), nullable=True), "callbacks": Field(_texts(MAX_CALLBACKS, 200)),
-               "applied": Field(_int(0)), "topics": Field(_texts(len(wire.TOPICS), 32, frozenset(wire.TOPICS)))},
-    Op.PROGRESS: {"applied": Field(_int(0), required=True)},
+               "applied": Field(_int(0)), "run_id": Field(_text(64)),
+               "topics": Field(_texts(len(wire.TOPICS), 32, frozenset(wire.TOPICS)))},
+    Op.PROGRESS: {"applied": Field(_int(0), required=True), "run_id": Field(_text(64))},
     Op.STATS: {},
     Op.SNAPSHOT: {},
     Op.PING: {},

@@ -44,18 +44,23 @@ class GapFiller:
             self._sequencer.lose(first, last)
 
     async def check_tail(self) -> None:
-        """Nothing arrived for a while: were the last messages (the end of the run, say) dropped?
-        Ask the publisher how far it is; if it is gone, look in the journal."""
+        """Nothing arrived for a while: were the last messages (the end of the run, say) dropped,
+        or (when following) did a restarted trainer's whole run pass before this subscriber
+        reconnected? Ask the publisher how far it is; if it is gone, look in the journal."""
         next_seq, run_id = self._sequencer.next_seq, self._sequencer.run_id
         if next_seq is None or run_id is None:
             return
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._service_down_until:
+        if self._sequencer.following or loop.time() >= self._service_down_until:  # a restart shows only here
             frames = await self._service.request("ping")
             if frames is not None:
+                self._service_down_until = 0.0  # it answers again
                 reply = wire.decode_request(frames[0])
-                current = reply.get("seq")
-                if reply.get("run_id") == run_id and isinstance(current, int) and current >= next_seq:
+                current, reply_run = reply.get("seq"), reply.get("run_id")
+                if isinstance(reply_run, str) and reply_run != run_id and self._sequencer.switch_run(reply_run):
+                    # A restarted trainer whose messages all passed before this socket reconnected.
+                    next_seq, run_id = 1, reply_run
+                if reply_run == run_id and isinstance(current, int) and current >= next_seq:
                     await self._fill_tail(next_seq, current, reply.get("links"))
                 return
             self._service_down_until = loop.time() + _SERVICE_BACKOFF

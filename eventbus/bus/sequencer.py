@@ -81,6 +81,11 @@ class Sequencer:
         return self._resume[0] if self._resume is not None else None
 
     @property
+    def following(self) -> bool:
+        """Whether a restarted trainer's run is followed (else the run ends this subscriber)."""
+        return self._follow
+
+    @property
     def finished(self) -> bool:
         """The run ended and no other run will be followed: nothing more will come."""
         return self.ended and not self._follow
@@ -104,7 +109,9 @@ class Sequencer:
         else the first seq still missing before it (its own seq when there is no gap)."""
         if not self.joined:
             self.join(envelope.run_id, envelope.seq - 1)  # joined before any snapshot: the join point
-        if envelope.run_id != self.run_id and not self._switch_run(envelope.run_id):
+        if envelope.run_id != self.run_id and not self.switch_run(envelope.run_id):
+            self._stats.protocol_errors += 1
+            log.warning("message from another run (%s) ignored; following %s", envelope.run_id, self.run_id)
             return None
         assert self.next_seq is not None
         if envelope.seq < self.next_seq:
@@ -119,10 +126,9 @@ class Sequencer:
         if self.next_seq is not None and seq > self.next_seq:
             self.next_seq = seq
 
-    def _switch_run(self, run_id: str) -> bool:
-        if not self._follow or run_id in self._finished_runs:
-            self._stats.protocol_errors += 1
-            log.warning("message from another run (%s) ignored; following %s", run_id, self.run_id)
+    def switch_run(self, run_id: str) -> bool:
+        """The trainer restarted as ``run_id``: follow it from its start, if following and the run is new."""
+        if not self._follow or run_id == self.run_id or run_id in self._finished_runs:
             return False
         log.info("the trainer restarted: following run %s from its start", run_id)
         assert self.run_id is not None

@@ -78,6 +78,7 @@ class SubscriberTable:
                 entry["topics"] = request.get("topics")
         if request.get("applied") is not None:
             entry["applied"] = request.get("applied")
+            entry["run_id"] = request.get("run_id")  # set by a worker that follows restarted trainers
         while len(self.entries) > self.max_entries:
             del self.entries[next(iter(self.entries))]
 
@@ -87,11 +88,13 @@ class SubscriberTable:
 
     def behind(self, history: History, within: float = 15.0) -> list[str]:
         """Live workers that report progress and have not applied the last message they receive
-        (the run's last, or the last of their topics when they receive only some)."""
+        (the run's last, or the last of their topics when they receive only some). A following
+        worker still on another run is behind: it will switch to this one from its start."""
         now = time.time()
         return [name for name, seen in self.entries.items()
                 if "applied" in seen and now - seen.get("last_seen", 0) < within
-                and seen["applied"] < history.last_of(seen.get("topics"))]
+                and (seen["applied"] < history.last_of(seen.get("topics"))
+                     or seen.get("run_id") not in (None, history.run_id))]
 
 
 Handler = Callable[[list[bytes], Request], None]

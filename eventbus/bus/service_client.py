@@ -122,14 +122,17 @@ class ServiceClient:
         self.send("metrics", metrics=plain, step=step, source=source or self.identity)
 
     def hello(self, stats: dict[str, Any], callbacks: Sequence[str] = (), applied: Optional[int] = None,
-              topics: Optional[Sequence[str]] = None) -> None:
+              topics: Optional[Sequence[str]] = None, run_id: Optional[str] = None) -> None:
         extra: dict[str, Any] = {"applied": applied} if applied is not None else {}
+        if run_id is not None:
+            extra["run_id"] = run_id
         if topics is not None:
             extra["topics"] = list(topics)  # the trainer waits at the end only for what this one receives
         self.send("hello", stats=stats, callbacks=list(callbacks), source=self.identity, **extra)
 
-    def progress(self, applied: int) -> None:
-        self.send("progress", applied=applied, source=self.identity)
+    def progress(self, applied: int, run_id: Optional[str] = None) -> None:
+        extra = {"run_id": run_id} if run_id is not None else {}
+        self.send("progress", applied=applied, source=self.identity, **extra)
 
     def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
                         options: Optional[dict[str, Any]] = None) -> None:

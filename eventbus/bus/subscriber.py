@@ -294,13 +294,15 @@ class Subscriber:
         """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
         self._service.log_metrics(metrics, step, source)
 
-    def hello(self, callbacks: Sequence[str] = (), applied: Optional[int] = None) -> None:
+    def hello(self, callbacks: Sequence[str] = (), applied: Optional[int] = None,
+              run_id: Optional[str] = None) -> None:
         """A heartbeat with this subscriber's stats; the trainer's ``stats`` request reports it."""
-        self._service.hello(dataclasses.asdict(self.stats()), callbacks, applied, self._topics)
+        self._service.hello(dataclasses.asdict(self.stats()), callbacks, applied, self._topics, run_id)
 
-    def progress(self, applied: int) -> None:
-        """Everything up to seq ``applied`` is applied: the trainer waits for this before ending a run."""
-        self._service.progress(applied)
+    def progress(self, applied: int, run_id: Optional[str] = None) -> None:
+        """Everything up to seq ``applied`` (of ``run_id``, when following restarts) is applied:
+        the trainer waits for this before ending a run."""
+        self._service.progress(applied, run_id)
 
     async def trainer_stats(self) -> Optional[dict[str, Any]]:
         """The publisher's counters and the subscribers it heard from recently; None if it does not answer.

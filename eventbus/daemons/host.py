@@ -198,6 +198,7 @@ class CallbackHost:
         self.failure: Optional[BaseException] = None
         self._stopping = asyncio.Event()
         self._resumed_run = cursor.run_id if cursor is not None else None
+        self.run_id: Optional[str] = None  # the run of the messages handed to the callbacks
         for slot in self.slots:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
             if cursor is not None and cursor.states.get(slot.name):
@@ -240,6 +241,7 @@ class CallbackHost:
 
     async def _feed(self, messages: AsyncIterator[Message]) -> None:
         async for message in messages:
+            self.run_id = message.run_id
             for slot in self.slots:
                 if message.run_id == self._resumed_run and message.seq <= slot.skip_through:
                     slot.last_seq = message.seq

@@ -65,7 +65,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
                                 send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source))
             _install_signal_handlers(host)
-            heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host))
+            heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host, follow))
             print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
             try:
                 await host.run(stream.one_run())
@@ -86,10 +86,11 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
 
 
 async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host: CallbackHost,
-                     every: float = 3.0) -> None:
+                     follow: bool, every: float = 3.0) -> None:
     """Tell the trainer this worker is alive (with its stats, for monitors) and how far it has
-    applied the run (so the run ends after its last metrics), and keep the trainer capturing
-    what hosted callbacks declare in ``captures``, and only that."""
+    applied the run (so the run ends after its last metrics; a following worker also says which
+    run, so a restarted trainer waits for it to switch), and keep the trainer capturing what
+    hosted callbacks declare in ``captures``, and only that."""
     intervals: dict[str, int] = {}  # capture -> the most frequent interval any callback needs
     for cb in callbacks:
         for name in getattr(cb, "captures", ()):
@@ -104,13 +105,14 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
     loop = asyncio.get_running_loop()
     next_hello, reported = 0.0, -1
     while True:
+        run_id = host.run_id if follow else None
         if loop.time() >= next_hello:
-            subscriber.hello(names, applied=host.applied_seq)
+            subscriber.hello(names, applied=host.applied_seq, run_id=run_id)
             for interval, names_at_interval in by_interval.items():
                 subscriber.request_capture(names_at_interval, interval=interval, ttl=every * 3, options=options)
             next_hello = loop.time() + every
         elif host.applied_seq != reported:
-            subscriber.progress(host.applied_seq)
+            subscriber.progress(host.applied_seq, run_id)
         reported = host.applied_seq
         await asyncio.sleep(0.1)
 
