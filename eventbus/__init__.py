@@ -39,6 +39,9 @@ process, what crosses the wire, and what runs in the processes that follow a run
 ``eventbus.daemons`` -- the processes that follow a run: ``host``
     (:class:`CallbackHost`), ``worker`` (``eventbus worker | replay | status``),
     ``runtime`` (what every daemon's ``main`` shares), ``job`` (``eventbus run``).
+``eventbus.trackers`` -- where metrics go (no torch on import): ``files``
+    (``metrics.jsonl``/``.csv``), ``tensorboard``, ``mlflow``; hosted by
+    ``workers.logger`` on the live stream, and by ``eventbus export`` on a journal.
 ``eventbus.monitor`` -- ``eventbus monitor``, the live terminal dashboard.
 ``eventbus.cli`` -- the ``eventbus`` command.
 

@@ -1,0 +1,121 @@
+"""``metrics.jsonl`` and ``metrics.csv`` in the run folder: the tracker every run has."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+from typing import Any, Optional, TextIO
+
+from eventbus.core.logger import Logger, LoggerDestination, to_number
+from eventbus.trackers import run_folder
+
+__all__ = ["MetricsFileLogger", "write_csv"]
+
+
+class MetricsFileLogger(LoggerDestination):
+    """``metrics.jsonl``: one object per logged step with every key logged for it; ``metrics.csv`` beside it.
+
+    A step's line is written once no metric for it has arrived over the last
+    ``hold_steps`` steps (or at the end), so metrics that other workers send
+    back a little later land on the same line. The steps held back are part of
+    ``state_dict()``, which the worker's cursor saves with every message, and
+    steps already in the file are recognised: after a restart nothing is lost
+    and nothing is written twice. The CSV is rebuilt from the JSONL at close.
+    """
+
+    def __init__(self, folder: Optional[os.PathLike] = None, hold_steps: int = 20):
+        self.folder = folder
+        self.hold_steps = hold_steps
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._written: set[int] = set()
+        self._file: Optional[TextIO] = None
+        self.path: Optional[pathlib.Path] = None
+
+    def init(self, state: Any, logger: Logger) -> None:
+        self.folder = run_folder(state, self.folder)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The folder and the steps still held back: a restarted worker loses neither."""
+        if self.folder is None:
+            return {}
+        return {"folder": str(self.folder), "pending": {str(k): v for k, v in self._pending.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.folder = state.get("folder", self.folder)
+        self._pending = {int(k): dict(v) for k, v in state.get("pending", {}).items()}
+
+    def _open(self) -> None:
+        if self._file is not None:
+            return
+        if self.folder is None:
+            raise RuntimeError("MetricsFileLogger got metrics before INIT and has no folder")
+        folder = pathlib.Path(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / "metrics.jsonl"
+        if self.path.exists():
+            with open(self.path) as existing:
+                for line in existing:
+                    try:
+                        self._written.add(int(json.loads(line)["step"]))
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn last line from a crash: its step is written again
+        self._file = open(self.path, "a")
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        if self.folder is None or not hyperparameters:
+            return
+        path = pathlib.Path(self.folder) / "hyperparameters.json"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(hyperparameters, indent=2, sort_keys=True, default=str))
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        self._open()
+        step = int(step or 0)
+        if step in self._written:
+            return
+        self._pending.setdefault(step, {}).update({k: to_number(v) for k, v in metrics.items()})
+        newest = max(self._pending)
+        for old in sorted(s for s in self._pending if s < newest - self.hold_steps):
+            self._write(old)
+
+    def _write(self, step: int) -> None:
+        metrics = self._pending.pop(step)
+        if step in self._written:
+            return  # restored from a saved state_dict, but already in the file
+        assert self._file is not None
+        self._file.write(json.dumps({"step": step, **metrics}, default=str) + "\n")
+        self._file.flush()
+        self._written.add(step)
+
+    def close(self, state: Any, logger: Logger) -> None:
+        if self._file is None and not self._pending:
+            return
+        self._open()
+        for step in sorted(self._pending):
+            self._write(step)
+        assert self._file is not None and self.path is not None
+        self._file.close()
+        self._file = None
+        write_csv(self.path, self.path.with_suffix(".csv"))
+
+
+def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
+    """One row per step, one column per key ever logged (empty where a step lacks it)."""
+    rows = []
+    with open(jsonl) as source:
+        for line in source:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    columns = ["step"] + sorted({key for row in rows for key in row} - {"step"})
+    tmp = target.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=columns)
+        writer.writeheader()
+        for row in sorted(rows, key=lambda r: r["step"]):
+            writer.writerow(row)
+    os.replace(tmp, target)
