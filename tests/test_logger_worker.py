@@ -104,18 +104,37 @@ def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_a
 
 
 def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
+    """SIGKILLed mid-run and started again: every step exactly once in metrics.jsonl and in
+    TensorBoard's own reader (its writer buffers for minutes; the host flushes it before each commit)."""
+    board = tmp_path / "runs" / "restarted" / "tensorboard"
+
+    class WaitForTensorBoard(Callback):
+        """Holds the first batch until the worker's TensorBoard writer is up (its import takes seconds
+        on a busy machine), so the kill below lands mid-run for both destinations."""
+
+        def batch_end(self, state, logger):
+            deadline = time.monotonic() + 60
+            while int(state.timestamp.batch) == 1 and not list(board.glob("events.out.tfevents.*")):
+                assert time.monotonic() < deadline, "the logger never opened its TensorBoard file"
+                time.sleep(0.05)
+
     trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="restarted",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.08)])
+                      bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.08), WaitForTensorBoard()])
     args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
-            "--no-console"]
+            "--no-console", "--tensorboard"]
     first = spawn(*args)
     first.wait_for("following")
     background = BackgroundTrainer(trainer).start()
     cursor = tmp_path / "s" / "logger.cursor.json"
+
+    def committed() -> dict:
+        return json.loads(cursor.read_text())["seqs"] if cursor.exists() else {}
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (cursor.exists() and '"MetricsFileLogger": ' in cursor.read_text()
-                                                and json.loads(cursor.read_text())["seqs"]["MetricsFileLogger"] > 60):
-        time.sleep(0.05)  # kill it mid-run, once it has applied some metrics
+    while time.monotonic() < deadline and not all(committed().get(name, 0) > 60
+                                                  for name in ("MetricsFileLogger", "TensorBoardLogger")):
+        time.sleep(0.05)  # kill it mid-run, once both have applied some metrics
+    assert first.proc.poll() is None, "the worker finished before the kill"
     os.kill(first.proc.pid, signal.SIGKILL)
     first.finish()
     second = spawn(*args)
@@ -124,4 +143,32 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
     lines = [json.loads(line) for line in (tmp_path / "runs" / "restarted" / "metrics.jsonl").read_text().splitlines()]
     steps = [line["step"] for line in lines]
     assert len(steps) == len(set(steps)), "a step was written twice"
-    assert set(steps) == set(published_metrics(trainer.publisher.journal_path))
+    published = published_metrics(trainer.publisher.journal_path)
+    assert set(steps) == set(published)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list(board.glob("events.out.tfevents.*"))) == 2  # one file per worker process
+    accumulator = EventAccumulator(str(board))
+    accumulator.Reload()
+    for tag in ("loss/train/total", "time/batch"):
+        points = [e.step for e in accumulator.Scalars(tag)]
+        assert sorted(points) == sorted(s for s, m in published.items() if tag in m), tag
+
+
+def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, spawn):
+    """Killed between applying the run's end and exiting, a worker started again with the same
+    cursor finds the end in the journal, behind its resume point: it exits instead of waiting forever."""
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", run_name="ended",
+                      bus=f"ipc://{tmp_path}/bus")
+    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+            "--no-console", "--tensorboard"]
+    first = spawn(*args)
+    first.wait_for("following")
+    trainer.fit()
+    trainer.close()
+    assert first.finish() == 0
+    last = max(wire.decode(record).seq for record in read_journal(trainer.publisher.journal_path))
+    assert set(json.loads((tmp_path / "s" / "logger.cursor.json").read_text())["seqs"].values()) == {last}
+    again = spawn(*args)
+    assert again.finish() == 0, "\n".join(again.stderr)

@@ -32,6 +32,7 @@ TO_THE_END = 1 << 62  # a ``last`` this large (the gap filler's "whatever is the
 class _Run:
     first: Position
     last_seq: int = 0
+    ended: bool = False  # its end message is in the journal
     header: Optional[dict[str, Any]] = None
     index: list[tuple[int, Position]] = dataclasses.field(default_factory=list)
 
@@ -76,6 +77,7 @@ class JournalSource:
             run.last_seq = max(run.last_seq, envelope.seq)
             if envelope.kind == "header":
                 run.header = envelope.payload
+            run.ended = run.ended or envelope.kind == "end"
             if not run.index or envelope.seq >= run.index[-1][0] + INDEX_EVERY:
                 run.index.append((envelope.seq, record.position))
         if not runs:
@@ -84,6 +86,8 @@ class JournalSource:
         run_id = resumed if resumed is not None and resumed in runs else list(runs)[-1]
         run = runs[run_id]
         self._sequencer.join(run_id, run.last_seq)
+        if run.ended and self._sequencer.next_seq is not None and self._sequencer.next_seq > run.last_seq:
+            self._sequencer.ended = True  # resumed after the end (killed between applying it and exiting)
         self._run_id, self._index = run_id, run.index
         self.catching_up = True
         self.pump()
@@ -121,6 +125,8 @@ class JournalSource:
             if not self._index or seq >= self._index[-1][0] + INDEX_EVERY:
                 self._index.append((seq, record.position))
             if seq < first:
+                if item.envelope.kind == "end":
+                    self._sequencer.ended = True  # the run ended before the resume point: nothing more comes
                 continue
             if seq > last or self._sequencer.next_seq != first:
                 break

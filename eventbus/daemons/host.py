@@ -24,6 +24,8 @@ commits after every message; a fast one at most a few times per second, so
 commits stay a small fraction of its time. A restarted host loads the committed
 state and resumes after that seq: only messages applied in the last
 ``COMMIT_INTERVAL`` (or the one in flight) can be applied again after a SIGKILL.
+A callback with a ``flush()`` method (a tracker that buffers its writes) is
+flushed before each commit, so nothing counts as applied before it is durable.
 """
 
 from __future__ import annotations
@@ -78,10 +80,9 @@ class Cursor:
             return None
         return self.run_id, min(self.seqs.get(name, 0) for name in names)
 
-    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None) -> float:
-        """Commit that ``name`` applied ``seq``, with its ``state_dict()`` as of then; returns the
-        seconds the commit took. Thread-safe: each callback commits from its own thread."""
-        started = time.perf_counter()
+    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None) -> None:
+        """Commit that ``name`` applied ``seq``, with its ``state_dict()`` as of then.
+        Thread-safe: each callback commits from its own thread."""
         with self._lock:
             if run_id != self.run_id:
                 self.run_id, self.seqs, self.states = run_id, {}, {}
@@ -92,7 +93,6 @@ class Cursor:
             tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
                                        "journal": self.journal}, default=str))
             os.replace(tmp, self.path)
-        return time.perf_counter() - started
 
 
 def _handles(callback: Callback, event: Event) -> bool:
@@ -322,7 +322,12 @@ class CallbackHost:
             return
         journal = slot.state.header.get("journal")
         run_id = slot.run_id or slot.state.run_id
-        slot.commit_cost = self.cursor.record(run_id, slot.name, slot.last_seq, slot.callback.state_dict(), journal)
+        started = time.perf_counter()
+        flush = getattr(slot.callback, "flush", None)
+        if callable(flush):
+            flush()  # a tracker's buffered writes are durable before they are recorded as applied
+        self.cursor.record(run_id, slot.name, slot.last_seq, slot.callback.state_dict(), journal)
+        slot.commit_cost = time.perf_counter() - started
         slot.committed_seq, slot.since_commit, slot.committed_at = slot.last_seq, 0.0, time.monotonic()
 
     def _calls(self, slot: _Slot, message: Message) -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:

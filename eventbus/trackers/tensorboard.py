@@ -1,7 +1,16 @@
-"""TensorBoard event files (the ``tensorboard`` extra)."""
+"""TensorBoard event files (the ``tensorboard`` extra), each point written once across restarts.
+
+TensorBoard's writer buffers points for up to two minutes; a logger worker
+killed in that time would lose them, although its cursor said they were
+applied. So the host calls :meth:`TensorBoardLogger.flush` before it records
+a message as applied, and a restarted logger reads the event files already in
+its folder and skips the points they hold: the messages replayed after the
+last commit add nothing twice.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 from typing import Any, Optional
@@ -9,7 +18,9 @@ from typing import Any, Optional
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
 
-__all__ = ["TensorBoardLogger"]
+__all__ = ["TensorBoardLogger", "written_steps"]
+
+log = logging.getLogger(__name__)
 
 
 class TensorBoardLogger(LoggerDestination):
@@ -18,31 +29,70 @@ class TensorBoardLogger(LoggerDestination):
     def __init__(self, log_dir: Optional[os.PathLike] = None):
         self.log_dir = log_dir
         self._writer: Any = None
-        self._state: Any = None
+        self._written: dict[str, int] = {}  # tag -> the last step already in the folder's files
 
     def init(self, state: Any, logger: Logger) -> None:
-        self._state = state
+        self.log_dir = self.log_dir or run_folder(state, None) / "tensorboard"
+        self._open()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The folder: a restarted worker resumes after INIT, so it never calls ``init`` again."""
+        return {"log_dir": str(self.log_dir)} if self.log_dir is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.log_dir = state.get("log_dir", self.log_dir)
+
+    def _open(self) -> None:
+        if self._writer is not None or self.log_dir is None:
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise RuntimeError("TensorBoardLogger needs tensorboard: pip install 'eventbus[tensorboard]'") from err
-        folder = pathlib.Path(self.log_dir) if self.log_dir else run_folder(state, None) / "tensorboard"
+        folder = pathlib.Path(self.log_dir)
+        self._written = written_steps(folder)
         self._writer = SummaryWriter(log_dir=str(folder))
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self._writer is not None and hyperparameters:
+        already = any(tag.startswith("hyperparameters") for tag in self._written)  # "hyperparameters/text_summary"
+        if self._writer is not None and hyperparameters and not already:
             text = "\n".join(f"    {k}: {v}" for k, v in sorted(hyperparameters.items()))
             self._writer.add_text("hyperparameters", text, 0)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        self._open()
         if self._writer is None:
             return
+        step = int(step or 0)
         for key, value in metrics.items():
             value = to_number(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, global_step=int(step or 0))
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and step > self._written.get(key, -1):
+                self._writer.add_scalar(key, value, global_step=step)
+
+    def flush(self) -> None:
+        """Everything written so far reaches the event file (called before each cursor commit)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self, state: Any, logger: Logger) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def written_steps(folder: pathlib.Path) -> dict[str, int]:
+    """The last step of each tag in the event files under ``folder`` (none: empty). A torn last
+    record, from a writer killed mid-write, ends that file's reading; its point is written again."""
+    if not folder.is_dir():
+        return {}
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    last: dict[str, int] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        try:
+            for event in EventFileLoader(str(path)).Load():
+                for value in event.summary.value:
+                    last[value.tag] = max(last.get(value.tag, -1), int(event.step))
+        except Exception as err:  # a damaged file: what was read before the damage still counts
+            log.warning("%s: stopped reading at damage (%s)", path, err)
+    return last
