@@ -24,7 +24,8 @@ commits after every message; a fast one at most a few times per second, so
 commits stay a small fraction of its time. A restarted host loads the committed
 state and resumes after that seq: only messages applied in the last
 ``COMMIT_INTERVAL`` (or the one in flight) can be applied again after a SIGKILL.
-A callback with a ``flush()`` method (a tracker that buffers its writes) is
+A callback left idle commits what it applied after ``COMMIT_INTERVAL`` too. A
+callback with a ``flush()`` method (a tracker that buffers its writes) is
 flushed before each commit, so nothing counts as applied before it is durable.
 """
 
@@ -254,7 +255,7 @@ class CallbackHost:
         loop = asyncio.get_running_loop()
         ending = False
         while not ending:
-            batch = [await slot.queue.get()]
+            batch = [await self._next(slot)]
             while len(batch) < _BATCH and not slot.queue.empty():
                 batch.append(slot.queue.get_nowait())
             if any(message is _END for message in batch):
@@ -272,6 +273,16 @@ class CallbackHost:
                     self.failure = failure
                     self.stop()
         self._commit(slot, force=True)
+
+    async def _next(self, slot: _Slot) -> Any:
+        """The slot's next message; while none comes, what was applied is committed after
+        ``COMMIT_INTERVAL`` (group commit otherwise waits for a next message that may not come)."""
+        while slot.committed_seq != slot.last_seq and slot.queue.empty() and self.cursor is not None:
+            try:
+                return await asyncio.wait_for(slot.queue.get(), COMMIT_INTERVAL)
+            except asyncio.TimeoutError:
+                await asyncio.get_running_loop().run_in_executor(slot.executor, self._commit, slot)
+        return await slot.queue.get()
 
     def _apply_batch(self, slot: _Slot, batch: list[Message]) -> Optional[BaseException]:
         """On the callback's own thread: apply each message in order; stop at a failure under fail_fast."""

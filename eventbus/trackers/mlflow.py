@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
+from eventbus.trackers.outbox import Outbox
 
 __all__ = ["MLflowLogger"]
 
@@ -16,55 +17,107 @@ class MLflowLogger(LoggerDestination):
     """Metrics and parameters to MLflow (needs the ``mlflow`` extra).
 
     ``tracking_uri`` defaults to a local store in ``<run folder>/mlruns``; the
-    MLflow run is named after the eventbus run.
+    MLflow run is named after the eventbus run. Every call goes through an
+    :class:`Outbox`: retried with backoff, and queued (in order, and in
+    ``state_dict()``, so in the worker's cursor) while the server is down, so
+    an outage neither loses points nor holds up the worker's other outputs. A
+    restarted worker reopens the run and skips the points it already holds (the
+    messages applied again after the last commit add nothing twice).
     """
 
-    def __init__(self, tracking_uri: Optional[str] = None, experiment_name: str = "eventbus"):
+    def __init__(self, tracking_uri: Optional[str] = None, experiment_name: str = "eventbus",
+                 retry_every: float = 30.0):
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
+        self.outbox = Outbox("MLflow", self._send, retry_every=retry_every)
+        self.run_name: Optional[str] = None
         self._client: Any = None
         self._run_id: Optional[str] = None
+        self._present: dict[str, int] = {}  # key -> the last step the run held when it was opened
 
     def init(self, state: Any, logger: Logger) -> None:
+        if self.tracking_uri is None:
+            # MLflow 3 keeps the local file store behind an opt-in; it is still the simplest default.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            self.tracking_uri = (run_folder(state, None) / "mlruns").resolve().as_uri()
+        self.run_name = str(state.run_name)
+        self.outbox.put(["open"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run is, and what MLflow has not taken yet: a restart (after INIT) loses neither."""
+        return {"tracking_uri": self.tracking_uri, "run_name": self.run_name, "queued": self.outbox.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tracking_uri = state.get("tracking_uri", self.tracking_uri)
+        self.run_name = state.get("run_name", self.run_name)
+        self.outbox.load_state_dict(state.get("queued", []))
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        if self.run_name is not None and hyperparameters:
+            self.outbox.put(["params", {str(k): str(v)[:500] for k, v in hyperparameters.items()}])
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        if self.run_name is None:
+            return
+        points = {key.replace("@", "_"): float(v) for key, v in ((k, to_number(v)) for k, v in metrics.items())
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if points:
+            self.outbox.put(["metrics", int(step or 0), points, int(time.time() * 1000)])
+
+    def flush(self) -> None:
+        """Send what is queued, if the server answers (called before each cursor commit)."""
+        self.outbox.flush()
+
+    def close(self, state: Any, logger: Logger) -> None:
+        if self.run_name is None:
+            return
+        self.outbox.put(["end"])
+        if not self.outbox.flush(force=True):
+            raise RuntimeError(f"MLflow at {self.tracking_uri} did not take {len(self.outbox.items)} queued "
+                               f"items by the end of the run; they are in the worker's cursor, and "
+                               f"`eventbus export RUN --to mlflow --mlflow-uri URI` sends what MLflow lacks")
+
+    def _send(self, item: list[Any]) -> None:
+        """One queued item to MLflow; raises while it does not answer (the item stays queued)."""
+        client = self._open()
+        kind = item[0]
+        if kind == "params":
+            logged = client.get_run(self._run_id).data.params
+            for key, value in item[1].items():
+                if key not in logged:
+                    client.log_param(self._run_id, key, value)
+        elif kind == "metrics":
+            from mlflow.entities import Metric
+
+            _, step, points, stamp = item
+            batch = [Metric(key, value, stamp, step) for key, value in points.items()
+                     if step > self._present.get(key, -1)]
+            if batch:
+                client.log_batch(self._run_id, metrics=batch)
+        elif kind == "end":
+            client.set_terminated(self._run_id)
+
+    def _open(self) -> Any:
+        """The client and the run named after the eventbus run (made if new; if not, what it holds)."""
+        if self._client is not None:
+            return self._client
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as err:
             raise RuntimeError("MLflowLogger needs mlflow: pip install 'eventbus[mlflow]'") from err
-        if self.tracking_uri is None:
-            # MLflow 3 keeps the local file store behind an opt-in; it is still the simplest default.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        uri = self.tracking_uri or (run_folder(state, None) / "mlruns").resolve().as_uri()
-        self.tracking_uri = uri
-        self._client = MlflowClient(tracking_uri=uri)
-        experiment = self._client.get_experiment_by_name(self.experiment_name)
+        # The Outbox retries: MLflow's own retries (7, backing off for minutes) would hold this thread.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = client.get_experiment_by_name(self.experiment_name)
         experiment_id = (experiment.experiment_id if experiment is not None
-                         else self._client.create_experiment(self.experiment_name))
-        name = str(state.run_name)
-        existing = self._client.search_runs([experiment_id], filter_string=f"tags.mlflow.runName = '{name}'")
-        self._run_id = existing[0].info.run_id if existing else self._client.create_run(
-            experiment_id, run_name=name).info.run_id
-
-    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self._client is None:
-            return
-        logged = self._client.get_run(self._run_id).data.params
-        for key, value in hyperparameters.items():
-            if key not in logged:
-                self._client.log_param(self._run_id, key, str(value)[:500])
-
-    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
-        if self._client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(key.replace("@", "_"), float(v), now, int(step or 0))
-                 for key, v in ((k, to_number(v)) for k, v in metrics.items())
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if batch:
-            self._client.log_batch(self._run_id, metrics=batch)
-
-    def close(self, state: Any, logger: Logger) -> None:
-        if self._client is not None and self._run_id is not None:
-            self._client.set_terminated(self._run_id)
-            self._client = None
+                         else client.create_experiment(self.experiment_name))
+        existing = client.search_runs([experiment_id], filter_string=f"tags.mlflow.runName = '{self.run_name}'")
+        if existing:
+            self._run_id = existing[0].info.run_id
+            for key in existing[0].data.metrics:  # a restart: each key's last step is never written again
+                self._present[key] = max((m.step for m in client.get_metric_history(self._run_id, key)), default=-1)
+        else:
+            self._run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
+        self._client = client
+        return client
