@@ -187,6 +187,16 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m workers.logger",
@@ -200,11 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
     parser.add_argument("--mlflow", action="store_true", help="also log to MLflow")
     parser.add_argument("--mlflow-uri", help="MLflow tracking URI (default: a local store in the run folder)")
+    parser.add_argument("--retry-every", type=_seconds, default=30.0, metavar="SECONDS",
+                        help="while a tracker (MLflow, W&B) is down, how often to try it again; meanwhile its "
+                             "points are kept, in order, and the other outputs go on (default: 30)")
+    parser.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (the wandb extra)")
+    parser.add_argument("--wandb-project", help="W&B project (default: W&B's, or $WANDB_PROJECT)")
+    parser.add_argument("--wandb-entity", help="W&B entity: user or team (default: W&B's, or $WANDB_ENTITY)")
+    parser.add_argument("--wandb-group", help="W&B run group")
+    parser.add_argument("--wandb-name", help="W&B run name (default: the run's name)")
+    parser.add_argument("--wandb-tags", type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+                        help="W&B run tags, comma-separated")
+    parser.add_argument("--wandb-mode", choices=("online", "offline"),
+                        help="W&B mode (default: W&B's own, or $WANDB_MODE)")
     return parser
 
 
 def build_destinations(args: argparse.Namespace) -> list[LoggerDestination]:
-    """The destinations the options ask for: metrics files always, then console, TensorBoard, MLflow."""
+    """The destinations the options ask for: metrics files always, then console, TensorBoard, MLflow, W&B."""
     destinations: list[LoggerDestination] = [MetricsFileLogger(args.output)]
     if not args.no_console:
         destinations.append(ProgressLogger(log_interval=args.log_interval))
@@ -212,6 +234,16 @@ def build_destinations(args: argparse.Namespace) -> list[LoggerDestination]:
         destinations.append(TensorBoardLogger(args.output / "tensorboard" if args.output else None))
     if args.mlflow:
         destinations.append(MLflowLogger(args.mlflow_uri))
+    if args.wandb:
+        from eventbus.trackers.wandb import WandBLogger
+
+        destinations.append(WandBLogger(project=args.wandb_project, entity=args.wandb_entity, group=args.wandb_group,
+                                        name=args.wandb_name, tags=args.wandb_tags,
+                                        init_kwargs={"mode": args.wandb_mode} if args.wandb_mode else None))
+    for destination in destinations:
+        outbox = getattr(destination, "outbox", None)
+        if outbox is not None:
+            outbox.retry_every = args.retry_every
     return destinations
 
 
