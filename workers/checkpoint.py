@@ -24,14 +24,20 @@ import os
 import pathlib
 import shutil
 import sys
+import threading
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
 from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically, save_sharded_atomically, temp_name
 from eventbus.checkpoint.handle import TRANSFERS
+from eventbus.checkpoint.remote import is_url, parse_storage_options
+from eventbus.checkpoint.retention import MODES, Retention, parse_monitor
+from eventbus.checkpoint.uploads import Uploader
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
 from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.errors import ConfigError
 
 __all__ = ["CheckpointSaver", "main"]
 
@@ -46,13 +52,18 @@ def _format(template: str, state: Any, rank: int, **extra: Any) -> str:
 
 
 class CheckpointSaver(Callback):
-    """Composer's CheckpointSaver: periodic checkpoints, a ``latest`` link, retention.
+    """Composer's CheckpointSaver: periodic checkpoints, a ``latest`` link, retention, object stores.
 
     ``folder`` is relative to the run folder's parent (``runs/`` by default), so the
-    default ``{run_name}/checkpoints`` lands in ``runs/<run_name>/checkpoints``.
+    default ``{run_name}/checkpoints`` lands in ``runs/<run_name>/checkpoints``. A URL
+    (``s3://bucket/{run_name}/checkpoints``, any fsspec URL) is where checkpoints are
+    uploaded after their local write into ``{run_name}/checkpoints``; retention applies there too.
     ``save_interval`` is a Time, a string like ``"1ep"`` or ``"100ba"``, or (in
     process only) a callable ``(state, event) -> bool``; a checkpoint is also
     saved at the end of training, and never twice for the same batch.
+    ``num_checkpoints_to_keep`` keeps the newest N; ``keep_best`` also keeps the K best by
+    ``monitor`` (``metrics/<label>/<Name>``, ``mode`` max or min). Each durable save is logged
+    as ``checkpoint/saved/{path,batch,bytes,seconds}``.
     """
 
     captures = frozenset({"checkpoint"})
@@ -68,10 +79,19 @@ class CheckpointSaver(Callback):
         weights_only: bool = False,
         runs_dir: Optional[Union[str, os.PathLike]] = None,
         transfer: str = "auto",
+        keep_best: int = 0,
+        monitor: Optional[str] = None,
+        mode: str = "max",
+        storage_options: Optional[dict[str, Any]] = None,
+        upload_attempts: int = 5,
     ):
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
-        self.folder = folder
+        if keep_best and not monitor:
+            raise ConfigError("keep-best needs a monitor: the metric to rank checkpoints by")
+        self._monitor = parse_monitor(monitor) if monitor else None
+        self.remote_folder = folder if is_url(folder) else None
+        self.folder = "{run_name}/checkpoints" if self.remote_folder else folder
         self.filename = filename
         self.latest_filename = latest_filename
         self.save_interval = save_interval
@@ -80,12 +100,23 @@ class CheckpointSaver(Callback):
         self.weights_only = weights_only
         self.runs_dir = runs_dir
         self.transfer = transfer
-        self.saved: list[str] = []
+        self.retention = Retention(num_checkpoints_to_keep, keep_best, mode)
         self.last_batch_saved = -1
         self._due = interval_scheduler(save_interval, name="save_interval", batch_event=Event.BATCH_CHECKPOINT,
                                        epoch_event=Event.EPOCH_CHECKPOINT)
-        self._trainer_state_dict: Optional[Callable[[], dict[str, Any]]] = None
         self._cleaned: set[pathlib.Path] = set()  # folders whose stale temporary files were removed
+        self._uploads = Uploader(storage_options, attempts=upload_attempts, report=self._report) \
+            if self.remote_folder else None
+        self._fit_ended = False
+        self._logger: Optional[Logger] = None  # out of process: where upload results are reported
+        self._lock = threading.Lock()  # retention state: the callback's thread and state_dict() share it
+        if self._uploads is not None and self.remote_folder is not None:
+            self._uploads.folder(self.remote_folder.split("{")[0]).probe()  # a bad URL, package, credentials: now
+
+    @property
+    def saved(self) -> list[str]:
+        """The checkpoints retention keeps, oldest first."""
+        return [save.path for save in self.retention.saves]
 
     @property
     def capture_options(self) -> dict[str, Any]:
@@ -94,11 +125,20 @@ class CheckpointSaver(Callback):
         return {"save_interval": str(self.save_interval)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"saved": list(self.saved), "last_batch_saved": self.last_batch_saved}
+        with self._lock:
+            return {"saved": self.saved, "last_batch_saved": self.last_batch_saved,
+                    "retention": self.retention.state_dict(),
+                    "uploads": self._uploads.pending() if self._uploads is not None else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = list(state.get("saved", []))
         self.last_batch_saved = int(state.get("last_batch_saved", -1))
+        if "retention" in state:
+            self.retention.load_state_dict(state["retention"])
+        else:  # written before retention kept batches and values
+            self.retention.load_state_dict({"saves": [{"path": p, "batch": -1} for p in state.get("saved", [])]})
+        for task in state.get("uploads", []):
+            if self._uploads is not None and os.path.exists(task["local"]):  # queued when the worker stopped
+                self._uploads.upload(task["url"], task["local"], int(task["batch"]), task.get("latest"))
 
     # Out of process the trainer decides *when* (it staged the checkpoint); in process, this does.
     def batch_checkpoint(self, state: Any, logger: Logger) -> None:
@@ -112,8 +152,35 @@ class CheckpointSaver(Callback):
 
     def fit_end(self, state: Any, logger: Logger) -> None:
         self._on_checkpoint_event(state, logger, Event.FIT_END)
+        self._fit_ended = True  # until a later checkpoint event: fit() may be called again
+
+    def eval_end(self, state: Any, logger: Logger) -> None:
+        """A monitored eval metric's new value, at the batch it was computed: rank the saves it decides."""
+        if self._monitor is None or state.dataloader_label != self._monitor[0]:
+            return
+        value = (state.eval_metric_values.get(self._monitor[0]) or {}).get(self._monitor[1])
+        if value is not None:
+            with self._lock:
+                self.retention.observe(int(state.timestamp.batch), float(value))
+            self._prune(state)
+
+    def close(self, state: Any, logger: Logger) -> None:
+        """Finish the uploads. After training ended, no metric value is still to come: rank every save.
+        (Stopped mid-run, a pending save stays pending: the restarted worker ranks it.)"""
+        if self._fit_ended and state is not None:
+            with self._lock:
+                self.retention.finish()
+            self._prune(state)
+        if self._uploads is not None:
+            self._uploads.close()
+
+    def _report(self, metrics: dict[str, Any], step: int) -> None:
+        """Upload results, logged out of process only (in process the trainer's logger is not thread-safe)."""
+        if self._logger is not None:
+            self._logger.log_metrics(metrics, step)
 
     def _on_checkpoint_event(self, state: Any, logger: Logger, event: Event) -> None:
+        self._fit_ended = False
         staged = getattr(state, "checkpoint", None)
         if staged is not None:
             self._write_staged(state, staged, logger)
@@ -121,22 +188,51 @@ class CheckpointSaver(Callback):
             self._write(state, state.state_dict(), logger)  # in process: the live State
 
     def _write_staged(self, state: Any, staged: Any, logger: Logger) -> None:
+        started = time.perf_counter()
+        self._logger = logger
         try:
-            path = self._write(state, staged.load(self.transfer), logger, sharded=staged.sharded)
+            path = self._write(state, staged.load(self.transfer), logger, sharded=staged.sharded, started=started)
         except Exception as err:  # reported to the trainer, which logs and re-publishes it
             log.error("checkpoint at batch %d not written: %s: %s", staged.batch, type(err).__name__, err)
             staged.ack(error=f"{type(err).__name__}: {err}")
             return
         staged.ack(path=str(path) if path else None)
 
-    def _write(self, state: Any, checkpoint: dict[str, Any], logger: Logger,
-               sharded: bool = False) -> Optional[pathlib.Path]:
+    def _write(self, state: Any, checkpoint: dict[str, Any], logger: Logger, sharded: bool = False,
+               started: Optional[float] = None) -> Optional[pathlib.Path]:
         """Write one checkpoint file (a torch.distributed.checkpoint folder when the trainer's state
         is sharded, named like the file without ``-rank{rank}.pt``); None when this batch was saved."""
+        started = time.perf_counter() if started is None else started
         batch = int(state.timestamp.batch)
         if batch == self.last_batch_saved:
             return None
         rank = int(getattr(state, "rank", 0))
+        path, latest = self._paths(state, rank, sharded)
+        if path.exists() and not self.overwrite:
+            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+        if self.weights_only:
+            checkpoint = {"state": {"model": checkpoint["state"]["model"]}}
+        (save_sharded_atomically if sharded else save_atomically)(checkpoint, path)
+        self.last_batch_saved = batch
+        if latest is not None:
+            self._link_latest(latest, path)
+        log.info("saved checkpoint %s", path)
+        logger.log_metrics({"checkpoint/saved/path": str(path), "checkpoint/saved/batch": batch,
+                            "checkpoint/saved/bytes": _size(path),
+                            "checkpoint/saved/seconds": time.perf_counter() - started})
+        if self._uploads is not None:
+            self._uploads.upload(self._remote_url(state, rank), str(path), batch, latest.name if latest else None)
+        with self._lock:
+            self.retention.add(str(path), batch)
+            if self._monitor is not None and self._monitor[0] == "train":  # computed at this very batch
+                value = state.train_metric_values.get(self._monitor[1])
+                if value is not None:
+                    self.retention.observe(batch, float(value))
+        self._prune(state)
+        return path
+
+    def _paths(self, state: Any, rank: int, sharded: bool) -> tuple[pathlib.Path, Optional[pathlib.Path]]:
+        """The checkpoint's path and its ``latest`` link's, in a folder made (and cleaned) if need be."""
         folder = self._folder(state, rank)
         folder.mkdir(parents=True, exist_ok=True)
         if folder not in self._cleaned:
@@ -149,18 +245,7 @@ class CheckpointSaver(Callback):
         if sharded:
             path = path.with_name(path.name.removesuffix(".pt").replace(f"-rank{rank}", ""))
             latest = latest.with_name(latest.name.removesuffix(".pt")) if latest is not None else None
-        if path.exists() and not self.overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-        if self.weights_only:
-            checkpoint = {"state": {"model": checkpoint["state"]["model"]}}
-        (save_sharded_atomically if sharded else save_atomically)(checkpoint, path)
-        self.last_batch_saved = batch
-        if latest is not None:
-            self._link_latest(latest, path)
-        self.saved.append(str(path))
-        self._apply_retention()
-        log.info("saved checkpoint %s", path)
-        return path
+        return path, latest
 
     def _folder(self, state: Any, rank: int) -> pathlib.Path:
         base = pathlib.Path(self.runs_dir) if self.runs_dir is not None else None
@@ -170,6 +255,10 @@ class CheckpointSaver(Callback):
             base = pathlib.Path(run_folder).parent if run_folder else pathlib.Path("runs")
         return base / _format(self.folder, state, rank)
 
+    def _remote_url(self, state: Any, rank: int) -> str:
+        assert self.remote_folder is not None
+        return _format(self.remote_folder, state, rank)
+
     @staticmethod
     def _link_latest(link: pathlib.Path, target: pathlib.Path) -> None:
         """Point ``link`` at ``target`` (relative), replacing any old link atomically."""
@@ -177,15 +266,31 @@ class CheckpointSaver(Callback):
         os.symlink(os.path.relpath(target, link.parent), tmp)
         os.replace(tmp, link)
 
-    def _apply_retention(self) -> None:
-        if self.num_checkpoints_to_keep < 0:
-            return
-        while len(self.saved) > self.num_checkpoints_to_keep:
-            oldest = pathlib.Path(self.saved.pop(0))
-            if oldest.is_dir():
-                shutil.rmtree(oldest, ignore_errors=True)
+    def _prune(self, state: Any) -> None:
+        """Remove what retention no longer keeps: at once locally; with a remote folder, in the upload
+        queue (after its upload), remotely and then locally."""
+        with self._lock:
+            gone = self.retention.to_remove()
+        for save in gone:
+            if self._uploads is not None:
+                self._uploads.remove(self._remote_url(state, int(getattr(state, "rank", 0))), save.path)
             else:
-                oldest.unlink(missing_ok=True)
+                _remove(pathlib.Path(save.path))
+            log.info("retention: removed checkpoint %s", save.path)
+
+
+def _size(path: pathlib.Path) -> int:
+    """Bytes in a checkpoint file, or in a sharded checkpoint's folder."""
+    if path.is_dir():
+        return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
+    return path.stat().st_size
+
+
+def _remove(path: pathlib.Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,11 +301,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_daemon_arguments(parser, identity="checkpoint")
     parser.add_argument("--save-interval", default="1ep", help="'1ep', '100ba', ... (default: 1ep)")
     parser.add_argument("--folder", default="{run_name}/checkpoints",
-                        help="folder template under --runs-dir (default: {run_name}/checkpoints)")
+                        help="folder template under --runs-dir (default: {run_name}/checkpoints), or an fsspec URL "
+                             "(s3://bucket/{run_name}/checkpoints, gs://..., file://...) to upload each checkpoint "
+                             "to after its local write in {run_name}/checkpoints (needs: pip install 'eventbus[s3]')")
     parser.add_argument("--filename", default="ep{epoch}-ba{batch}-rank{rank}.pt")
     parser.add_argument("--latest-filename", default="latest-rank{rank}.pt", help="'' for no link")
     parser.add_argument("--runs-dir", help="base folder (default: the parent of the trainer's run folder)")
     parser.add_argument("--keep", type=int, default=-1, help="checkpoints to keep (default: all)")
+    parser.add_argument("--keep-best", type=int, default=0, metavar="K",
+                        help="also keep the K best checkpoints by --monitor (default: 0, off)")
+    parser.add_argument("--monitor", help="the metric --keep-best ranks by, as logged: metrics/<label>/<Name>, "
+                                          "e.g. metrics/eval/MulticlassAccuracy")
+    parser.add_argument("--mode", choices=MODES, default="max", help="whether higher (max) or lower (min) --monitor "
+                                                                      "values are better (default: max)")
+    parser.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                        help="an fsspec option for a URL --folder, e.g. endpoint_url=http://127.0.0.1:9000 "
+                             "(repeatable)")
+    parser.add_argument("--upload-attempts", type=int, default=5,
+                        help="tries per remote call, with exponential backoff (default: 5)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing files")
     parser.add_argument("--weights-only", action="store_true", help="save the model weights only")
     parser.add_argument("--transfer", choices=TRANSFERS, default="auto",
@@ -212,10 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_saver(args: argparse.Namespace) -> list[Callback]:
     """The one CheckpointSaver the options describe."""
-    return [CheckpointSaver(folder=args.folder, filename=args.filename, latest_filename=args.latest_filename or None,
+    saver = CheckpointSaver(folder=args.folder, filename=args.filename, latest_filename=args.latest_filename or None,
                             save_interval=args.save_interval, num_checkpoints_to_keep=args.keep,
                             overwrite=args.overwrite, weights_only=args.weights_only, runs_dir=args.runs_dir,
-                            transfer=args.transfer)]
+                            transfer=args.transfer, keep_best=args.keep_best, monitor=args.monitor, mode=args.mode,
+                            storage_options=parse_storage_options(args.storage_option),
+                            upload_attempts=args.upload_attempts)
+    # torch now (the options are good), before the worker follows the run: imported at the first
+    # checkpoint instead, it stalls that one for seconds while the trainer stages more, and skips
+    # checkpoints once every staging buffer is busy.
+    import torch  # noqa: F401
+
+    return [saver]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

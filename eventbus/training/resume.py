@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from eventbus.checkpoint.remote import is_url
 from eventbus.core.time import Timestamp
 from eventbus.errors import ConfigError
 from eventbus.training import distributed
@@ -69,7 +71,16 @@ class TrainerCheckpoint:
 
     def read(self, path: Union[str, os.PathLike]) -> dict[str, Any]:
         """A checkpoint file, or a torch.distributed.checkpoint folder (sharded runs; all ranks read
-        it together and each gets its own shards)."""
+        it together and each gets its own shards), here or at an fsspec URL (``s3://...``; a
+        ``latest-rank0.pt.symlink`` object is followed), which is downloaded to a temporary folder."""
+        if is_url(os.fspath(path)):
+            from eventbus.checkpoint.remote import download
+
+            local = download(os.fspath(path))
+            try:
+                return self.read(local)
+            finally:
+                shutil.rmtree(local.parent, ignore_errors=True)
         if not os.path.isdir(path):
             return load_checkpoint_file(path)
         import torch.distributed.checkpoint as dcp

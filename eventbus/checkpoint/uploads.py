@@ -1,0 +1,144 @@
+"""Uploads of written checkpoints to a remote folder, on one thread, in save order.
+
+The checkpoint worker writes each checkpoint locally first (atomic, durable),
+acknowledges it (the trainer may reuse its buffer), then queues the upload here:
+a slow or failing object store delays only this thread, never the worker's
+event stream and never training. One thread, first in first out, so a
+retention removal queued after an upload runs after it: a checkpoint is
+removed (remotely, then locally) only once its upload is done, and a local
+file whose upload kept failing is kept, never removed by retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import queue
+import shutil
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from eventbus.checkpoint.remote import SYMLINK_SUFFIX, RemoteFolder
+
+__all__ = ["Uploader"]
+
+log = logging.getLogger(__name__)
+
+_STOP = None
+
+
+class Uploader:
+    """Upload and remove checkpoints at remote URLs; ``report(metrics, step)`` hears each result."""
+
+    def __init__(self, storage_options: Optional[dict[str, Any]] = None, attempts: int = 5, wait: float = 0.5,
+                 report: Optional[Callable[[dict[str, Any], int], None]] = None):
+        self.storage_options = dict(storage_options or {})
+        self.attempts, self.wait = attempts, wait
+        self.report = report
+        self.failed: set[str] = set()  # local paths whose upload gave up: kept locally
+        self._folders: dict[str, RemoteFolder] = {}
+        self._pending: list[dict[str, Any]] = []  # queued uploads, for the worker's state_dict
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Optional[dict[str, Any]]] = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def folder(self, url: str) -> RemoteFolder:
+        """The RemoteFolder for ``url`` (made once: checks the URL, imports its filesystem)."""
+        if url not in self._folders:
+            self._folders[url] = RemoteFolder(url, self.storage_options, self.attempts, self.wait)
+        return self._folders[url]
+
+    def upload(self, url: str, local: str, batch: int, latest: Optional[str]) -> None:
+        """Queue ``local`` for ``url``, then point ``latest`` (a ``.symlink`` object) at it."""
+        self.folder(url)
+        task = {"op": "upload", "url": url, "local": local, "batch": batch, "latest": latest}
+        with self._lock:
+            self._pending.append(task)
+        self._submit(task)
+
+    def remove(self, url: str, local: str) -> None:
+        """Queue the removal of ``local`` and its remote copy (after every upload queued before)."""
+        self._submit({"op": "remove", "url": url, "local": local})
+
+    def pending(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(task) for task in self._pending]
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish what is queued (uploads retry within their own limits), then stop the thread."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("uploads still running after %.0fs; %d not finished (the local files stay)",
+                      timeout or 0.0, len(self.pending()))
+        self._thread = None
+
+    def _submit(self, task: dict[str, Any]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="checkpoint-uploads", daemon=True)
+            self._thread.start()
+        self._queue.put(task)
+
+    def _run(self) -> None:
+        while (task := self._queue.get()) is not _STOP:
+            try:
+                (self._upload if task["op"] == "upload" else self._remove)(task)
+            except Exception:  # a bug, not a remote failure: log it and go on with the next
+                log.exception("checkpoint %s of %s failed", task["op"], task["local"])
+
+    def _upload(self, task: dict[str, Any]) -> None:
+        local, folder = pathlib.Path(task["local"]), self.folder(task["url"])
+        started = time.perf_counter()
+        try:
+            if not local.exists():
+                raise FileNotFoundError(f"{local} is gone")
+            folder.put(local, local.name)
+            if task["latest"]:
+                folder.put_text(task["latest"] + SYMLINK_SUFFIX, local.name)
+        except Exception as err:
+            self.failed.add(str(local))
+            log.error("checkpoint %s not uploaded to %s: %s: %s; the local file is kept", local, folder.url,
+                      type(err).__name__, err)
+            self._report({"checkpoint/upload_error": f"{local.name}: {type(err).__name__}: {err}"[:1000]},
+                         task["batch"])
+        else:
+            log.info("uploaded checkpoint %s to %s", local, folder.url_of(local.name))
+            self._report({"checkpoint/uploaded/path": folder.url_of(local.name),
+                          "checkpoint/uploaded/batch": int(task["batch"]),
+                          "checkpoint/uploaded/seconds": time.perf_counter() - started}, task["batch"])
+        finally:
+            with self._lock:
+                self._pending = [t for t in self._pending if t is not task]
+
+    def _remove(self, task: dict[str, Any]) -> None:
+        local = pathlib.Path(task["local"])
+        if str(local) in self.failed:
+            log.warning("retention: keeping %s, which was never uploaded", local)
+            return
+        try:
+            self.folder(task["url"]).remove(local.name)
+        except Exception as err:
+            log.error("retention: could not remove %s from %s: %s: %s", local.name, task["url"],
+                      type(err).__name__, err)
+        _remove_local(local)
+
+    def _report(self, metrics: dict[str, Any], step: int) -> None:
+        if self.report is not None:
+            try:
+                self.report(metrics, step)
+            except Exception as err:  # the run may be over: the log line above says it all
+                log.debug("upload result not reported: %s", err)
+
+
+def _remove_local(path: pathlib.Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
