@@ -43,12 +43,13 @@ def resolved(*files: str, env: dict | None = None) -> dict:
 
 def test_compose_file_is_valid_for_gpu_and_cpu_hosts():
     gpu = resolved("compose.yaml")
-    assert set(gpu["services"]) == {"keys", "trainer", "logger", "timing", "checkpoint"}
+    assert set(gpu["services"]) == {"keys", "trainer", "logger", "timing", "checkpoint", "health"}
     trainer = gpu["services"]["trainer"]
     assert trainer["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert trainer["ipc"] == "shareable" and trainer["stop_signal"] == "SIGINT" and "healthcheck" in trainer
     assert gpu["services"]["checkpoint"]["ipc"] == "service:trainer"
-    for daemon in ("logger", "timing", "checkpoint"):
+    assert gpu["services"]["health"]["pid"] == "service:trainer"  # it reads the trainer's process statistics
+    for daemon in ("logger", "timing", "checkpoint", "health"):
         assert gpu["services"][daemon]["depends_on"]["trainer"]["condition"] == "service_healthy"
     cpu = resolved("compose.yaml", "compose.cpu.yaml")
     assert not cpu["services"]["trainer"].get("deploy")
@@ -81,7 +82,7 @@ def test_the_stack_runs_as_local_processes(tmp_path):
                                 text=True)
 
     assert start("keys").wait(timeout=120) == 0
-    processes = {name: start(name) for name in ("trainer", "logger", "timing", "checkpoint")}
+    processes = {name: start(name) for name in ("trainer", "logger", "timing", "checkpoint", "health")}
     try:
         outputs = {name: process.communicate(timeout=300)[0] for name, process in processes.items()}
     finally:

@@ -1,8 +1,8 @@
 """The main job behind ``eventbus run``: the trainer plus its daemons, on the bundled task.
 
 One command trains the character-level model in ``eventbus.training.demo`` with the
-trainer publishing on a local endpoint, and starts the logging, timing and
-checkpoint daemons (``workers/``) as child processes. Everything lands in
+trainer publishing on a local endpoint, and starts the logging, timing,
+checkpoint and health daemons (``workers/``) as child processes. Everything lands in
 ``runs/<run_name>/``; Ctrl-C stops the trainer and every child cleanly.
 Options come from the command line and/or a TOML (or YAML) file; the command
 line wins.
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from eventbus.errors import ConfigError
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["JobConfig", "add_run_arguments", "run_job", "validate_config"]
 
-DAEMONS = ("logger", "timing", "checkpoint")
+DAEMONS = ("logger", "timing", "checkpoint", "health")
 LONG_DURATION = "10ep"  # what --long trains for
 PRECISIONS = ("fp32", "amp_bf16")
 
@@ -58,6 +58,11 @@ class JobConfig:
     daemons: list[str] = dataclasses.field(default_factory=lambda: list(DAEMONS))
     save_interval: str = "1ep"
     keep: int = 3
+    keep_best: int = 0
+    monitor: Optional[str] = None
+    mode: str = "max"
+    save_folder: Optional[str] = None  # an fsspec URL checkpoints are uploaded to (s3://bucket/{run_name}/...)
+    storage_options: list[str] = dataclasses.field(default_factory=list)  # KEY=VALUE, for save_folder
     resume: bool = False
     wait_for: list[str] = dataclasses.field(default_factory=list)
     daemon_timeout: float = 60.0
@@ -114,10 +119,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs-dir", help=f"where run folders go (default: {defaults.runs_dir})")
     parser.add_argument("--seed", type=int, help=f"(default: {defaults.seed})")
     parser.add_argument("--bus", help="the address to publish on (default: ipc://<run folder>/bus)")
-    parser.add_argument("--daemons", help="comma-separated daemons to start: logger,timing,checkpoint, or none "
-                                          "(default: all three)")
+    parser.add_argument("--daemons", help="comma-separated daemons to start: logger,timing,checkpoint,health, "
+                                          "or none (default: all four)")
     parser.add_argument("--save-interval", help=f"checkpoint interval (default: {defaults.save_interval})")
     parser.add_argument("--keep", type=int, help=f"checkpoints to keep (default: {defaults.keep})")
+    parser.add_argument("--keep-best", type=int, metavar="K",
+                        help="also keep the K best checkpoints by --monitor (default: off)")
+    parser.add_argument("--monitor",
+                        help="the metric --keep-best ranks by, e.g. metrics/eval/CrossEntropy (with --mode min)")
+    parser.add_argument("--mode", help="max or min: which --monitor values are better (default: max)")
+    parser.add_argument("--save-folder", help="an fsspec URL to upload checkpoints to, e.g. "
+                                              "s3://bucket/{run_name}/checkpoints (needs: pip install 'eventbus[s3]'); "
+                                              "--resume looks there too")
+    parser.add_argument("--storage-option", dest="storage_options", action="append", metavar="KEY=VALUE",
+                        help="an fsspec option for --save-folder, e.g. endpoint_url=http://127.0.0.1:9000")
     parser.add_argument("--wait-for", help="comma-separated subscriber identities started elsewhere (e.g. by "
                                            "docker compose) to wait for before training")
     parser.add_argument("--daemon-timeout", type=float, help="seconds to wait for daemons (default: 60)")
@@ -184,6 +199,7 @@ def validate_config(config: JobConfig) -> None:
         raise ConfigError(f"seed must be an integer from 0 to 2**32-1, got {config.seed!r}")
     if config.precision not in PRECISIONS:  # a config file's value does not pass argparse's choices
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+    _check_checkpoint_options(config)
     check_max_duration(config.max_duration)
     for name in ("eval_interval", "save_interval"):  # the checkpoint daemon's interval too: it would fail late
         interval_scheduler(getattr(config, name), name=name.replace("_", "-"))
@@ -194,6 +210,26 @@ def validate_config(config: JobConfig) -> None:
         raise ConfigError(f"run-name must be a plain folder name (letters, digits, '.', '_', '-'; no '/'), "
                           f"got {config.run_name!r}")
     _check_writable(pathlib.Path(config.runs_dir))
+
+
+def _check_checkpoint_options(config: JobConfig) -> None:
+    """Retention and the remote folder: checked here, or the checkpoint daemon would fail at start."""
+    from eventbus.checkpoint.remote import RemoteFolder, is_url, parse_storage_options
+    from eventbus.checkpoint.retention import Retention, parse_monitor
+
+    if not isinstance(config.keep_best, int) or isinstance(config.keep_best, bool) or config.keep_best < 0:
+        raise ConfigError(f"keep-best must be 0 (off) or a positive integer, got {config.keep_best!r}")
+    Retention(config.keep, config.keep_best, config.mode)  # the mode
+    if config.keep_best and not config.monitor:
+        raise ConfigError("keep-best needs --monitor: the metric to rank checkpoints by")
+    if config.monitor is not None:
+        parse_monitor(str(config.monitor))
+    options = parse_storage_options([str(o) for o in config.storage_options])
+    if config.save_folder is not None:
+        if not is_url(config.save_folder):
+            raise ConfigError(f"save-folder must be a URL (s3://bucket/prefix, gs://..., file:///path), "
+                              f"got {config.save_folder!r}")
+        RemoteFolder(config.save_folder.split("{")[0], options)  # scheme known, its package installed
 
 
 def _check_writable(folder: pathlib.Path) -> None:
@@ -235,7 +271,9 @@ def _new_run_name(runs_dir: str) -> str:
     return name
 
 
-def _latest_checkpoint(config: JobConfig) -> tuple[str, pathlib.Path]:
+def _latest_checkpoint(config: JobConfig) -> tuple[str, Union[str, pathlib.Path]]:
+    """The run to resume and its latest checkpoint: the local ``latest`` link, else (with a remote
+    save folder) the ``latest-rank0.pt.symlink`` object there, as Composer's autoresume looks."""
     runs = pathlib.Path(config.runs_dir)
     candidates = ([runs / config.run_name] if config.run_name else
                   sorted((p for p in runs.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True))
@@ -243,8 +281,34 @@ def _latest_checkpoint(config: JobConfig) -> tuple[str, pathlib.Path]:
         latest = folder / "checkpoints" / "latest-rank0.pt"
         if latest.exists():
             return folder.name, latest
+        remote = _remote_latest(config, folder.name)
+        if remote is not None:
+            return folder.name, remote
     where = f"run {config.run_name!r}" if config.run_name else f"any run under {runs}"
-    raise ConfigError(f"--resume: no checkpoint found for {where} (expected <run>/checkpoints/latest-rank0.pt)")
+    also = f" or {_remote_folder(config, '<run>')}/latest-rank0.pt.symlink" if config.save_folder else ""
+    raise ConfigError(f"--resume: no checkpoint found for {where} (expected <run>/checkpoints/latest-rank0.pt{also})")
+
+
+def _remote_folder(config: JobConfig, run_name: str) -> str:
+    assert config.save_folder is not None
+    return config.save_folder.replace("{run_name}", run_name).replace("{rank}", "0").rstrip("/")
+
+
+def _remote_latest(config: JobConfig, run_name: str) -> Optional[str]:
+    """The URL of run ``run_name``'s latest checkpoint in the remote save folder, if there is one."""
+    if config.save_folder is None:
+        return None
+    from eventbus.checkpoint.remote import SYMLINK_SUFFIX, RemoteFolder, parse_storage_options
+
+    folder = RemoteFolder(_remote_folder(config, run_name), parse_storage_options(config.storage_options))
+    link = "latest-rank0.pt" + SYMLINK_SUFFIX
+    try:
+        found = folder.exists(link)
+    except ConfigError:
+        raise
+    except Exception as err:  # retried already: the store is unreachable
+        raise ConfigError(f"--resume: cannot reach {folder.url}: {type(err).__name__}: {err}") from None
+    return folder.url_of(link) if found else None
 
 
 def _daemon_command(name: str, address: str, run_folder: pathlib.Path, config: JobConfig) -> list[str]:
@@ -252,6 +316,12 @@ def _daemon_command(name: str, address: str, run_folder: pathlib.Path, config: J
                "--state-dir", str((run_folder / ".workers").resolve())]
     if name == "checkpoint":
         command += ["--save-interval", config.save_interval, "--keep", str(config.keep), "--overwrite"]
+        if config.keep_best:
+            command += ["--keep-best", str(config.keep_best), "--monitor", str(config.monitor), "--mode", config.mode]
+        if config.save_folder:
+            command += ["--folder", config.save_folder]
+            for option in config.storage_options:
+                command += ["--storage-option", option]
     return command
 
 
@@ -368,14 +438,15 @@ def _share_cores_with_daemons(torch: Any, device: Optional[str]) -> None:
 def run_job(args: argparse.Namespace) -> int:
     """Train with the daemons, then say where everything is."""
     config = config_from_args(args)  # every option checked: nothing has started yet
-    load_path = None
-    if config.resume:
-        config.run_name, load_path = _latest_checkpoint(config)
-        print(f"eventbus run: resuming {config.run_name} from {load_path.resolve()}", file=sys.stderr, flush=True)
+    load_path, downloaded = _resume_from(config) if config.resume else (None, None)
     _check_run_folder(config)
     config.run_name = config.run_name or _new_run_name(config.runs_dir)
     started = time.perf_counter()
-    trainer, children = _start(config, load_path)
+    try:
+        trainer, children = _start(config, load_path)
+    finally:
+        if downloaded is not None:
+            shutil.rmtree(downloaded, ignore_errors=True)
     leader = trainer.state.rank == 0  # under torchrun, rank 0 runs the daemons; the others wait for it
     interrupted = False
     try:
@@ -389,6 +460,20 @@ def run_job(args: argparse.Namespace) -> int:
     if leader:
         _summary(trainer, config, time.perf_counter() - started, interrupted)
     return 130 if interrupted else 0
+
+
+def _resume_from(config: JobConfig) -> tuple[pathlib.Path, Optional[pathlib.Path]]:
+    """The latest checkpoint of the run to resume, as a local file, and the temporary folder it was
+    downloaded into when it is in the remote save folder (the caller removes it once it is loaded)."""
+    config.run_name, latest = _latest_checkpoint(config)
+    print(f"eventbus run: resuming {config.run_name} from "
+          f"{latest if isinstance(latest, str) else latest.resolve()}", file=sys.stderr, flush=True)
+    if not isinstance(latest, str):
+        return latest, None
+    from eventbus.checkpoint.remote import download, parse_storage_options
+
+    local = download(latest, parse_storage_options(config.storage_options))
+    return local, local.parent
 
 
 def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Trainer, list[subprocess.Popen]]:
