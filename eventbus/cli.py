@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_command(commands)
     _add_bus_commands(commands)
     _add_replay_command(commands)
+    _add_export_command(commands)
     return parser
 
 
@@ -141,6 +142,29 @@ def _add_replay_command(commands: Any) -> None:
     replay.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
 
 
+def _add_export_command(commands: Any) -> None:
+    from eventbus.export import TARGETS  # no tracker package: each is imported when exported to
+
+    export = commands.add_parser(
+        "export", help="write a run's journal into a tracker (resumable, nothing doubled)",
+        description="Write a finished run (or, with --follow, a live one) from its journal into TensorBoard, "
+                    "MLflow, W&B, CSV or JSONL. Points the tracker already holds are skipped, so running it "
+                    "again doubles nothing; --resume continues an interrupted export after its last "
+                    "committed message. Exit codes: 0 done, 1 tracker failure, 2 bad usage, 3 damaged journal.")
+    export.add_argument("journal", type=pathlib.Path, help="the run folder or its events.journal")
+    export.add_argument("--to", required=True, choices=TARGETS, metavar="TARGET",
+                        help=f"where to: {', '.join(TARGETS)}")
+    export.add_argument("--output", type=pathlib.Path, metavar="DIR",
+                        help="where files go (default: the run folder; TensorBoard: <run folder>/tensorboard; "
+                             "MLflow: <DIR>/mlruns unless --mlflow-uri)")
+    export.add_argument("--mlflow-uri", metavar="URI", help="an MLflow tracking URI (default: a local store)")
+    export.add_argument("--resume", action="store_true",
+                        help="continue after the last message an earlier export committed")
+    export.add_argument("--follow", action="store_true",
+                        help="a live run: keep reading the journal as it grows, until the run's end "
+                             "(or SIGINT/SIGTERM)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one subcommand; the exit code (2 with one line on stderr for bad arguments or input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -193,6 +217,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run_proxy(args)
     if args.command == "replay":
         return _run_replay(args)
+    if args.command == "export":
+        from eventbus.export import ExportOptions, export
+
+        return export(ExportOptions(args.journal, args.to, args.output, args.mlflow_uri, args.resume, args.follow))
     raise ConfigError(f"unknown command {args.command!r}")
 
 

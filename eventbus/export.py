@@ -1,0 +1,525 @@
+"""``eventbus export``: write a run's journal into a tracker, resumable and idempotent.
+
+The journal is the run's complete record (DESIGN invariant 3), so a tracker that
+was down during training, or never attached, catches up afterwards from it::
+
+    eventbus export runs/my-run --to tensorboard
+    eventbus export runs/my-run --to mlflow --mlflow-uri http://mlflow:5000
+    eventbus export runs/my-run/events.journal --to jsonl --follow   # a live run, until its end
+
+How: the destination is the same LoggerDestination the logger daemon hosts
+(``eventbus.trackers``), run by the same :class:`~eventbus.daemons.host.CallbackHost`
+over the journal's messages; nothing here talks to the trainer.
+
+Nothing lost, nothing doubled, on two levels:
+
+* **Cursor** (``.eventbus-export-<target>.json`` beside the output): the host
+  commits the last applied seq and the destination's ``state_dict()`` together;
+  just before each commit the destination is flushed, so everything up to the
+  committed seq is on disk (or at the server). ``--resume`` continues after it.
+* **Read-back**: the export first asks the destination what it already holds and
+  skips those points: (tag, step) pairs in the TensorBoard event files, each
+  key's metric history in the MLflow run, the steps in ``metrics.jsonl``
+  (:class:`~eventbus.trackers.files.MetricsFileLogger` does that itself). This
+  covers what the cursor cannot: points written after the last commit by an
+  export that was killed, and points a live logger already delivered. So a plain
+  rerun (without ``--resume``) re-reads the journal but sends nothing new, and a
+  ``--resume`` after a SIGKILL sends each point exactly once. W&B is read back by
+  :class:`~eventbus.trackers.wandb.WandBLogger` itself (the W&B run's id is the
+  eventbus run id; it skips every step at or below the last one W&B has).
+
+Exit codes: 0 done; 1 the tracker failed (the cursor holds what it took:
+``--resume`` later); 2 bad usage (unknown target, no journal); 3 the journal is
+damaged (every intact record was exported; one line says what was lost).
+``--follow`` polls the journal for new records (a live run) until the run's end
+message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import importlib
+import json
+import pathlib
+import signal
+import sys
+import time
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
+
+from eventbus.bus import wire
+from eventbus.bus.journal import JOURNAL_NAME, JournalReader, Position, segment_paths
+from eventbus.bus.sequencer import decode
+from eventbus.bus.subscriber import Message, SubscriberStats, _no_trainer, _RunView
+from eventbus.core.events import Event
+from eventbus.core.logger import Logger, LoggerDestination, to_number
+from eventbus.daemons.host import CallbackHost, Cursor
+from eventbus.errors import ConfigError
+
+__all__ = ["TARGETS", "ExportOptions", "export", "resolve_journal"]
+
+TARGETS = ("tensorboard", "mlflow", "wandb", "csv", "jsonl")
+POLL_SECONDS = 0.2  # --follow: how often a live journal is looked at for new records
+PLAIN_EVERY = 5.0  # seconds between two progress lines when stderr is not a terminal
+_NAME = "_Exporting"  # the wrapper's name in the cursor file
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    journal: pathlib.Path
+    target: str
+    output: Optional[pathlib.Path] = None
+    mlflow_uri: Optional[str] = None
+    resume: bool = False
+    follow: bool = False
+
+
+def resolve_journal(path: pathlib.Path) -> pathlib.Path:
+    """The journal itself, given it or its run folder; ConfigError (exit 2) when there is none."""
+    journal = path / JOURNAL_NAME if path.is_dir() else path
+    if not segment_paths(journal):
+        raise ConfigError(f"no journal at {str(path)!r} (expected a run folder or its {JOURNAL_NAME})")
+    return journal
+
+
+# ---------------------------------------------------------------------------------------- destinations
+
+
+@dataclasses.dataclass
+class _Target:
+    """What one export writes into: the destination, what it already holds, and where it is."""
+
+    destination: LoggerDestination
+    where: str  # for the summary line
+    cursor_dir: pathlib.Path
+    cursor_key: str  # distinguishes two destinations of one target kind sharing cursor_dir
+    present: Optional[Callable[[str], set[int]]]  # key -> steps already there (None: cannot tell)
+
+
+def build_target(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
+    """The destination for ``options.target`` (its package imported only now), with its read-back."""
+    output = options.output
+    if options.target in ("csv", "jsonl"):
+        from eventbus.trackers.files import MetricsFileLogger
+
+        folder = output or run_folder
+        return _Target(MetricsFileLogger(folder), str(folder / f"metrics.{options.target}"), folder, "",
+                       _JsonlContents(folder / "metrics.jsonl"))
+    if options.target == "tensorboard":
+        _require("torch.utils.tensorboard", "tensorboard")
+        from eventbus.trackers.tensorboard import TensorBoardLogger
+
+        folder = output or run_folder / "tensorboard"
+        return _Target(TensorBoardLogger(folder), str(folder), folder, "", _TensorBoardContents(folder))
+    if options.target == "mlflow":
+        _require("mlflow.tracking", "mlflow")
+        from eventbus.trackers.mlflow import MLflowLogger
+
+        folder = output or run_folder
+        uri = options.mlflow_uri or (folder / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            import os
+
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as MLflowLogger does for its default
+        logger = MLflowLogger(uri)
+        return _Target(logger, uri, folder, _digest(uri), _MlflowContents(logger, state))
+    if options.target == "wandb":
+        module = _require("eventbus.trackers.wandb", "wandb")
+        _require("wandb", "wandb")
+        folder = output or run_folder
+        logger = module.WandBLogger(init_kwargs={"dir": str(output)} if output else None)
+        return _Target(logger, f"W&B run {_run_id_of(state)}", folder, "", None)
+    raise ConfigError(f"unknown export target {options.target!r} (choose from {', '.join(TARGETS)})")
+
+
+def _run_id_of(state: Any) -> str:
+    """The eventbus run id a snapshot belongs to (the W&B run's id too)."""
+    return str(getattr(state, "run_id", "?"))
+
+
+def _require(module: str, extra: str) -> Any:
+    """Import a tracker's module now; missing: a one-line ConfigError naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(f"exporting to {extra} needs {err.name or module}: "
+                          f"pip install 'eventbus[{extra}]'") from None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+class _JsonlContents:
+    """The steps already in ``metrics.jsonl`` (a step's line holds all its keys: any key counts)."""
+
+    def __init__(self, path: pathlib.Path):
+        self._path = path
+        self._steps: Optional[set[int]] = None
+
+    def __call__(self, key: str) -> set[int]:
+        if self._steps is None:
+            self._steps = set()
+            if self._path.exists():
+                with open(self._path) as lines:
+                    for line in lines:
+                        try:
+                            self._steps.add(int(json.loads(line)["step"]))
+                        except (ValueError, KeyError, TypeError):
+                            continue  # a torn last line (a kill): MetricsFileLogger writes it again
+        return self._steps
+
+
+class _TensorBoardContents:
+    """The (tag, step) pairs already in a TensorBoard log dir, read once with TensorBoard's own loader."""
+
+    def __init__(self, folder: pathlib.Path):
+        self._folder = folder
+        self._steps: Optional[dict[str, set[int]]] = None
+
+    def __call__(self, key: str) -> set[int]:
+        if self._steps is None:
+            self._steps = self._read()
+        return self._steps.get(key, set())
+
+    def _read(self) -> dict[str, set[int]]:
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+        steps: dict[str, set[int]] = {}
+        for path in sorted(self._folder.glob("events.out.tfevents.*")):
+            for event in EventFileLoader(str(path)).Load():  # a torn last record (a kill) ends the file
+                for value in event.summary.value:
+                    steps.setdefault(value.tag, set()).add(int(event.step))
+        return steps
+
+
+class _MlflowContents:
+    """Each key's steps already in the MLflow run the logger writes to (asked once per key)."""
+
+    def __init__(self, logger: Any, state: Any):
+        self._logger = logger
+        self._state = state
+        self._steps: dict[str, set[int]] = {}
+        self._run_id: Optional[str] = None
+
+    def __call__(self, key: str) -> set[int]:
+        if key not in self._steps:
+            run_id = self._find_run()
+            client = self._client()
+            history = client.get_metric_history(run_id, key.replace("@", "_")) if run_id else []
+            self._steps[key] = {int(m.step) for m in history}
+        return self._steps[key]
+
+    def _client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self._logger.tracking_uri)
+
+    def _find_run(self) -> Optional[str]:
+        """The run MLflowLogger picks: the one named after the eventbus run in its experiment."""
+        if self._run_id is None:
+            client = self._client()
+            experiment = client.get_experiment_by_name(self._logger.experiment_name)
+            if experiment is None:
+                return None
+            runs = client.search_runs([experiment.experiment_id],
+                                      filter_string=f"tags.mlflow.runName = '{self._state.run_name}'")
+            self._run_id = runs[0].info.run_id if runs else None
+        return self._run_id
+
+
+@dataclasses.dataclass
+class _Counts:
+    """What the export did, for the progress bar and the summary line."""
+
+    messages: int = 0  # read from the journal
+    points: int = 0  # metric values handed to the tracker
+    present: int = 0  # metric values skipped: already in the tracker
+    steps: set[int] = dataclasses.field(default_factory=set)
+
+
+class _Exporting(LoggerDestination):
+    """Wraps the tracker's destination: skips what it already holds, flushes it before each commit,
+    and initialises it on a resumed export whose INIT lies before the cursor (the host skips it)."""
+
+    def __init__(self, inner: LoggerDestination, present: Optional[Callable[[str], set[int]]],
+                 first_state: Any, counts: _Counts):
+        self.inner = inner
+        self._present = present
+        self._state = first_state
+        self._counts = counts
+        self._ready = False
+        self.interrupted = False  # set on SIGINT/SIGTERM
+
+    def _ensure_ready(self, logger: Any = None) -> None:
+        if not self._ready:
+            self._ready = True
+            self.inner.init(self._state, logger)
+
+    def run_event(self, event: Event, state: Any, logger: Logger) -> None:
+        self._state = state
+        if event is Event.INIT:
+            self._ready = True  # the inner init runs just below, with the INIT snapshot
+        else:
+            self._ensure_ready(logger)
+        self.inner.run_event(event, state, logger)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self._ensure_ready()
+        if isinstance(self._present, _TensorBoardContents) and self._present("hyperparameters/text_summary"):
+            return  # TensorBoard keeps them as a text point: once is enough (the others check by name)
+        self.inner.log_hyperparameters(hyperparameters)
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        self._ensure_ready()
+        at = int(step or 0)
+        if self._present is not None:
+            fresh = {k: v for k, v in metrics.items() if at not in self._present(k)}
+            self._counts.present += _numbers(metrics) - _numbers(fresh)
+            metrics = fresh
+        if metrics:
+            self.inner.log_metrics(metrics, step)
+            self._counts.points += _numbers(metrics)
+            self._counts.steps.add(at)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called by the host right before it commits the cursor: flush, so the commit holds."""
+        flush = getattr(self.inner, "flush", None) or getattr(getattr(self.inner, "_writer", None), "flush", None)
+        if self._ready and callable(flush):
+            flush()
+        return {"inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+
+    def close(self, state: Any, logger: Logger) -> None:
+        """Close the tracker at the end of the run; after a signal only flush it: what it holds back
+        (MetricsFileLogger's pending steps) stays in the committed cursor for ``--resume``."""
+        if not self._ready:
+            return
+        if self.interrupted:
+            self.state_dict()  # the flush
+            return
+        self.inner.close(state if state is not None else self._state, logger)
+
+    def post_close(self) -> None:
+        self.inner.post_close()
+
+
+def _numbers(metrics: dict[str, Any]) -> int:
+    """How many values a tracker stores from ``metrics`` (numbers; not booleans)."""
+    return sum(1 for v in metrics.values()
+               if isinstance(to_number(v), (int, float)) and not isinstance(to_number(v), bool))
+
+
+# ---------------------------------------------------------------------------------------- the journal
+
+
+class _JournalStream:
+    """The journal as a Message stream (as ``journal_messages``), that can also wait for a live run's
+    next records (``follow``) and reports how far it has read (bytes) for the progress bar."""
+
+    def __init__(self, path: pathlib.Path, follow: bool, progress: "_Progress"):
+        self.path = path
+        self.follow = follow
+        self.stopping = asyncio.Event()
+        self.caught_up = False  # --follow: reached the end of what the live run had written
+        self.last_seq = 0
+        self._at = Position()
+        self._stats = SubscriberStats()  # malformed records are counted here (and skipped)
+        self._progress = progress
+
+    async def messages(self) -> AsyncIterator[Message]:
+        """Every message, in journal order. A run's end message is held back while more records
+        follow it (a trainer resumed into the same run folder appends its own run): the host stops at
+        an end message, and the export goes on to the last run's end (or, without it, the journal's)."""
+        view = _RunView(self._stats, None, control=_no_trainer, fetch=None)
+        reader = JournalReader(self.path)
+        position = Position()
+        held: Optional[Message] = None  # an end message, not yet known to be the last
+        while not self.stopping.is_set():
+            for message in self._read(reader, position, view):
+                position = self._at
+                if message.kind == "end":
+                    held = message
+                    continue
+                held = None  # another run follows the one that ended: go on with it
+                yield message
+                if self.stopping.is_set():
+                    return
+                if self._progress.messages() % 256 == 0:
+                    await asyncio.sleep(0)  # let the host's consumers run
+            if held is not None:
+                yield held
+                return
+            if not self.follow:
+                return
+            if not self.caught_up:
+                self.caught_up = True
+                print(f"eventbus export: caught up with the live run at seq {self.last_seq}; following it "
+                      f"until its end", file=sys.stderr, flush=True)
+            try:  # a live run: its next records, or a signal
+                await asyncio.wait_for(self.stopping.wait(), POLL_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+
+    def _read(self, reader: JournalReader, position: Position, view: Any) -> Iterator[Message]:
+        """The messages of the records from ``position`` on (``self._at``: where the next one starts)."""
+        for record in reader.records(position):
+            self._at = record.end
+            item = decode(record.data, wire.MAX_MESSAGE_BYTES, self._stats)
+            message = view.deliver(item) if item is not None else None
+            if message is not None:
+                self.last_seq = message.seq
+                self._progress.message(record.end)
+                yield message
+
+
+class _Progress:
+    """tqdm on a terminal; otherwise a plain line every PLAIN_EVERY seconds (logs, CI)."""
+
+    def __init__(self, journal: pathlib.Path, counts: _Counts):
+        self._journal = journal
+        self._counts = counts
+        self._sizes = [p.stat().st_size for p in segment_paths(journal)]
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=sum(self._sizes), unit="B", unit_scale=True, file=sys.stderr,
+                             desc="eventbus export", leave=False)
+        self._next_line = time.monotonic() + PLAIN_EVERY
+
+    def _done(self, at: Position) -> int:
+        if at.segment >= len(self._sizes):  # the writer started another segment (a live run)
+            self._sizes = [p.stat().st_size for p in segment_paths(self._journal)]
+        return sum(self._sizes[:at.segment]) + at.offset
+
+    def messages(self) -> int:
+        return self._counts.messages
+
+    def message(self, at: Position) -> None:
+        self._counts.messages += 1
+        if self._counts.messages % 64:
+            return
+        done = self._done(at)
+        if self._bar is not None:
+            self._bar.total = max(self._bar.total, done)
+            self._bar.update(done - self._bar.n)
+        elif time.monotonic() >= self._next_line:
+            self._next_line = time.monotonic() + PLAIN_EVERY
+            total = max(sum(self._sizes), done, 1)
+            print(f"eventbus export: {self._counts.messages} messages, {self._counts.points} metric points "
+                  f"({100 * done / total:.0f}% of the journal)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---------------------------------------------------------------------------------------- the command
+
+
+def export(options: ExportOptions) -> int:
+    """Run one export; the exit code (see the module docstring). ConfigError: bad usage (exit 2)."""
+    journal = resolve_journal(options.journal)
+    first = asyncio.run(_first_message(journal, options.follow))
+    if first is None:
+        print(f"eventbus export: {journal} holds no message yet; nothing to export", file=sys.stderr)
+        return 0
+    target = build_target(options, journal.parent, first.state)
+    cursor = _open_cursor(target, options, first.run_id)
+    resumed_at = cursor.seqs.get(_NAME, 0) if cursor.run_id == first.run_id else 0
+    counts = _Counts()
+    progress = _Progress(journal, counts)
+    stream = _JournalStream(journal, options.follow, progress)
+    wrapper = _Exporting(target.destination, target.present, first.state, counts)
+    started = time.perf_counter()
+    try:
+        failure = asyncio.run(_run(wrapper, cursor, stream))
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - started
+    before = f" ({min(resumed_at, counts.messages)} exported before)" if resumed_at else ""
+    summary = (f"{counts.messages} messages{before}, {counts.points} metric points over {len(counts.steps)} steps"
+               f"{f' ({counts.present} already there)' if counts.present else ''} in {seconds:.1f}s "
+               f"to {options.target} {target.where}")
+    if failure is not None:
+        print(f"eventbus export: {options.target} failed: {type(failure).__name__}: {str(failure)[:300]}; "
+              f"{summary} before that (continue with --resume)", file=sys.stderr)
+        return 1
+    if wrapper.interrupted:
+        print(f"eventbus export: interrupted; {summary}; committed up to seq {cursor.seqs.get(_NAME, 0)} "
+              f"(continue with --resume)", file=sys.stderr, flush=True)
+        return 0
+    print(f"eventbus export: {summary}", file=sys.stderr, flush=True)
+    return _check(journal)
+
+
+def _check(journal: pathlib.Path) -> int:
+    """3 with one line naming what the journal lost (as ``eventbus replay`` says it), else 0: a pass of
+    its own, since the export stops at the run's end message and damage may lie anywhere."""
+    reader = JournalReader(journal)
+    for _ in reader.records():
+        pass
+    if reader.damage:
+        print(f"eventbus export: {journal}: {reader.summary()}; first: {reader.damage[0].describe()} "
+              f"(every intact record was exported)", file=sys.stderr)
+        return 3
+    return 0
+
+
+async def _first_message(journal: pathlib.Path, follow: bool) -> Optional[Message]:
+    """The journal's first message (its run's header: run id, run name, folder); with ``follow``,
+    waited for until the trainer has written it."""
+    from eventbus.bus.subscriber import journal_messages
+
+    while True:
+        async for message in journal_messages(journal):
+            return message
+        if not follow:
+            return None
+        await asyncio.sleep(POLL_SECONDS)
+
+
+def _open_cursor(target: _Target, options: ExportOptions, run_id: str) -> Cursor:
+    """The export's cursor: kept with ``--resume`` (and when it is this run's), else started afresh."""
+    name = f".eventbus-export-{options.target}{'-' + target.cursor_key if target.cursor_key else ''}.json"
+    path = target.cursor_dir / name
+    try:
+        target.cursor_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot write into {str(target.cursor_dir)!r}: {err.strerror or err}") from None
+    if path.exists() and options.resume:
+        cursor = Cursor(path)
+        if cursor.run_id in (None, run_id):
+            return cursor
+        print(f"eventbus export: {path} is about another run ({cursor.run_id}); starting from the beginning",
+              file=sys.stderr)
+    elif options.resume:
+        print(f"eventbus export: no earlier export to resume ({path} is absent); starting from the beginning",
+              file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return Cursor(path)
+
+
+async def _run(wrapper: _Exporting, cursor: Cursor, stream: _JournalStream) -> Optional[BaseException]:
+    """Host the destination over the stream; the tracker's exception if it failed (committed up to it)."""
+    host = CallbackHost([wrapper], fail_fast=True, cursor=cursor)
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        wrapper.interrupted = True
+        stream.stopping.set()
+        host.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await host.run(stream.messages())
+    except ConfigError:
+        raise
+    except Exception as err:  # the tracker's own error (its client, its server, its disk)
+        return err
+    return None
