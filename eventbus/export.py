@@ -51,7 +51,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 from eventbus.bus import wire
 from eventbus.bus.journal import JOURNAL_NAME, JournalReader, Position, segment_paths
 from eventbus.bus.sequencer import decode
-from eventbus.bus.subscriber import Message, SubscriberStats, _no_trainer, _RunView
+from eventbus.bus.subscriber import Message, RunView, SubscriberStats
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.daemons.host import CallbackHost, Cursor
@@ -334,7 +334,7 @@ class _JournalStream:
         """Every message, in journal order. A run's end message is held back while more records
         follow it (a trainer resumed into the same run folder appends its own run): the host stops at
         an end message, and the export goes on to the last run's end (or, without it, the journal's)."""
-        view = _RunView(self._stats, None, control=_no_trainer, fetch=None)
+        view = RunView.for_journal(self._stats)
         reader = JournalReader(self.path)
         position = Position()
         held: Optional[Message] = None  # an end message, not yet known to be the last

@@ -245,3 +245,34 @@ def test_a_first_format_journal_is_read_up_to_its_damage(tmp_path):
     path.write_bytes(data[:-3] + b"zzz")
     reader = JournalReader(path)
     assert [r.data for r in reader.records()] == bodies[:2] and len(reader.damage) == 1
+
+
+def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_journal(tmp_path):
+    """Large snapshots must not pin memory in the trainer: the cache keeps at most
+    ``replay_cache_bytes``, and a subscriber joining from the beginning still gets every message."""
+    import asyncio
+
+    from eventbus.bus.subscriber import Subscriber
+
+    address = f"ipc://{tmp_path}/bus"
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="bounded",
+                      run_folder=tmp_path / "run", bus=BusConfig(address=address, replay_cache_bytes=20_000))
+    trainer.fit()
+    stats = trainer.publisher.stats()
+    assert 0 < stats.replay_cache_bytes <= 20_000
+    last = stats.published
+
+    async def everything() -> list[int]:
+        seqs = []
+        async with Subscriber(address, start="beginning", journal=os.devnull) as subscriber:
+            async for message in subscriber:
+                seqs.append(message.seq)
+                if message.seq == last:
+                    return seqs
+        return seqs
+
+    seqs = asyncio.run(asyncio.wait_for(everything(), 60))
+    trainer.close()
+    journal_size = sum(path.stat().st_size for path in segment_paths(trainer.publisher.journal_path))
+    assert journal_size > 5 * 20_000  # most of the run is older than the cache
+    assert seqs == list(range(1, last + 1)), "a message older than the cache was not replayed"

@@ -104,24 +104,27 @@ def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_a
 
 
 def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
-    """SIGKILLed mid-run and started again: every step exactly once in metrics.jsonl and in
-    TensorBoard's own reader (its writer buffers for minutes; the host flushes it before each commit)."""
-    board = tmp_path / "runs" / "restarted" / "tensorboard"
+    """SIGKILLed mid-run and started again: every step exactly once in metrics.jsonl, in
+    TensorBoard's own reader (its writer buffers for minutes; the host flushes it before each commit)
+    and in the MLflow store (the restarted logger skips the points the run already holds)."""
+    folder = tmp_path / "runs" / "restarted"
+    board = folder / "tensorboard"
 
-    class WaitForTensorBoard(Callback):
-        """Holds the first batch until the worker's TensorBoard writer is up (its import takes seconds
-        on a busy machine), so the kill below lands mid-run for both destinations."""
+    class WaitForTrackers(Callback):
+        """Holds the first batch until the worker's TensorBoard file and MLflow run exist (their
+        imports take seconds on a busy machine), so the kill below lands mid-run for every destination."""
 
         def batch_end(self, state, logger):
             deadline = time.monotonic() + 60
-            while int(state.timestamp.batch) == 1 and not list(board.glob("events.out.tfevents.*")):
-                assert time.monotonic() < deadline, "the logger never opened its TensorBoard file"
+            while int(state.timestamp.batch) == 1 and not (list(board.glob("events.out.tfevents.*"))
+                                                           and list(folder.glob("mlruns/*/*/meta.yaml"))):
+                assert time.monotonic() < deadline, "the logger never opened its trackers"
                 time.sleep(0.05)
 
     trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="restarted",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.08), WaitForTensorBoard()])
+                      bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.08), WaitForTrackers()])
     args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
-            "--no-console", "--tensorboard"]
+            "--no-console", "--tensorboard", "--mlflow"]
     first = spawn(*args)
     first.wait_for("following")
     background = BackgroundTrainer(trainer).start()
@@ -132,7 +135,7 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(committed().get(name, 0) > 60
-                                                  for name in ("MetricsFileLogger", "TensorBoardLogger")):
+                                                  for name in ("MetricsFileLogger", "TensorBoardLogger", "MLflowLogger")):
         time.sleep(0.05)  # kill it mid-run, once both have applied some metrics
     assert first.proc.poll() is None, "the worker finished before the kill"
     os.kill(first.proc.pid, signal.SIGKILL)
@@ -154,6 +157,15 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
     for tag in ("loss/train/total", "time/batch"):
         points = [e.step for e in accumulator.Scalars(tag)]
         assert sorted(points) == sorted(s for s, m in published.items() if tag in m), tag
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("eventbus").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", "\n".join(second.stderr)  # the restarted logger reopened the same run
+    history = client.get_metric_history(runs[0].info.run_id, "loss/train/total")
+    assert sorted(m.step for m in history) == sorted(s for s, m in published.items() if "loss/train/total" in m)
 
 
 def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, spawn):

@@ -36,7 +36,8 @@ class BusConfig:
     journal_segment_bytes: int = 256 << 20  # a journal segment this large is closed and the next one started
     queue_size: int = 1_000_000
     send_hwm: int = 100_000
-    replay_cache: int = 50_000
+    replay_cache: int = 50_000  # messages kept in memory for replay (older ones are read from the journal)
+    replay_cache_bytes: int = 64 << 20  # ... and at most this many bytes of them
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     checkpoint_close_timeout: float = 60.0
     drain_timeout: float = 30.0  # at close, how long live workers may take to catch up

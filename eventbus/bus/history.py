@@ -28,11 +28,15 @@ __all__ = ["History"]
 class History:
     """Seq numbering and storage of one publisher's messages. Bus thread only."""
 
-    def __init__(self, run_id: str, rank: int, journal: Optional[JournalWriter], cache_size: int):
+    def __init__(self, run_id: str, rank: int, journal: Optional[JournalWriter], cache_size: int,
+                 cache_bytes: int = 64 << 20):
         self.run_id, self.rank = run_id, rank
         self.journal = journal
         self.seq = 0
-        self._cache: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=cache_size)
+        # The replay cache, bounded in messages and in bytes (large snapshots must not pin memory):
+        # what falls out of it is served from the journal.
+        self._cache: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._cache_size, self._cache_max_bytes, self.cache_bytes = cache_size, cache_bytes, 0
         self._latest: dict[str, bytes] = {}  # the latest message of each event / kind, for joiners
         self.header_bytes = b""
         self._pending: list[tuple[bytes, bytes]] = []  # (topic frame, message)
@@ -52,6 +56,9 @@ class History:
         if self.journal is not None:
             self.journal.append(message, self.seq)
         self._cache.append((self.seq, message))
+        self.cache_bytes += len(message)
+        while len(self._cache) > self._cache_size or self.cache_bytes > self._cache_max_bytes:
+            self.cache_bytes -= len(self._cache.popleft()[1])
         if kind == Kind.HEADER:
             self.header_bytes = message
         else:

@@ -193,7 +193,8 @@ class _BusThread(threading.Thread):
             self._started.set()
             return
         publisher = self.publisher
-        self._history = History(publisher.run_id, publisher.rank, journal, self.config.replay_cache)
+        self._history = History(publisher.run_id, publisher.rank, journal, self.config.replay_cache,
+                                self.config.replay_cache_bytes)
         self._service = RequestService(self._router, self._history, publisher.leases, self._stats,
                                        self._subscribers, self._publish_metrics, publisher.staging,
                                        self.config.max_message_bytes)
@@ -300,3 +301,4 @@ class _BusThread(threading.Thread):
 
     def _send(self) -> None:
         self._stats.published += self._history.flush_and_send(self._pub)
+        self._stats.replay_cache_bytes = self._history.cache_bytes

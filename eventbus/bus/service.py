@@ -45,6 +45,7 @@ class PublisherStats:
     protocol_errors: int = 0
     failed_requests: int = 0
     queue_depth: int = 0
+    replay_cache_bytes: int = 0  # held in memory for replay (BusConfig.replay_cache_bytes bounds it)
 
 
 class StagingArea(Protocol):

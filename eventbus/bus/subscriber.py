@@ -50,7 +50,7 @@ from eventbus.core.events import Event
 
 _DRAIN_BATCH = 1024  # messages taken per wake-up before the event loop gets a turn
 
-__all__ = ["Message", "Subscriber", "SubscriberStats", "journal_messages"]
+__all__ = ["Message", "RunView", "Subscriber", "SubscriberStats", "journal_messages"]
 
 @dataclasses.dataclass(frozen=True)
 class Message:
@@ -82,11 +82,16 @@ class SubscriberStats:
     lag_seconds: float = 0.0
 
 
-class _RunView:
+class RunView:
     """The run as delivered so far (its header and latest snapshot); turns messages into :class:`Message`.
 
     ``control`` and ``fetch`` are what each snapshot uses to reach the trainer (None: no trainer).
     """
+
+    @classmethod
+    def for_journal(cls, stats: SubscriberStats) -> "RunView":
+        """A journal's run: no trainer behind it (see :func:`journal_messages`)."""
+        return cls(stats, None, control=_no_trainer, fetch=None)
 
     def __init__(self, stats: SubscriberStats, events: Optional[frozenset[Event]],
                  control: Optional[Callable[[str, dict[str, Any]], None]],
@@ -183,7 +188,7 @@ class Subscriber:
             service_address or service_address_for(address), stats=self._stats, header=lambda: self._view.header,
             identity=self.identity, keys=self._keys, timeout=request_timeout, max_bytes=max_message_bytes, rank=rank,
         )
-        self._view = _RunView(self._stats, self.events, control=self._service.control,
+        self._view = RunView(self._stats, self.events, control=self._service.control,
                               fetch=self._service.fetch_checkpoint)
         self._topics = _topics(self.events, metrics)
         self._sequencer = Sequencer(self._stats, max_bytes=max_message_bytes, start=start, resume=resume,
@@ -392,7 +397,7 @@ async def journal_messages(path: Union[str, os.PathLike]) -> AsyncIterator[Messa
     staged checkpoint loads only from shared memory still present on this host.
     """
     stats = SubscriberStats()
-    view = _RunView(stats, None, control=_no_trainer, fetch=None)
+    view = RunView.for_journal(stats)
     for record in read_journal(path):
         item = decode(record, wire.MAX_MESSAGE_BYTES, stats)
         if item is not None:

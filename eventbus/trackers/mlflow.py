@@ -37,8 +37,6 @@ class MLflowLogger(LoggerDestination):
 
     def init(self, state: Any, logger: Logger) -> None:
         if self.tracking_uri is None:
-            # MLflow 3 keeps the local file store behind an opt-in; it is still the simplest default.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             self.tracking_uri = (run_folder(state, None) / "mlruns").resolve().as_uri()
         self.run_name = str(state.run_name)
         self.outbox.put(["open"])
@@ -105,6 +103,10 @@ class MLflowLogger(LoggerDestination):
             from mlflow.tracking import MlflowClient
         except ImportError as err:
             raise RuntimeError("MLflowLogger needs mlflow: pip install 'eventbus[mlflow]'") from err
+        if str(self.tracking_uri).startswith("file:"):
+            # MLflow 3 keeps the local file store behind an opt-in; it is still the simplest default.
+            # Here, not in init: a restarted worker resumes after INIT.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         # The Outbox retries: MLflow's own retries (7, backing off for minutes) would hold this thread.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
