@@ -184,3 +184,23 @@ def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, 
     assert set(json.loads((tmp_path / "s" / "logger.cursor.json").read_text())["seqs"].values()) == {last}
     again = spawn(*args)
     assert again.finish() == 0, "\n".join(again.stderr)
+
+
+def test_one_logger_cursor_across_two_runs_keeps_each_run_in_its_own_folder(tmp_path, spawn):
+    """A daemon's cursor outlives a run (one --state-dir, or the default one, for run after run):
+    what it restores from the first run must not send the second run's metrics to the first's folder."""
+    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+            "--no-console", "--tensorboard"]
+    for name in ("first", "second"):
+        trainer = Trainer(make_model(), make_loader(), max_duration="3ba", device="cpu", run_name=name,
+                          bus=f"ipc://{tmp_path}/bus")
+        worker = spawn(*args)
+        worker.wait_for("following")
+        trainer.fit()
+        trainer.close()
+        assert worker.finish() == 0, "\n".join(worker.stderr)
+        published = published_metrics(trainer.publisher.journal_path)
+        folder = tmp_path / "runs" / name
+        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert sorted(line["step"] for line in lines) == sorted(published), name
+        assert list((folder / "tensorboard").glob("events.out.tfevents.*")), name

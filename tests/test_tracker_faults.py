@@ -142,8 +142,8 @@ def test_a_logger_started_while_mlflow_is_down_catches_up_when_it_starts(tmp_pat
 
     trainer = Trainer(make_model(), make_loader(), max_duration="2ep", device="cpu", run_name="late",
                       bus=f"ipc://{tmp_path}/bus", callbacks=[StartServer()])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--no-console",
-                   "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
+    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                   "--no-console", "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
     worker.wait_for("following")
     try:
         BackgroundTrainer(trainer).start().join(timeout=300)
@@ -151,7 +151,9 @@ def test_a_logger_started_while_mlflow_is_down_catches_up_when_it_starts(tmp_pat
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=server.uri)
-        run = client.search_runs([client.get_experiment_by_name("eventbus").experiment_id])[0]
+        experiment = client.get_experiment_by_name("eventbus")
+        assert experiment is not None, "\n".join(worker.stderr)
+        run = client.search_runs([experiment.experiment_id])[0]
         history = client.get_metric_history(run.info.run_id, "loss/train/total")
         lines = [json.loads(line) for line in (tmp_path / "runs" / "late" / "metrics.jsonl").read_text().splitlines()]
         steps = sorted(line["step"] for line in lines if "loss/train/total" in line)

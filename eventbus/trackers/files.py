@@ -26,6 +26,7 @@ class MetricsFileLogger(LoggerDestination):
     """
 
     def __init__(self, folder: Optional[os.PathLike] = None, hold_steps: int = 20):
+        self.configured_folder = folder
         self.folder = folder
         self.hold_steps = hold_steps
         self._pending: dict[int, dict[str, Any]] = {}
@@ -34,7 +35,12 @@ class MetricsFileLogger(LoggerDestination):
         self.path: Optional[pathlib.Path] = None
 
     def init(self, state: Any, logger: Logger) -> None:
-        self.folder = run_folder(state, self.folder)
+        """A new run. What a cursor restored belongs to an earlier run (a daemon's cursor outlives
+        runs): its held-back steps go to that run's file, then this run starts afresh."""
+        if self._pending and self.folder is not None:
+            self.close(state, logger)
+        self._pending, self._written, self.path = {}, set(), None
+        self.folder = run_folder(state, self.configured_folder)
 
     def state_dict(self) -> dict[str, Any]:
         """The folder and the steps still held back: a restarted worker loses neither."""

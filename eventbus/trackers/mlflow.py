@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Optional
@@ -11,6 +12,8 @@ from eventbus.trackers import run_folder
 from eventbus.trackers.outbox import Outbox
 
 __all__ = ["MLflowLogger"]
+
+log = logging.getLogger(__name__)
 
 
 class MLflowLogger(LoggerDestination):
@@ -27,6 +30,7 @@ class MLflowLogger(LoggerDestination):
 
     def __init__(self, tracking_uri: Optional[str] = None, experiment_name: str = "eventbus",
                  retry_every: float = 30.0):
+        self.configured_uri = tracking_uri
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.outbox = Outbox("MLflow", self._send, retry_every=retry_every)
@@ -36,8 +40,14 @@ class MLflowLogger(LoggerDestination):
         self._present: dict[str, int] = {}  # key -> the last step the run held when it was opened
 
     def init(self, state: Any, logger: Logger) -> None:
-        if self.tracking_uri is None:
-            self.tracking_uri = (run_folder(state, None) / "mlruns").resolve().as_uri()
+        """A new run. A cursor of an earlier run (a daemon's cursor outlives runs) may have restored
+        that run's unsent items: they go to that run first, else they are reported and dropped."""
+        if self.outbox.items and not self.outbox.flush(force=True):
+            log.error("MLflow: %d items of the previous run %s were never sent; `eventbus export` sends them "
+                      "from its journal", len(self.outbox.items), self.run_name)
+        self.outbox.items.clear()
+        self._client, self._run_id, self._present = None, None, {}
+        self.tracking_uri = self.configured_uri or (run_folder(state, None) / "mlruns").resolve().as_uri()
         self.run_name = str(state.run_name)
         self.outbox.put(["open"])
 

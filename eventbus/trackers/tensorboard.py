@@ -27,12 +27,15 @@ class TensorBoardLogger(LoggerDestination):
     """Scalars to TensorBoard event files in ``<run folder>/tensorboard`` (needs the ``tensorboard`` extra)."""
 
     def __init__(self, log_dir: Optional[os.PathLike] = None):
+        self.configured_dir = log_dir
         self.log_dir = log_dir
         self._writer: Any = None
         self._written: dict[str, int] = {}  # tag -> the last step already in the folder's files
 
     def init(self, state: Any, logger: Logger) -> None:
-        self.log_dir = self.log_dir or run_folder(state, None) / "tensorboard"
+        """A new run: its own folder, whatever a cursor of an earlier run restored."""
+        self.close(state, logger)
+        self.log_dir = self.configured_dir or run_folder(state, None) / "tensorboard"
         self._open()
 
     def state_dict(self) -> dict[str, Any]:

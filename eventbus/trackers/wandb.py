@@ -77,6 +77,14 @@ class WandBLogger(LoggerDestination):
         self._restored = False
 
     def init(self, state: Any, logger: Logger) -> None:
+        if self._run_args is not None:  # restored by a cursor of an earlier run: this run starts afresh
+            if self.outbox.items or self._pending:
+                log.error("W&B: %d items of the previous run %s were never sent; `eventbus export` sends them "
+                          "from its journal", len(self.outbox.items) + len(self._pending), self._run_args.get("id"))
+            self.outbox.items.clear()
+            self._config, self._pending, self._sent = {}, {}, []
+            self._last_step = self._persisted = -1
+            self._restored = self._disabled = False
         rank = int(getattr(state, "rank", 0) or 0)
         if self.rank_zero_only and rank != 0:
             self._disabled = True
