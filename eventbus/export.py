@@ -41,7 +41,6 @@ import asyncio
 import dataclasses
 import hashlib
 import importlib
-import json
 import pathlib
 import signal
 import sys
@@ -152,7 +151,7 @@ def _digest(text: str) -> str:
 
 
 class _JsonlContents:
-    """The steps already in ``metrics.jsonl`` (a step's line holds all its keys: any key counts)."""
+    """The steps already in ``metrics.jsonl`` (a step's line holds all its keys: any key counts), read once."""
 
     def __init__(self, path: pathlib.Path):
         self._path = path
@@ -160,14 +159,9 @@ class _JsonlContents:
 
     def __call__(self, key: str) -> set[int]:
         if self._steps is None:
-            self._steps = set()
-            if self._path.exists():
-                with open(self._path) as lines:
-                    for line in lines:
-                        try:
-                            self._steps.add(int(json.loads(line)["step"]))
-                        except (ValueError, KeyError, TypeError):
-                            continue  # a torn last line (a kill): MetricsFileLogger writes it again
+            from eventbus.trackers.files import written_steps
+
+            self._steps = written_steps(self._path)
         return self._steps
 
 
@@ -180,18 +174,10 @@ class _TensorBoardContents:
 
     def __call__(self, key: str) -> set[int]:
         if self._steps is None:
-            self._steps = self._read()
+            from eventbus.trackers.tensorboard import written_points
+
+            self._steps = written_points(self._folder)
         return self._steps.get(key, set())
-
-    def _read(self) -> dict[str, set[int]]:
-        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-        steps: dict[str, set[int]] = {}
-        for path in sorted(self._folder.glob("events.out.tfevents.*")):
-            for event in EventFileLoader(str(path)).Load():  # a torn last record (a kill) ends the file
-                for value in event.summary.value:
-                    steps.setdefault(value.tag, set()).add(int(event.step))
-        return steps
 
 
 class _MlflowContents:

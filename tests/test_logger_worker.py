@@ -44,12 +44,9 @@ async def send_metrics_back(address, into_steps):
                 into_steps.append(step)
 
 
-def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_and_mlflow(tmp_path, spawn):
-    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="logged",
-                      eval_dataloader=make_loader(32, 16), bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.01)])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
-                   "--tensorboard", "--mlflow", "--log-interval", "2")
-    worker.wait_for("following")
+def train_sending_metrics_back(trainer) -> list[int]:
+    """Train to the end while a second subscriber sends a metric back for each batch, as other
+    workers do (it arrives after the trainer's own metrics for that step); the steps it sent."""
     sent: list[int] = []
 
     async def scenario():
@@ -59,6 +56,16 @@ def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_a
         await sender
 
     asyncio.run(scenario())
+    return sent
+
+
+def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_and_mlflow(tmp_path, spawn):
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="logged",
+                      eval_dataloader=make_loader(32, 16), bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.01)])
+    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                   "--tensorboard", "--mlflow", "--log-interval", "2")
+    worker.wait_for("following")
+    train_sending_metrics_back(trainer)
     assert worker.finish() == 0, "\n".join(worker.stderr)
     folder = tmp_path / "runs" / "logged"
     expected = published_metrics(trainer.publisher.journal_path)

@@ -3,7 +3,6 @@ offline mode, read back from the run's own transaction logs (what ``wandb sync``
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import os
@@ -16,7 +15,7 @@ from wandb.proto import wandb_internal_pb2
 
 from eventbus import Callback, Trainer
 from tests.conftest import BackgroundTrainer, make_loader, make_model
-from tests.test_logger_worker import SlowBatches, published_metrics, send_metrics_back
+from tests.test_logger_worker import SlowBatches, published_metrics, train_sending_metrics_back
 
 
 def offline_env(tmp_path):
@@ -76,15 +75,7 @@ def test_logger_worker_logs_every_step_once_and_the_hyperparameters_to_wandb(tmp
                    "--no-console", "--wandb", "--wandb-mode", "offline", "--wandb-project", "eventbus-tests",
                    "--wandb-tags", "a,b", "--wandb-group", "g", env=offline_env(tmp_path))
     worker.wait_for("following")
-    sent: list[int] = []
-
-    async def scenario():
-        sender = asyncio.create_task(send_metrics_back(trainer.publisher.address, sent))
-        await asyncio.sleep(0.3)
-        await asyncio.to_thread(lambda: BackgroundTrainer(trainer).start().join())
-        await sender
-
-    asyncio.run(scenario())
+    train_sending_metrics_back(trainer)
     assert worker.finish() == 0, "\n".join(worker.stderr)
     expected = published_metrics(trainer.publisher.journal_path)
     run_id = trainer.publisher.run_id

@@ -11,7 +11,7 @@ from typing import Any, Optional, TextIO
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
 
-__all__ = ["MetricsFileLogger", "write_csv"]
+__all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
 
 
 class MetricsFileLogger(LoggerDestination):
@@ -60,13 +60,7 @@ class MetricsFileLogger(LoggerDestination):
         folder = pathlib.Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
-        if self.path.exists():
-            with open(self.path) as existing:
-                for line in existing:
-                    try:
-                        self._written.add(int(json.loads(line)["step"]))
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a torn last line from a crash: its step is written again
+        self._written = written_steps(self.path)
         self._file = open(self.path, "a")
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
@@ -106,6 +100,20 @@ class MetricsFileLogger(LoggerDestination):
         self._file.close()
         self._file = None
         write_csv(self.path, self.path.with_suffix(".csv"))
+
+
+def written_steps(path: pathlib.Path) -> set[int]:
+    """The steps already in a ``metrics.jsonl`` (none if it does not exist). A torn last line,
+    from a writer killed mid-line, does not count: its step is written again."""
+    steps: set[int] = set()
+    if path.exists():
+        with open(path) as lines:
+            for line in lines:
+                try:
+                    steps.add(int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return steps
 
 
 def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:

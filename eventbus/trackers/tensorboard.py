@@ -18,7 +18,7 @@ from typing import Any, Optional
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
 
-__all__ = ["TensorBoardLogger", "written_steps"]
+__all__ = ["TensorBoardLogger", "written_points", "written_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +83,24 @@ class TensorBoardLogger(LoggerDestination):
             self._writer = None
 
 
-def written_steps(folder: pathlib.Path) -> dict[str, int]:
-    """The last step of each tag in the event files under ``folder`` (none: empty). A torn last
+def written_points(folder: pathlib.Path) -> dict[str, set[int]]:
+    """The steps of each tag in the event files under ``folder`` (none: empty). A torn last
     record, from a writer killed mid-write, ends that file's reading; its point is written again."""
     if not folder.is_dir():
         return {}
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    last: dict[str, int] = {}
+    points: dict[str, set[int]] = {}
     for path in sorted(folder.glob("events.out.tfevents.*")):
         try:
             for event in EventFileLoader(str(path)).Load():
                 for value in event.summary.value:
-                    last[value.tag] = max(last.get(value.tag, -1), int(event.step))
+                    points.setdefault(value.tag, set()).add(int(event.step))
         except Exception as err:  # a damaged file: what was read before the damage still counts
             log.warning("%s: stopped reading at damage (%s)", path, err)
-    return last
+    return points
+
+
+def written_steps(folder: pathlib.Path) -> dict[str, int]:
+    """The last step of each tag already in the event files under ``folder``."""
+    return {tag: max(steps) for tag, steps in written_points(folder).items()}
