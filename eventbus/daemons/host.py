@@ -226,6 +226,7 @@ class CallbackHost:
         tasks = [asyncio.create_task(self._consume(slot), name=f"callback-{slot.name}") for slot in self.slots]
         feeder = asyncio.create_task(self._feed(messages))
         stopper = asyncio.create_task(self._stopping.wait())
+        committers = [asyncio.create_task(self._commit_when_idle(slot)) for slot in self.slots] if self.cursor else []
         try:
             await asyncio.wait([feeder, stopper], return_when=asyncio.FIRST_COMPLETED)
             feeder.cancel()
@@ -234,6 +235,8 @@ class CallbackHost:
                 await slot.queue.put(_END)
             await asyncio.gather(*tasks)
         finally:
+            for committer in committers:
+                committer.cancel()
             await self._close_all()
         if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
             raise feeder.exception()  # type: ignore[misc]
@@ -255,7 +258,7 @@ class CallbackHost:
         loop = asyncio.get_running_loop()
         ending = False
         while not ending:
-            batch = [await self._next(slot)]
+            batch = [await slot.queue.get()]
             while len(batch) < _BATCH and not slot.queue.empty():
                 batch.append(slot.queue.get_nowait())
             if any(message is _END for message in batch):
@@ -274,15 +277,15 @@ class CallbackHost:
                     self.stop()
         self._commit(slot, force=True)
 
-    async def _next(self, slot: _Slot) -> Any:
-        """The slot's next message; while none comes, what was applied is committed after
-        ``COMMIT_INTERVAL`` (group commit otherwise waits for a next message that may not come)."""
-        while slot.committed_seq != slot.last_seq and slot.queue.empty() and self.cursor is not None:
-            try:
-                return await asyncio.wait_for(slot.queue.get(), COMMIT_INTERVAL)
-            except asyncio.TimeoutError:
-                await asyncio.get_running_loop().run_in_executor(slot.executor, self._commit, slot)
-        return await slot.queue.get()
+    async def _commit_when_idle(self, slot: _Slot) -> None:
+        """Group commit waits for a next message that may not come: a slot left idle commits what it
+        applied after ``COMMIT_INTERVAL`` (on its own thread, so between its batches)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(COMMIT_INTERVAL)
+            if slot.committed_seq != slot.last_seq and slot.queue.empty() and \
+                    time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:
+                await loop.run_in_executor(slot.executor, self._commit, slot)
 
     def _apply_batch(self, slot: _Slot, batch: list[Message]) -> Optional[BaseException]:
         """On the callback's own thread: apply each message in order; stop at a failure under fail_fast."""
