@@ -24,8 +24,9 @@ class Losses(Callback):
     def __init__(self):
         self.losses = []
 
-    def after_train_batch(self, state, logger):
-        self.losses.append(state.loss.item())
+    def batch_end(self, state, logger):
+        # The batch's loss averaged over ranks (state.loss is this rank's, as in Composer).
+        self.losses.append(float(state.total_loss_dict["loss/train/total"]))
         time.sleep(0.02)  # a real model's step, so the daemons keep up with this toy one
 
 

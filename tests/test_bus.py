@@ -208,8 +208,24 @@ async def test_malformed_messages_are_counted_not_fatal(tmp_path):
     assert [m.seq for m in received] == list(range(1, seq + 2))
 
 
+class HoldUntilStopRequested(Callback):
+    """Holds the batch after ``batch`` at its start until the trainer has received a stop request."""
+
+    def __init__(self, batch: int):
+        self.batch, self.trainer = batch, None
+
+    def batch_start(self, state, logger):
+        if int(state.timestamp.batch) == self.batch:
+            deadline = time.monotonic() + 60
+            while not self.trainer.publisher.leases.wants_stop():
+                assert time.monotonic() < deadline, "the worker's stop request never reached the trainer"
+                time.sleep(0.005)
+
+
 def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spawn, caplog):
-    run = trainer(tmp_path, max_duration="50ep", callbacks=[SlowBatches(0.02)])
+    hold = HoldUntilStopRequested(batch=3)
+    run = trainer(tmp_path, max_duration="50ep", callbacks=[SlowBatches(0.02), hold])
+    hold.trainer = run
     worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
                    'tests.worker_callbacks:PlateauStopper:{"batch": 3}')
     worker.wait_for("following")
@@ -217,8 +233,8 @@ def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spaw
         run.fit()
     run.close()
     assert worker.finish() == 0
-    stopped_at = run.state.timestamp.batch.value
-    assert 3 <= stopped_at < 50 * 4
+    # The worker decided at batch 3; the request arrived during batch 4: it ends at batch 4's BATCH_END.
+    assert run.state.timestamp.batch.value == 4
     assert "loss plateau seen by the worker" in run.state.stop_reason
     assert "training stopped early" in caplog.text and "loss plateau" in caplog.text
     journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]

@@ -152,9 +152,12 @@ class _Recorder(composer.Callback):
 
     def __init__(self) -> None:
         self.events: list[str] = []
+        self.losses: list[tuple[str, float]] = []  # state.loss where a whole batch is done
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
         self.events.append(event.value)
+        if event.value in ("after_train_batch", "batch_end"):
+            self.losses.append((event.value, float(state.loss)))
         if event.value == "batch_end":
             assert event == composer.core.Event.BATCH_END
 
@@ -169,8 +172,11 @@ def test_microbatched_dur_run_fires_composers_events_and_keys(max_duration, inte
         recorder, memory = _Recorder(), InMemoryLogger()
         _run(which, [recorder], [memory], max_duration=max_duration, eval_interval=interval,
              device_train_microbatch_size=8)
-        runs[which] = (recorder.events, memory)
+        runs[which] = (recorder.events, memory, recorder.losses)
     assert runs["eventbus"][0] == runs["composer"][0]
+    # state.loss is the last microbatch's own loss there, as in Composer (not the batch's total).
+    assert [e for e, _ in runs["eventbus"][2]] == [e for e, _ in runs["composer"][2]]
+    assert [v for _, v in runs["eventbus"][2]] == pytest.approx([v for _, v in runs["composer"][2]], rel=1e-5)
     evaluated_at = [int(ts.batch) for ts, _ in runs["eventbus"][1].data["metrics/eval/CrossEntropy"]]
     assert evaluated_at == expected_eval_batches
     _compare_series(_series(runs["eventbus"][1]), _series(runs["composer"][1]))

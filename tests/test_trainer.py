@@ -79,7 +79,7 @@ def _gradients_after_one_batch(microbatch_size):
                       device_train_microbatch_size=microbatch_size, callbacks=[Grab()])
     model.load_state_dict(_reference_weights())
     trainer.fit()
-    return grads, trainer.state.loss
+    return grads, trainer.state.total_loss_dict["loss/train/total"]
 
 
 def _reference_weights():

@@ -47,7 +47,8 @@ def _metric_value(state: Any, monitor: str, label: str) -> Optional[float]:
     name = monitor.rsplit("/", 1)[-1]
     if label == "train":
         if name in ("loss", "total") or monitor == "loss/train/total":
-            return None if state.loss is None else float(to_number(state.loss))
+            loss = state.total_loss_dict.get("loss/train/total", state.loss)  # the whole batch's, when known
+            return None if loss is None else float(to_number(loss))
         value = state.train_metric_values.get(name)
     else:
         value = state.eval_metric_values.get(label, {}).get(name)

@@ -36,7 +36,7 @@ class PayloadBuilder:
 
     def __init__(self) -> None:
         self._current: dict[str, Any] = {
-            Key.LOSS: None, Key.LEARNING_RATES: {}, Key.EVAL_METRICS: {}, Key.TRAIN_METRICS: {},
+            Key.LOSS: None, Key.TOTAL_LOSSES: {}, Key.LEARNING_RATES: {}, Key.EVAL_METRICS: {}, Key.TRAIN_METRICS: {},
             Key.MAX_DURATION: None, Key.STOP_REASON: None, **dict.fromkeys(PER_BATCH_KEYS),
         }
         self._last_timestamp: Any = None

@@ -34,7 +34,8 @@ class Key:
     DATALOADER_LEN: Final = "dl_len"  # batches, or None
     SAMPLES: Final = "samples"  # state.batch_num_samples
     TOKENS: Final = "tokens"  # state.batch_num_tokens
-    LOSS: Final = "loss"
+    LOSS: Final = "loss"  # this rank's (last microbatch's) loss, as Composer's state.loss
+    TOTAL_LOSSES: Final = "total_losses"  # state.total_loss_dict: the batch's losses averaged over ranks
     LEARNING_RATES: Final = "lrs"  # {optimizer class name: [lr per param group]}, derived from OPTIMIZERS
     OPTIMIZERS: Final = "optimizers"  # [[class name, [{hyperparameter: number} per param group]]]
     SCHEDULERS: Final = "schedulers"  # [[class name, [last lr per group] or None]]

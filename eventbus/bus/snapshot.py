@@ -8,6 +8,7 @@ control request; the trainer applies it at its next BATCH_END.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
 from eventbus.bus.records import Key
@@ -24,7 +25,12 @@ from eventbus.bus.views import (
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "calling_callback"]
+
+#: The name of the hosted callback now being applied, set by the worker's CallbackHost on the thread
+#: or task that calls it: Composer's stoppers call ``stop_training()`` without a reason, and the
+#: trainer's stop reason should still say which callback asked.
+calling_callback: ContextVar[Optional[str]] = ContextVar("eventbus_calling_callback", default=None)
 
 
 def _time(text: Optional[str]) -> Optional[Time]:
@@ -146,8 +152,8 @@ class Snapshot:
 
     @property
     def total_loss_dict(self) -> dict[str, Any]:
-        loss = self.loss
-        return {"loss/train/total": loss} if loss is not None else {}
+        """The batch's losses averaged over ranks (Composer's names); ``loss`` is this rank's."""
+        return {key: _scalar(value) for key, value in (self._payload.get(Key.TOTAL_LOSSES) or {}).items()}
 
     # Composer's live objects, as read-only views of what the trainer captured.
 
@@ -156,7 +162,7 @@ class Snapshot:
         """Parameters (names, shapes, dtypes from the header) with ``.grad`` norms where captured."""
         model = self.header.get(Key.MODEL) or {}
         return self._cached("model", lambda: named_view(ModelView, model.get("class"))(
-            model.get("params", ()), self.grad_norms))
+            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu"))
 
     @property
     def optimizers(self) -> list[OptimizerView]:
@@ -204,7 +210,9 @@ class Snapshot:
         """Ask the trainer to stop at its next BATCH_END (sent over the control channel)."""
         if self._control is None:
             raise RuntimeError("this snapshot has no control channel (replayed from a journal?)")
-        self._control("stop", {"reason": reason or f"stop_training() from a subscriber at {self.event}"})
+        if not reason:
+            reason = f"stop_training() from {calling_callback.get() or 'a subscriber'} at {self.event}"
+        self._control("stop", {"reason": reason})
 
     def __repr__(self) -> str:
         return (f"Snapshot(run={self.run_name!r}, rank={self.rank}, seq={self.seq}, event={self.event}, "

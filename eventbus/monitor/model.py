@@ -286,10 +286,11 @@ class Tracker:
         self.event = state.event
         self.seq = state.seq
         self._note_train_state(state)
-        if state.loss is not None and _is_number(state.loss):
-            self.latest.setdefault("loss/train/total", state.loss)
+        loss = state.total_loss_dict.get("loss/train/total", state.loss)  # the batch's, not a microbatch's
+        if loss is not None and _is_number(loss):
+            self.latest.setdefault("loss/train/total", loss)
             if self._wants("loss/train/total"):
-                self._series.setdefault("loss/train/total", _History(self.history)).add(float(state.loss))
+                self._series.setdefault("loss/train/total", _History(self.history)).add(float(loss))
         wct = state.timestamp.batch_wct.total_seconds()
         if wct > 0 and state.batch_num_samples:
             self._batches.append((int(state.batch_num_samples), wct))

@@ -145,6 +145,7 @@ class EventCapture(EventSink):
         self._checkpoint_interval: Optional[str] = None
         # Last values captured, compared by identity (cheap).
         self._last_loss: Any = None
+        self._last_total_losses: Any = None
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
         self._last_train_values: Any = None  # the trainer replaces the dict whenever it computes them
@@ -191,7 +192,8 @@ class EventCapture(EventSink):
     def _changes(self, event: Event, state: "State") -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""
         loss = state.loss
-        if loss is self._last_loss and event not in _LR_EVENTS and event is not Event.EVAL_END \
+        if loss is self._last_loss and state.total_loss_dict is self._last_total_losses \
+                and event not in _LR_EVENTS and event is not Event.EVAL_END \
                 and state.train_metric_values is self._last_train_values \
                 and state.max_duration is self._last_max_duration and state.stop_reason is self._last_stop_reason:
             return None  # the common case: nothing changed since the previous event
@@ -199,6 +201,9 @@ class EventCapture(EventSink):
         if loss is not self._last_loss:
             self._last_loss = loss
             changes[Key.LOSS] = stage(loss)
+        if state.total_loss_dict is not self._last_total_losses:  # set once per batch, before BATCH_END
+            self._last_total_losses = state.total_loss_dict
+            changes[Key.TOTAL_LOSSES] = {k: stage(v) for k, v in state.total_loss_dict.items()}
         if event in _LR_EVENTS:
             changes[Key.OPTIMIZERS] = [(type(o).__name__, _hyperparameters(o, self._hyperparameter_keys))
                                        for o in state.optimizers]

@@ -233,8 +233,8 @@ class TrainLoop:
             metric.reset()
         total_loss = distributed.average(self._forward_backward(batch, samples))  # the mean over ranks
         state.batch = batch
-        # The full batch's loss (see the report: Composer leaves the last microbatch's loss here).
-        state.loss = total_loss
+        # As in Composer, ``state.loss`` stays the last microbatch's own loss (unscaled, this rank's);
+        # the full batch's mean over ranks is ``total_loss_dict["loss/train/total"]``.
         run(Event.AFTER_TRAIN_BATCH)
         return total_loss
 
