@@ -30,3 +30,15 @@ class NoOpBatchEnd(Callback):
 
     def batch_end(self, state, logger):
         pass
+
+
+class StopAt(Callback):
+    """Asks the trainer to stop at BATCH_END of ``batch``, after logging when it asked (wall clock)."""
+
+    def __init__(self, batch: int = 100):
+        self.batch = batch
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) == self.batch:
+            logger.log_metrics({"bench/stop_requested_at": time.time()})
+            state.stop_training("the stop-latency benchmark")
