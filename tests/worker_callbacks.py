@@ -53,3 +53,38 @@ class EventCollector(Callback):
 
     def run_event(self, event: Event, state, logger):
         self.events.append(event.value)
+
+
+_BUILT: dict = {}
+
+
+def __getattr__(name):
+    """``DumpingInMemoryLogger`` is built on first use: importing Composer takes seconds, and the
+    other workers that load this module should not pay for it."""
+    if name == "DumpingInMemoryLogger":
+        if name not in _BUILT:
+            _BUILT[name] = _dumping_in_memory_logger()
+        return _BUILT[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _dumping_in_memory_logger():
+    from composer.loggers import InMemoryLogger
+
+    class DumpingInMemoryLogger(InMemoryLogger):
+        """Composer's InMemoryLogger, unchanged, that writes its ``.data`` as JSON when closed
+        (``path`` may name ``{run_name}``), so a test can read what it received in a worker."""
+
+        def __init__(self, path: str):
+            super().__init__()
+            self.path = path
+
+        def close(self, state, logger):
+            if self.state is None:  # never saw INIT (a --follow worker stopped between runs)
+                return
+            data = {key: [[int(ts.batch), value.item() if hasattr(value, "item") else value]
+                          for ts, value in series] for key, series in self.data.items()}
+            with open(self.path.format(run_name=self.state.run_name), "w") as file:
+                json.dump(data, file)
+
+    return DumpingInMemoryLogger

@@ -116,23 +116,27 @@ class GradView:
 
 
 class ParameterView:
-    """One model parameter: name, shape, dtype (a string such as ``"torch.float32"``), ``grad`` if captured."""
+    """One model parameter: name, shape, dtype (a string such as ``"torch.float32"``), ``grad`` if captured,
+    and the trainer's ``device`` (callbacks such as Composer's MemoryMonitor find the model's device
+    as ``next(model.parameters()).device``)."""
 
-    __slots__ = ("name", "shape", "dtype", "requires_grad", "grad")
+    __slots__ = ("name", "shape", "dtype", "requires_grad", "grad", "device")
     name: str
     shape: tuple[int, ...]
     dtype: str
     requires_grad: bool
     grad: Optional[GradView]
+    device: "DeviceView"
 
     def __init__(self, name: str, shape: Sequence[int], dtype: str, requires_grad: bool,
-                 grad_norm: Optional[float] = None):
+                 grad_norm: Optional[float] = None, device: str = "cpu"):
         setattr_ = object.__setattr__
         setattr_(self, "name", name)
         setattr_(self, "shape", tuple(shape))
         setattr_(self, "dtype", dtype)
         setattr_(self, "requires_grad", bool(requires_grad))
         setattr_(self, "grad", GradView(grad_norm, self.shape, dtype) if grad_norm is not None else None)
+        setattr_(self, "device", DeviceView(device))
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -168,18 +172,21 @@ def named_view(base: type, name: Optional[str]) -> type:
 class ModelView:
     """The model's parameters as the run header describes them, with this batch's gradient norms."""
 
-    __slots__ = ("_params", "_grad_norms")
+    __slots__ = ("_params", "_grad_norms", "_device")
     _params: Sequence[Sequence[Any]]
     _grad_norms: Mapping[str, float]
+    _device: str
 
-    def __init__(self, params: Sequence[Sequence[Any]], grad_norms: Optional[Mapping[str, float]]):
+    def __init__(self, params: Sequence[Sequence[Any]], grad_norms: Optional[Mapping[str, float]],
+                 device: str = "cpu"):
         object.__setattr__(self, "_params", params)
         object.__setattr__(self, "_grad_norms", grad_norms or {})
+        object.__setattr__(self, "_device", device)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, ParameterView]]:
         norms = self._grad_norms
         for name, shape, dtype, requires_grad in self._params:
-            yield name, ParameterView(name, shape, dtype, requires_grad, norms.get(name))
+            yield name, ParameterView(name, shape, dtype, requires_grad, norms.get(name), self._device)
 
     def parameters(self, *args: Any, **kwargs: Any) -> Iterator[ParameterView]:
         return (p for _, p in self.named_parameters())
@@ -187,6 +194,12 @@ class ModelView:
     @property
     def num_params(self) -> int:
         return sum(math.prod(shape) for _, shape, _, _ in self._params)
+
+    @property
+    def module(self) -> "ModelView":
+        """What DDP-unwrapping code reads (``model.module``, as Composer's SpeedMonitor does when the
+        model is not a ``ComposerModel``): the view already describes the unwrapped model."""
+        return self
 
     def __setattr__(self, name: str, value: Any) -> None:
         _read_only(self, name)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import json
 import logging
@@ -42,6 +43,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
+from eventbus.bus.snapshot import calling_callback
 from eventbus.bus.subscriber import Message
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
@@ -144,7 +146,17 @@ class _SubscriberLogger(Logger):
     def __init__(self, send: Any, source: str):
         super().__init__(state=None, destinations=())  # type: ignore[arg-type]
         self._send, self._source = send, source
-        self.state: Any = None  # the snapshot of the message being applied; the host sets it before each call
+
+    @property
+    def state(self) -> Any:
+        """The snapshot of the message being applied (the host sets it before each call). It is the
+        Logger's own state too, so ``upload_file`` fills ``{run_name}`` placeholders from it (Composer's
+        FileLogger and TensorboardLogger upload their files; with no destination here, nothing goes)."""
+        return self._state
+
+    @state.setter
+    def state(self, snapshot: Any) -> None:
+        self._state = snapshot
 
     def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
         if step is None and self.state is not None:
@@ -289,6 +301,7 @@ class CallbackHost:
 
     def _apply_batch(self, slot: _Slot, batch: list[Message]) -> Optional[BaseException]:
         """On the callback's own thread: apply each message in order; stop at a failure under fail_fast."""
+        calling_callback.set(slot.name)  # this thread runs only this callback
         for message in batch:
             started = time.perf_counter()
             try:
@@ -304,12 +317,13 @@ class CallbackHost:
     async def _apply_async(self, slot: _Slot, message: Message) -> None:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        calling_callback.set(slot.name)  # in this slot's own task (its context), and its executor calls
         try:
             for method, args in self._calls(slot, message):
                 if inspect.iscoroutinefunction(method):
                     await method(*args)
                 else:
-                    await loop.run_in_executor(slot.executor, method, *args)
+                    await loop.run_in_executor(slot.executor, contextvars.copy_context().run, method, *args)
         except Exception as err:
             self._failed(slot, message)
             if self.fail_fast:

@@ -67,8 +67,12 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             _install_signal_handlers(host)
             heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host, follow))
             print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
+
+            def joined(run_id: str, host: CallbackHost = host) -> None:
+                subscriber.progress(host.applied_seq, run_id if follow else None)
+
             try:
-                await host.run(stream.one_run())
+                await host.run(stream.one_run(joined))
             except EventBusError:
                 raise
             except Exception as err:
@@ -125,7 +129,12 @@ class _Runs:
         self._events = events
         self._next: Optional[Any] = None  # the first message of the next run, read ahead
 
-    async def one_run(self) -> Any:
+    async def one_run(self, joined: Optional[Callable[[str], None]] = None) -> Any:
+        """One run's messages. ``joined(run_id)`` runs before the run's first message reaches a callback:
+        the worker reports its progress then, so the trainer knows to wait for it before ending the run
+        (a following worker's first heartbeat may have gone to the previous trainer, and a short run
+        could otherwise end, and publish END, before it hears from this worker; what the callbacks
+        then send back would come after END)."""
         run_id = None
         while True:
             if self._next is not None:
@@ -138,6 +147,8 @@ class _Runs:
             if run_id is not None and message.run_id != run_id:
                 self._next = message  # the trainer restarted without ending this run
                 return
+            if run_id is None and joined is not None:
+                joined(message.run_id)  # sent before anything a callback sends about this run
             run_id = message.run_id
             if message.kind != "event" or self._events is None or message.event.value in self._events:
                 yield message
