@@ -1,4 +1,4 @@
-"""``python -m bench [publish_cost|slow_callbacks|throughput|checkpoint_stall|gpu|daemons ...] [--quick]``."""
+"""``python -m bench [NAME ...] [--quick]``: the benchmarks below, in this order (default: all)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 
 from bench.common import machine
 
-BENCHMARKS = ["publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "gpu", "daemons"]
+BENCHMARKS = ["publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "gpu", "daemons", "flood",
+              "stop_latency"]
 
 
 def main(argv=None) -> int:

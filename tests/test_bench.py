@@ -17,13 +17,17 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
     lines = [json.loads(line.removeprefix("BENCH_JSON ")) for line in result.stdout.splitlines()
              if line.startswith("BENCH_JSON ")]
     by_name = {line["bench"]: line for line in lines}
-    assert set(by_name) == {"publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "daemons", "gpu"}
+    assert set(by_name) == {"publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "daemons", "gpu",
+                            "flood", "stop_latency"}
     assert {"median_us", "p99_us", "raw_send_us", "bare_call_us"} <= set(by_name["publish_cost"])
     assert {"b_over_a", "c_over_a", "d_over_a", "trainer_bus_ms_per_batch"} <= set(by_name["slow_callbacks"])
     assert by_name["slow_callbacks"]["every_event_delivered_in_c"] is True
     assert by_name["throughput"]["subscribers_4"]["complete"] is True
     assert "10MB" in by_name["checkpoint_stall"]
     assert {"~1 ms", "~30 ms", "cpu_per_message_us"} <= set(by_name["daemons"])
+    assert {"hello", "metrics", "multipart", "zmtp", "replay", "journal_complete"} <= set(by_name["flood"])
+    assert by_name["flood"]["journal_complete"] is True
+    assert {"median_ms", "median_batches_after"} <= set(by_name["stop_latency"]["stop_latency"]["10ms"])
     for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "5. GPU",
-                  "6. daemons"):
+                  "6. daemons", "7. floods", "8. stop latency"):
         assert title in result.stdout

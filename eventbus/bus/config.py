@@ -42,6 +42,10 @@ class BusConfig:
     checkpoint_close_timeout: float = 60.0
     drain_timeout: float = 30.0  # at close, how long live workers may take to catch up
     coalesce_seconds: float = 0.01  # the bus thread's batching window (adds at most this much latency)
+    # What one client can make the request service hold or spend (above these: refused and counted).
+    request_hwm: int = 64  # requests queued per client before ZeroMQ stops reading from it
+    reply_hwm: int = 16  # replies queued per client that does not read them
+    requests_per_turn: int = 32  # requests served between two publishing turns of the bus thread
     server_key: Optional[str] = None  # the server's .key_secret file: turns on CURVE
     authorized_keys: Optional[str] = None  # folder of client .key files allowed in
 

@@ -94,13 +94,21 @@ class History:
         """Each topic's latest seq so far (a subscriber's tail check compares its own topics)."""
         return self._last_by_topic.tobytes()
 
-    def messages(self, first: int, last: int) -> list[bytes]:
-        """Seqs ``first..last`` (fewer if the journal ends early); the caller bounds the span."""
+    def messages(self, first: int, last: int, max_bytes: Optional[int] = None) -> list[bytes]:
+        """Seqs ``first..last`` (fewer if the journal ends early, or once they hold ``max_bytes``:
+        at least one); the caller bounds the span. The work is bounded by what is returned."""
         if first > last:
             return []
         if self._cache and self._cache[0][0] <= first:
             start = first - self._cache[0][0]
-            return [m for _, m in itertools.islice(self._cache, start, start + last - first + 1)]
+            out: list[bytes] = []
+            size = 0
+            for _, message in itertools.islice(self._cache, start, start + last - first + 1):
+                if out and max_bytes is not None and size + len(message) > max_bytes:
+                    break
+                out.append(message)
+                size += len(message)
+            return out
         if self.journal is None:
             return []
-        return self.journal.read_range(first, last)  # older than the cache: the journal's sparse index
+        return self.journal.read_range(first, last, max_bytes)  # older than the cache: the journal's sparse index

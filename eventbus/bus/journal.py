@@ -136,15 +136,17 @@ class JournalWriter:
         self.seq = seq
         return offset
 
-    def read_range(self, first_seq: int, last_seq: int) -> list[bytes]:
+    def read_range(self, first_seq: int, last_seq: int, max_bytes: Optional[int] = None) -> list[bytes]:
         """This writer's records ``first_seq..last_seq`` in seq order, stopping before the first
-        one missing (not written, or damaged on disk); reads at most one index step before it."""
+        one missing (not written, or damaged on disk), or before going over ``max_bytes`` (at least
+        one record); reads at most one index step before the first."""
         if first_seq > last_seq or not self._index_seq or first_seq > self.seq:
             return []
         self._file.flush()
         at = max(bisect.bisect_right(self._index_seq, first_seq) - 1, 0)
         segment, offset = self._index_segment[at], self._index_offset[at]
         out: list[bytes] = []
+        size = 0
         for number in range(segment, len(self._segments)):
             with _open_nofollow(self._segments[number]) as file:
                 size = os.fstat(file.fileno()).st_size
@@ -153,7 +155,10 @@ class JournalWriter:
                         continue  # a damaged span, or a record before the range
                     if seq > first_seq + len(out):
                         return out  # the next seq is missing: only a contiguous run is served
+                    if out and max_bytes is not None and size + len(body) > max_bytes:
+                        return out
                     out.append(body)
+                    size += len(body)
                     if seq >= last_seq:
                         return out
         return out

@@ -20,6 +20,7 @@ from eventbus.core.interval import interval_scheduler
 from eventbus.errors import ConfigError, ProtocolError
 
 __all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
+           "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
            "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE"]
 
 MAX_SOURCE_CHARS = 100
@@ -53,6 +54,9 @@ class Op(str, enum.Enum):
 
 # A metrics request is journaled and re-published: its size bounds what a client can add per request.
 MAX_REQUEST_BYTES = {Op.METRICS: 64 * 1024, Op.HELLO: 32 * 1024}
+# ZeroMQ drops a client that sends a larger frame before the bus thread reads any of it.
+LARGEST_REQUEST_BYTES = max(DEFAULT_MAX_REQUEST_BYTES, *MAX_REQUEST_BYTES.values())
+MAX_REPLAY_REPLY_BYTES = 256 * 1024  # one replay reply carries at most this much; the client asks for the rest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

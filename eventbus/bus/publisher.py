@@ -38,6 +38,7 @@ from eventbus.bus.history import History
 from eventbus.bus.journal import JOURNAL_NAME, JournalWriter
 from eventbus.bus.leases import Leases
 from eventbus.bus.payload import PayloadBuilder, resolve
+from eventbus.bus.protocol import LARGEST_REQUEST_BYTES
 from eventbus.bus.records import EndRecord, EventRecord, HyperparametersRecord, Kind, MetricsRecord, Record
 from eventbus.bus.security import ServerKeys
 from eventbus.bus.service import PublisherStats, RequestService, StagingArea, SubscriberTable
@@ -151,6 +152,7 @@ class _BusThread(threading.Thread):
         self._payloads = PayloadBuilder()
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
+        self._monitors: list[zmq.Socket] = []  # disconnect events of the PUB and ROUTER sockets
 
     def start(self) -> None:
         super().start()
@@ -165,14 +167,21 @@ class _BusThread(threading.Thread):
         for sock in (pub, router):
             if self._keys is not None:
                 self._keys.apply(sock)
-            # A subscriber sends only subscriptions on PUB; requests are small: bound both.
-            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + 64 * 1024)
+            # A subscriber sends only subscriptions on PUB, and every request is small: ZeroMQ drops
+            # a peer that sends a larger frame before any of it is buffered here.
+            sock.setsockopt(zmq.MAXMSGSIZE, LARGEST_REQUEST_BYTES + 64 * 1024)
         pub.setsockopt(zmq.SNDHWM, self.config.send_hwm)
         pub.setsockopt(zmq.LINGER, 2000)
         pub.bind(self.publisher.address)
         router.setsockopt(zmq.LINGER, 1000)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Per client: requests queued (then ZeroMQ stops reading it), replies it has not read (then a
+        # send raises instead of queueing or blocking: ROUTER_MANDATORY with a zero send timeout).
+        router.setsockopt(zmq.RCVHWM, self.config.request_hwm)
+        router.setsockopt(zmq.SNDHWM, self.config.reply_hwm)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDTIMEO, 0)
         router.bind(self.publisher.service_address)
+        self._monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in (pub, router)]
         journal_path = self.publisher.journal_path
         journal = JournalWriter(journal_path, segment_bytes=self.config.journal_segment_bytes) if journal_path else None
         return pub, router, journal
@@ -205,6 +214,9 @@ class _BusThread(threading.Thread):
         except Exception:
             log.exception("the bus thread failed; events after this point are not published")
         finally:
+            for sock, monitor in zip((self._pub, self._router), self._monitors):
+                sock.disable_monitor()
+                monitor.close(linger=0)
             self._pub.close()
             self._router.close()
             if journal is not None:
@@ -244,9 +256,12 @@ class _BusThread(threading.Thread):
         meanwhile are answered at once, so a stop request reaches the training thread before its
         next BATCH_END whatever the window."""
         deadline = time.monotonic() + self.config.coalesce_seconds
+        budget = self.config.requests_per_turn
         while (left := deadline - time.monotonic()) > 0:
-            if poller.poll(max(1, round(left * 1000))):
-                self._serve_waiting(poller, 0)
+            if budget <= 0:  # a flood of requests waits for the next turn; training and publishing go on
+                time.sleep(left)
+            elif poller.poll(max(1, round(left * 1000))):
+                budget -= self._serve_waiting(poller, 0, budget)
 
     def _finish(self, poller: zmq.Poller) -> None:
         """Let live workers catch up, publish END, and keep answering a little longer: late gap
@@ -296,13 +311,22 @@ class _BusThread(threading.Thread):
         self._history.append(kind, event, time.time(), time.monotonic(), payload)
         self._send()
 
-    def _serve_waiting(self, poller: zmq.Poller, timeout_ms: int) -> None:
-        """Answer every request waiting (up to ``timeout_ms`` for the first), then send what they
-        published in one journal flush: workers send metrics back every batch."""
-        while poller.poll(timeout_ms):
+    def _serve_waiting(self, poller: zmq.Poller, timeout_ms: int, budget: Optional[int] = None) -> int:
+        """Answer the requests waiting (up to ``timeout_ms`` for the first, at most ``budget`` of them:
+        the bus thread's turn to publish must come under any flood), then send what they published
+        in one journal flush: workers send metrics back every batch. Returns how many it answered."""
+        budget = self.config.requests_per_turn if budget is None else budget
+        served = 0
+        while served < budget and poller.poll(timeout_ms):
             self._service.serve(self._router.recv_multipart())
+            served += 1
             timeout_ms = 0
+        for monitor in self._monitors:
+            while monitor.poll(0):
+                monitor.recv_multipart()
+                self._stats.disconnects += 1
         self._send()
+        return served
 
     def _publish_metrics(self, payload: dict[str, Any]) -> None:
         self._history.append(Kind.METRICS, None, time.time(), time.monotonic(), payload)  # sent by the caller

@@ -20,7 +20,7 @@ import zmq
 from eventbus.bus import wire
 from eventbus.bus.history import History
 from eventbus.bus.leases import Leases
-from eventbus.bus.protocol import MAX_REPLAY_SPAN, Op, Request, parse_request
+from eventbus.bus.protocol import MAX_REPLAY_REPLY_BYTES, MAX_REPLAY_SPAN, Op, Request, parse_request
 from eventbus.errors import ProtocolError
 
 __all__ = ["RequestService", "PublisherStats", "SubscriberTable", "StagingArea"]
@@ -28,6 +28,9 @@ __all__ = ["RequestService", "PublisherStats", "SubscriberTable", "StagingArea"]
 log = logging.getLogger(__name__)
 
 _MAX_ROUTE_FRAMES = 4  # the client's identity, plus one per proxy in front of it
+_LOG_EVERY_SECONDS = 10.0  # a flood of one kind of bad request logs one line per this long, with its count
+_SILENCE_SECONDS = 1.0  # a client whose replies queue up unread gets no work done for it this long
+_MAX_SILENCED = 1024
 
 
 @dataclasses.dataclass
@@ -46,6 +49,8 @@ class PublisherStats:
     failed_requests: int = 0
     queue_depth: int = 0
     replay_cache_bytes: int = 0  # held in memory for replay (BusConfig.replay_cache_bytes bounds it)
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)  # requests refused, by reason
+    disconnects: int = 0  # clients gone: they left, or ZeroMQ dropped them for a frame over the size limit
 
 
 class StagingArea(Protocol):
@@ -112,6 +117,8 @@ class RequestService:
         self._publish_metrics = publish_metrics
         self._staging = staging
         self._max_bytes = max_message_bytes
+        self._logged: dict[str, tuple[float, int]] = {}  # refusal reason -> (last logged, refused since)
+        self._silenced: dict[bytes, float] = {}  # clients that do not read their replies -> refused until
         self._handlers: dict[Op, Handler] = {
             Op.HELLO: self._ignore, Op.PROGRESS: self._ignore, Op.STATS: self._stats_reply,
             Op.SNAPSHOT: self._snapshot, Op.REPLAY: self._replay, Op.PING: self._ping, Op.STOP: self._stop,
@@ -122,32 +129,66 @@ class RequestService:
     def serve(self, frames: list[bytes]) -> None:
         """Handle one multipart request: routing frames (a proxy's, the client's), then the body."""
         route, body = frames[:-1], frames[-1]
+        if route and self._silenced and self._silenced.get(route[-1], 0.0) > time.monotonic():
+            self._count("replies outstanding")  # refused before any work: it still has not read
+            return
         if len(route) > _MAX_ROUTE_FRAMES:
-            self._refuse(route[-1:], f"a request of {len(frames)} frames ignored (at most {_MAX_ROUTE_FRAMES + 1})")
+            self._refuse(route[-1:], "too many frames",
+                         f"a request of {len(frames)} frames ignored (at most {_MAX_ROUTE_FRAMES + 1})")
             return
         try:
             request = parse_request(body, self._max_bytes)
         except ProtocolError as err:
-            self._refuse(route, f"bad request ignored: {err}")
+            self._refuse(route, "bad request", f"bad request ignored: {err}")
             return
         rank = self._history.rank
         if request.rank is not None and request.rank != rank:
-            self._refuse(route, f"a {request.op.value} request for rank {request.rank} reached rank {rank}")
+            self._refuse(route, "wrong rank",
+                         f"a {request.op.value} request for rank {request.rank} reached rank {rank}")
             return
         self.subscribers.seen(request)
         try:
             self._handlers[request.op](route, request)
+        except zmq.Again:  # the client's reply queue is full (BusConfig.reply_hwm): it does not read them
+            self._silence(route)
+            self._refuse(route, "replies outstanding", f"a {request.op.value} reply dropped: the client has "
+                         f"not read its earlier replies (its requests are refused for {_SILENCE_SECONDS:g} s)")
+        except zmq.ZMQError as err:
+            if err.errno != zmq.EHOSTUNREACH:
+                raise
+            self._count("client gone")  # it left before its reply: nothing to tell anyone
         except Exception:  # a bug in a handler must not end the bus thread
             self._stats.failed_requests += 1
             log.exception("the %s request from %s failed; the bus goes on", request.op.value, _peer(route, request))
 
-    def _refuse(self, route: list[bytes], why: str) -> None:
+    def _silence(self, route: list[bytes]) -> None:
+        if not route:
+            return
+        self._silenced.pop(route[-1], None)
+        self._silenced[route[-1]] = time.monotonic() + _SILENCE_SECONDS
+        while len(self._silenced) > _MAX_SILENCED:  # forged identities cannot grow it
+            del self._silenced[next(iter(self._silenced))]
+
+    def _count(self, reason: str) -> None:
+        self._stats.refused[reason] = self._stats.refused.get(reason, 0) + 1
+
+    def _refuse(self, route: list[bytes], reason: str, why: str) -> None:
+        """Count a refused request under ``reason``; log it, at most one line per reason per
+        ``_LOG_EVERY_SECONDS`` (a flood must not turn into a flood of log lines)."""
         self._stats.protocol_errors += 1
-        log.warning("%s (from %s)", why, _peer(route, None))
+        self._count(reason)
+        now = time.monotonic()
+        last, since = self._logged.get(reason, (-_LOG_EVERY_SECONDS, 0))
+        if now - last < _LOG_EVERY_SECONDS:
+            self._logged[reason] = (last, since + 1)
+            return
+        self._logged[reason] = (now, 0)
+        more = f"; {since} more of these since the last such line" if since else ""
+        log.warning("%s (from %s%s)", why, _peer(route, None), more)
 
     def _reply(self, route: list[bytes], op: str, request: Request, *frames: bytes, **fields: Any) -> None:
         reply = wire.encode_request(op, id=request.id, run_id=self._history.run_id, **fields)
-        self._router.send_multipart([*route, reply, *frames])
+        self._router.send_multipart([*route, reply, *frames], flags=zmq.NOBLOCK)
 
     # ---------------------------------------------------------------- handlers, one per Op
 
@@ -168,7 +209,7 @@ class RequestService:
         first = request.get("from")
         last = min(request.get("to"), self._history.seq, first + MAX_REPLAY_SPAN - 1)
         same_run = request.get("run_id") == self._history.run_id
-        messages = self._history.messages(first, last) if same_run else []
+        messages = self._history.messages(first, last, MAX_REPLAY_REPLY_BYTES) if same_run else []
         self._stats.replayed_messages += len(messages)
         self._reply(route, "replay", request, *messages, first=first, last=first + len(messages) - 1)
 
@@ -194,7 +235,7 @@ class RequestService:
     def _checkpoint_ack(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1
         if self._staging is None or not self._staging.release(request.get("buffer")):
-            self._refuse(route, "checkpoint_ack for a buffer that is not staged")
+            self._refuse(route, "unknown checkpoint", "checkpoint_ack for a buffer that is not staged")
             return
         batch, error = request.get("batch"), request.get("error")
         if error:
