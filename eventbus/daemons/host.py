@@ -1,9 +1,10 @@
 """CallbackHost: runs ordinary Callback instances on a subscriber's message stream.
 
-Each callback has its own bounded queue and task, so a slow callback delays
-only itself. Plain methods run on a thread owned by that callback (so its
-events stay in order and the event loop stays free); ``async def`` methods are
-awaited. An exception is logged with the event and seq and the callback keeps
+Each callback has its own bounded inbox, so a slow callback delays only itself.
+A plain callback runs on a thread of its own that takes its messages straight
+from its inbox (its events stay in order, the event loop stays free, and the
+loop never waits for it); ``async def`` methods are awaited in a task of their
+own. An exception is logged with the event and seq and the callback keeps
 receiving, unless ``fail_fast`` is set. At the end of the stream (or on
 ``stop()``) every queue drains, then every ``close`` runs, then every
 ``post_close``.
@@ -12,9 +13,9 @@ Logged metrics: a hosted callback's ``logger.log_metrics`` goes to the trainer
 over the control channel and comes back as a ``metrics`` message, which hosted
 LoggerDestinations receive like every other logged metric.
 
-Messages reach a callback in batches: whatever queued up while it was busy goes
-to its thread in one hand-off, so a fast callback costs one thread switch per
-batch, not per message.
+Messages reach a callback's thread without a round trip through the event loop:
+whatever queued up while it was busy is taken in one wake-up, so a fast
+callback costs one thread switch per burst of messages, not per message.
 
 With a cursor file, each callback's last applied seq and its ``state_dict()``
 are committed together (group commit): after a message, once the time spent
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import pathlib
+import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
@@ -53,8 +55,8 @@ __all__ = ["CallbackHost", "Cursor", "declare_captures", "subscription"]
 
 log = logging.getLogger(__name__)
 
-_END = object()
-_BATCH = 512  # messages handed to a callback's thread at once
+_END = object()  # the stream ended: commit
+_STOP = object()  # the callback is closed: its thread returns
 COMMIT_RATIO = 10.0  # apply at least this many times a commit's cost between two commits...
 COMMIT_INTERVAL = 0.25  # ...or commit when this many seconds passed since the last one
 
@@ -167,14 +169,29 @@ class _SubscriberLogger(Logger):
         log.info("hyperparameters logged by %s (not forwarded): %s", self._source, hyperparameters)
 
 
+class _Call:
+    """A method to run on a callback's own thread, in order with its messages (close, post_close)."""
+
+    __slots__ = ("method", "args", "future")
+
+    def __init__(self, method: Callable[..., Any], args: tuple[Any, ...]):
+        self.method, self.args = method, args
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.method(*self.args))
+        except BaseException as err:  # handed to the awaiting side
+            self.future.set_exception(err)
+
+
 class _Slot:
-    """One hosted callback: its queue, its thread, its logger, its place in the stream."""
+    """One hosted callback: its inbox, its thread (or task), its logger, its place in the stream."""
 
     def __init__(self, callback: Callback, name: str, send_metrics: Any, queue_size: int):
         self.callback = callback
         self.name = name
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cb-{name}")
+        self.queue_size = queue_size
         self.logger = _SubscriberLogger(send_metrics, name)
         self.state: Any = None
         self.skip_through = 0  # seqs at or below were applied before a restart
@@ -191,6 +208,17 @@ class _Slot:
         self.runs_async = any(inspect.iscoroutinefunction(getattr(callback, name, None))
                               for name in ("run_event", "log_metrics", "log_hyperparameters",
                                            *(event.value for event in Event)))
+        # A plain callback: messages and calls for its own thread. An async one: a queue for its task,
+        # and one thread for the plain methods it also has.
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: Optional[threading.Thread] = None
+        self.pending: list[Any] = []  # messages for its thread, handed over once per turn of the event loop
+        self.handing_over = False  # a hand-over is scheduled
+        self.fed = 0  # messages handed to its thread (written by the event loop)...
+        self.done = 0  # ...and taken care of there (written by its thread): the difference is bounded
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cb-{name}") \
+            if self.runs_async else None
 
 
 class CallbackHost:
@@ -235,16 +263,25 @@ class CallbackHost:
         self._stopping.set()
 
     async def run(self, messages: AsyncIterator[Message]) -> None:
-        tasks = [asyncio.create_task(self._consume(slot), name=f"callback-{slot.name}") for slot in self.slots]
+        loop = asyncio.get_running_loop()
+        tasks, committers = [], []
+        for slot in self.slots:
+            if slot.runs_async:
+                tasks.append(asyncio.create_task(self._consume(slot), name=f"callback-{slot.name}"))
+                if self.cursor:
+                    committers.append(asyncio.create_task(self._commit_when_idle(slot)))
+            else:
+                slot.thread = threading.Thread(target=self._serve, args=(slot, loop), name=f"cb-{slot.name}",
+                                               daemon=True)
+                slot.thread.start()
         feeder = asyncio.create_task(self._feed(messages))
         stopper = asyncio.create_task(self._stopping.wait())
-        committers = [asyncio.create_task(self._commit_when_idle(slot)) for slot in self.slots] if self.cursor else []
         try:
             await asyncio.wait([feeder, stopper], return_when=asyncio.FIRST_COMPLETED)
             feeder.cancel()
             stopper.cancel()
             for slot in self.slots:
-                await slot.queue.put(_END)
+                await self._put(slot, _END)
             await asyncio.gather(*tasks)
         finally:
             for committer in committers:
@@ -262,57 +299,89 @@ class CallbackHost:
                 if message.run_id == self._resumed_run and message.seq <= slot.skip_through:
                     slot.last_seq = message.seq
                     continue  # applied before a restart
-                await slot.queue.put(message)
+                await self._put(slot, message)
             if message.kind == "end":
                 return
 
-    async def _consume(self, slot: _Slot) -> None:
-        loop = asyncio.get_running_loop()
-        ending = False
-        while not ending:
-            batch = [await slot.queue.get()]
-            while len(batch) < _BATCH and not slot.queue.empty():
-                batch.append(slot.queue.get_nowait())
-            if any(message is _END for message in batch):
-                ending = True
-                batch = [message for message in batch if message is not _END]
-            if self.failure is not None and self.fail_fast:
+    async def _put(self, slot: _Slot, item: Any) -> None:
+        """Hand ``item`` to the callback; a full inbox holds back the stream (the worker's memory stays
+        bounded) instead of growing. A plain callback's thread gets what arrived in one turn of the
+        event loop as one list: one wake-up of its thread per burst, not per message (a wake-up costs
+        more than a fast callback does)."""
+        if slot.runs_async:
+            await slot.queue.put(item)
+            return
+        while slot.fed + len(slot.pending) - slot.done >= slot.queue_size:
+            self._hand_over(slot)
+            await asyncio.sleep(0.005)
+        slot.pending.append(item)
+        if not slot.handing_over:
+            slot.handing_over = True
+            asyncio.get_running_loop().call_soon(self._hand_over, slot)
+
+    @staticmethod
+    def _hand_over(slot: _Slot) -> None:
+        slot.handing_over = False
+        if slot.pending:
+            batch, slot.pending = slot.pending, []
+            slot.fed += len(batch)
+            slot.inbox.put(batch)
+
+    def _serve(self, slot: _Slot, loop: asyncio.AbstractEventLoop) -> None:
+        """A plain callback's own thread: its messages and calls in order, until ``_STOP``. Idle for
+        ``COMMIT_INTERVAL`` with progress not yet committed, it commits (group commit waits for a
+        next message that may not come)."""
+        calling_callback.set(slot.name)  # this thread runs only this callback
+        wait = COMMIT_INTERVAL if self.cursor is not None else None
+        while True:
+            try:
+                item = slot.inbox.get(timeout=wait)
+            except queue.Empty:
+                self._commit(slot)
                 continue
-            if slot.runs_async:
-                for message in batch:
-                    await self._apply_async(slot, message)
-            elif batch:
-                # One hand-off for the whole batch; failures come back to be handled on the loop.
-                failure = await loop.run_in_executor(slot.executor, self._apply_batch, slot, batch)
-                if failure is not None and self.fail_fast:
-                    self.failure = failure
-                    self.stop()
+            if item is _STOP:
+                return
+            if isinstance(item, _Call):
+                item.run()
+                continue
+            for message in item:
+                if message is _END:
+                    self._commit(slot, force=True)
+                elif self.failure is None or not self.fail_fast:
+                    self._apply(slot, message, loop)
+            slot.done += len(item)
+
+    def _apply(self, slot: _Slot, message: Message, loop: asyncio.AbstractEventLoop) -> None:
+        """On the callback's own thread; a failure under fail_fast stops the host (on its loop)."""
+        started = time.perf_counter()
+        try:
+            for method, args in self._calls(slot, message):
+                method(*args)
+        except Exception as err:
+            self._failed(slot, message)
+            if self.fail_fast:
+                if self.failure is None:
+                    self.failure = err
+                loop.call_soon_threadsafe(self.stop)
+                return
+        self._applied(slot, message, time.perf_counter() - started)
+
+    async def _consume(self, slot: _Slot) -> None:
+        """An async callback's task: its messages in order, awaited one by one."""
+        while (message := await slot.queue.get()) is not _END:
+            if self.failure is None or not self.fail_fast:
+                await self._apply_async(slot, message)
         self._commit(slot, force=True)
 
     async def _commit_when_idle(self, slot: _Slot) -> None:
-        """Group commit waits for a next message that may not come: a slot left idle commits what it
-        applied after ``COMMIT_INTERVAL`` (on its own thread, so between its batches)."""
+        """An async callback left idle commits what it applied after ``COMMIT_INTERVAL`` (on its
+        executor's thread, between its messages)."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(COMMIT_INTERVAL)
             if slot.committed_seq != slot.last_seq and slot.queue.empty() and \
                     time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:
                 await loop.run_in_executor(slot.executor, self._commit, slot)
-
-    def _apply_batch(self, slot: _Slot, batch: list[Message]) -> Optional[BaseException]:
-        """On the callback's own thread: apply each message in order; stop at a failure under fail_fast."""
-        calling_callback.set(slot.name)  # this thread runs only this callback
-        for message in batch:
-            started = time.perf_counter()
-            try:
-                for method, args in self._calls(slot, message):
-                    method(*args)
-            except Exception as err:
-                self._failed(slot, message)
-                if self.fail_fast:
-                    return err
-            self._applied(slot, message, time.perf_counter() - started)
-        return None
 
     async def _apply_async(self, slot: _Slot, message: Message) -> None:
         loop = asyncio.get_running_loop()
@@ -387,8 +456,14 @@ class CallbackHost:
 
     @staticmethod
     async def _call(slot: _Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:
+        """Run ``method`` where the callback's methods run: awaited, on its thread, or its executor."""
         if inspect.iscoroutinefunction(method):
             await method(*args)
+        elif slot.thread is not None:
+            call = _Call(method, args)
+            CallbackHost._hand_over(slot)  # after every message already given to it
+            slot.inbox.put(call)
+            await asyncio.wrap_future(call.future)
         else:
             await loop.run_in_executor(slot.executor, method, *args)
 
@@ -404,4 +479,8 @@ class CallbackHost:
                 await self._call(slot, slot.callback.post_close, loop)
             except Exception:
                 log.exception("error in %s.post_close(); continuing", slot.name)
-            slot.executor.shutdown(wait=False)
+            if slot.thread is not None:
+                slot.inbox.put(_STOP)
+                await asyncio.to_thread(slot.thread.join)
+            if slot.executor is not None:
+                slot.executor.shutdown(wait=False)
