@@ -58,6 +58,11 @@ def main(out: str, bus: str, load_path: str = "") -> None:
         _wait_for_subscribers(trainer, waiting, timeout=60)
     trainer.fit()
     trainer.close()
+    if os.environ.get("SHARD") == "1":  # the process group this script joined itself: leave it together
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
     result = {"rank": trainer.state.rank, "world_size": trainer.state.world_size, "losses": losses.losses,
               "counts": {e.value: n for e, n in recorder.counts.items()},
               "samples": trainer.state.timestamp.sample.value, "batches": trainer.state.timestamp.batch.value,
