@@ -170,6 +170,7 @@ def runs(tmp_path_factory) -> Iterator[dict[str, Any]]:
         _run("composer", [cls(**kwargs) for cls, kwargs in MONITORS.items()], [memory, file_logger, board],
              **MONITORS_RUN)
         results["composer"] = _series(memory)
+        results["composer_batches"] = {key: [int(ts.batch) for ts, _ in values] for key, values in memory.data.items()}
         results["composer_file"] = _file_lines(folder / "composer" / "log.txt")
         results["composer_tb"] = _tensorboard_tags(folder / "composer" / "tb")
         results["composer_stop"] = {label: _composer_stop_batch(label) for label in STOPPERS}
@@ -241,6 +242,16 @@ def test_hosted_loggers_receive_every_metric_composer_logs(runs):
     folder: pathlib.Path = runs["folder"]
     received = json.loads((folder / "monitors.memory.json").read_text())
     _compare_series({key: [value for _, value in series] for key, series in received.items()}, runs["composer"])
+    # The logger keeps the state it got at INIT, which reads as the current one: what the trainer
+    # logged is stamped with Composer's batches; what other workers sent back arrives later in the
+    # stream, and is stamped with a batch at or after the one it was logged at.
+    from_trainer = _logged(runs["monitors"])["trainer"]
+    for key, series in received.items():
+        batches, expected = [batch for batch, _ in series], runs["composer_batches"][key]
+        if key in from_trainer:
+            assert batches == expected[:len(batches)] and len(expected) - len(batches) <= 1, key
+        else:
+            assert len(batches) == len(expected) and all(b >= e for b, e in zip(batches, expected)), key
     # The same metric at the same batch, line for line; Composer logs the counters once more after
     # the last batch (see COUNTERS in tests/test_composer_fidelity.py).
     ours, theirs = _file_lines(folder / "monitors" / "log.txt"), runs["composer_file"]

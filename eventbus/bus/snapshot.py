@@ -25,7 +25,7 @@ from eventbus.bus.views import (
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit
 
-__all__ = ["Snapshot", "calling_callback"]
+__all__ = ["Snapshot", "LiveState", "calling_callback"]
 
 #: The name of the hosted callback now being applied, set by the worker's CallbackHost on the thread
 #: or task that calls it: Composer's stoppers call ``stop_training()`` without a reason, and the
@@ -217,3 +217,31 @@ class Snapshot:
     def __repr__(self) -> str:
         return (f"Snapshot(run={self.run_name!r}, rank={self.rank}, seq={self.seq}, event={self.event}, "
                 f"epoch={int(self.timestamp.epoch)}, batch={int(self.timestamp.batch)})")
+
+
+class LiveState:
+    """What a hosted callback gets as ``state``: one object for the whole run, as Composer's State
+    is, that reads as the snapshot of the message being applied. A callback that keeps the ``state``
+    it got at INIT (Composer's InMemoryLogger does, for its timestamps) later reads the current one,
+    as it would in process. Read-only, like the snapshots behind it."""
+
+    __slots__ = ("_snapshot",)
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_snapshot", None)
+
+    def show(self, snapshot: Optional[Snapshot]) -> None:
+        """The host, on the callback's thread, before each call."""
+        object.__setattr__(self, "_snapshot", snapshot)
+
+    def __getattr__(self, name: str) -> Any:
+        snapshot = object.__getattribute__(self, "_snapshot")
+        if snapshot is None:
+            raise AttributeError(f"no message has reached this callback yet (reading {name!r})")
+        return getattr(snapshot, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
+
+    def __repr__(self) -> str:
+        return repr(object.__getattribute__(self, "_snapshot"))

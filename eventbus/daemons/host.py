@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
-from eventbus.bus.snapshot import calling_callback
+from eventbus.bus.snapshot import LiveState, calling_callback
 from eventbus.bus.subscriber import Message
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
@@ -193,7 +193,8 @@ class _Slot:
         self.name = name
         self.queue_size = queue_size
         self.logger = _SubscriberLogger(send_metrics, name)
-        self.state: Any = None
+        self.state: Any = None  # the snapshot of the message being applied...
+        self.live = LiveState()  # ...as the callback sees it: one object for the run, as in Composer
         self.skip_through = 0  # seqs at or below were applied before a restart
         self.seen_init = False
         self.hyperparameters: dict[str, Any] = {}
@@ -431,6 +432,7 @@ class CallbackHost:
         """What applying ``message`` to this callback means: the methods to call, in order."""
         callback: Any = slot.callback  # an eventbus or Composer callback, or a logger destination
         slot.state = message.state
+        slot.live.show(message.state)
         slot.logger.state = message.state
         slot.run_id = message.run_id
         if message.kind == "metrics":
@@ -445,9 +447,9 @@ class CallbackHost:
             return []
         calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         if type(callback).run_event is not Callback.run_event:
-            calls.append((callback.run_event, (message.event, message.state, slot.logger)))
+            calls.append((callback.run_event, (message.event, slot.live, slot.logger)))
         elif _handles(callback, message.event):
-            calls.append((getattr(callback, message.event.value), (message.state, slot.logger)))
+            calls.append((getattr(callback, message.event.value), (slot.live, slot.logger)))
         if message.event is Event.INIT:
             slot.seen_init = True
             if slot.hyperparameters and is_logger_destination(callback):
@@ -471,7 +473,8 @@ class CallbackHost:
         loop = asyncio.get_running_loop()
         for slot in self.slots:
             try:
-                await self._call(slot, slot.callback.close, loop, slot.state, slot.logger)
+                state = slot.live if slot.state is not None else None  # None: no message ever reached it
+                await self._call(slot, slot.callback.close, loop, state, slot.logger)
             except Exception:
                 log.exception("error in %s.close(); continuing", slot.name)
         for slot in self.slots:
