@@ -238,6 +238,7 @@ class CallbackHost:
         self.fail_fast = fail_fast
         self.cursor = cursor
         self.failure: Optional[BaseException] = None
+        self.broken: Optional[BaseException] = None  # a callback thread could not commit: the host stops
         self._stopping = asyncio.Event()
         self._resumed_run = cursor.run_id if cursor is not None else None
         self.run_id: Optional[str] = None  # the run of the messages handed to the callbacks
@@ -290,6 +291,8 @@ class CallbackHost:
             await self._close_all()
         if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
             raise feeder.exception()  # type: ignore[misc]
+        if self.broken is not None:
+            raise self.broken
         if self.failure is not None and self.fail_fast:
             raise self.failure
 
@@ -338,17 +341,26 @@ class CallbackHost:
             try:
                 item = slot.inbox.get(timeout=wait)
             except queue.Empty:
-                self._commit(slot)
-                continue
+                item = None  # idle: commit what it applied
             if item is _STOP:
                 return
-            if isinstance(item, _Call):
-                item.run()
-                continue
+            try:
+                self._serve_one(slot, item, loop)
+            except Exception as err:  # a commit that cannot be written: the worker stops, with this error
+                log.exception("%s: its progress could not be committed; stopping", slot.name)
+                self.broken = self.broken or err
+                loop.call_soon_threadsafe(self.stop)
+
+    def _serve_one(self, slot: _Slot, item: Any, loop: asyncio.AbstractEventLoop) -> None:
+        if item is None:
+            self._commit(slot)
+        elif isinstance(item, _Call):
+            item.run()
+        else:
             for message in item:
                 if message is _END:
                     self._commit(slot, force=True)
-                elif self.failure is None or not self.fail_fast:
+                elif (self.failure is None or not self.fail_fast) and self.broken is None:
                     self._apply(slot, message, loop)
             slot.done += len(item)
 
