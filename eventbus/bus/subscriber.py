@@ -153,7 +153,9 @@ class Subscriber:
     the new run from its first message instead of ending. Under torchrun each rank publishes
     its own stream: ``rank`` picks one (through an ``eventbus proxy`` all ranks share one
     address); None: the rank that answers. ``keys``: CURVE keys for a secured bus (by default
-    from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY).
+    from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY). ``gather``: seconds to let a
+    burst arrive after its first message before taking it (0: take each message at once, at
+    a wake-up each).
     """
 
     def __init__(
