@@ -257,6 +257,9 @@ def test_hosted_loggers_receive_every_metric_composer_logs(runs):
     ours, theirs = _file_lines(folder / "monitors" / "log.txt"), runs["composer_file"]
     assert not ours - theirs and set(theirs - ours) <= {(8, key) for key in COUNTERS}
     assert _tensorboard_tags(folder / "tb" / "monitors") == runs["composer_tb"]
+    # What they upload (FileLogger its log, under its filename) lands in the run folder, as in process.
+    uploaded = runs["monitors"].run_folder / "artifacts" / "monitors" / "log.txt"
+    assert uploaded.is_file() and {key for _, key in _file_lines(uploaded)} >= {"loss/train/total", "time/batch"}
     assert {"loss/train/total", "lr-SGD/group0", "l2_norm/grad/global"} <= {key for _, key in theirs} \
         & runs["composer_tb"]
 

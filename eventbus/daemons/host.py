@@ -148,17 +148,24 @@ class _SubscriberLogger(Logger):
     def __init__(self, send: Any, source: str):
         super().__init__(state=None, destinations=())  # type: ignore[arg-type]
         self._send, self._source = send, source
+        self._journal: Optional[str] = None  # the run whose folder ``artifacts_folder`` is in
 
     @property
     def state(self) -> Any:
         """The snapshot of the message being applied (the host sets it before each call). It is the
-        Logger's own state too, so ``upload_file`` fills ``{run_name}`` placeholders from it (Composer's
-        FileLogger and TensorboardLogger upload their files; with no destination here, nothing goes)."""
+        Logger's own state too, so ``upload_file`` fills ``{run_name}`` placeholders from it. Uploads
+        are copied where the trainer's own go, ``<run folder>/artifacts/``, when the run folder is on
+        this host (next to the journal the header names); elsewhere they go nowhere."""
         return self._state
 
     @state.setter
     def state(self, snapshot: Any) -> None:
         self._state = snapshot
+        journal = snapshot.header.get("journal") if snapshot is not None else None
+        if journal != self._journal:  # a new run (a worker with --follow hosts one after another)
+            self._journal = journal
+            folder = pathlib.Path(journal).parent if journal else None
+            self.artifacts_folder = folder / "artifacts" if folder is not None and folder.is_dir() else None
 
     def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
         if step is None and self.state is not None:
