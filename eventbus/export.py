@@ -209,9 +209,10 @@ class _MlflowContents:
             experiment = client.get_experiment_by_name(self._logger.experiment_name)
             if experiment is None:
                 return None
-            runs = client.search_runs([experiment.experiment_id],
-                                      filter_string=f"tags.mlflow.runName = '{self._state.run_name}'")
-            self._run_id = runs[0].info.run_id if runs else None
+            from eventbus.trackers.mlflow import named_run
+
+            run = named_run(client, experiment.experiment_id, self._state.run_name)
+            self._run_id = run.info.run_id if run is not None else None
         return self._run_id
 
 

@@ -66,6 +66,16 @@ class MLflowServer:
         self.log.close()
 
 
+def _trainer_and_logger(tmp_path, spawn, server, run_name: str, duration: str, callback: Callback):
+    """A trainer with ``callback`` and a logging worker writing to ``server``, retrying every 0.5 s."""
+    trainer = Trainer(make_model(), make_loader(), max_duration=duration, device="cpu", run_name=run_name,
+                      bus=f"ipc://{tmp_path}/bus", callbacks=[callback])
+    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                   "--no-console", "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
+    worker.wait_for("following")
+    return trainer, worker
+
+
 @pytest.fixture
 def server(tmp_path):
     (tmp_path / "mlflow").mkdir()
@@ -104,11 +114,7 @@ def test_mlflow_down_mid_run_loses_nothing_doubles_nothing_and_holds_up_nothing(
                 wait_for(lambda: committed("MLflowLogger") > self.down_at + 50, "MLflowLogger to keep its place")
                 server.start()
 
-    trainer = Trainer(make_model(), make_loader(), max_duration="8ep", device="cpu", run_name="outage",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[Outage()])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
-                   "--no-console", "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
-    worker.wait_for("following")
+    trainer, worker = _trainer_and_logger(tmp_path, spawn, server, "outage", "8ep", Outage())
     BackgroundTrainer(trainer).start().join(timeout=300)
     assert worker.finish() == 0, "\n".join(worker.stderr)
     log = "\n".join(worker.stderr)
@@ -140,11 +146,7 @@ def test_a_logger_started_while_mlflow_is_down_catches_up_when_it_starts(tmp_pat
                 wait_for(lambda: any("not answering" in line for line in worker.stderr), "the outage to be noticed")
                 server.start()
 
-    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", device="cpu", run_name="late",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[StartServer()])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
-                   "--no-console", "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
-    worker.wait_for("following")
+    trainer, worker = _trainer_and_logger(tmp_path, spawn, server, "late", "2ep", StartServer())
     try:
         BackgroundTrainer(trainer).start().join(timeout=300)
         assert worker.finish() == 0, "\n".join(worker.stderr)

@@ -11,7 +11,7 @@ from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
 from eventbus.trackers.outbox import Outbox
 
-__all__ = ["MLflowLogger"]
+__all__ = ["MLflowLogger", "named_run"]
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +124,18 @@ class MLflowLogger(LoggerDestination):
         experiment = client.get_experiment_by_name(self.experiment_name)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else client.create_experiment(self.experiment_name))
-        existing = client.search_runs([experiment_id], filter_string=f"tags.mlflow.runName = '{self.run_name}'")
-        if existing:
-            self._run_id = existing[0].info.run_id
-            for key in existing[0].data.metrics:  # a restart: each key's last step is never written again
+        existing = named_run(client, experiment_id, self.run_name)
+        if existing is not None:
+            self._run_id = existing.info.run_id
+            for key in existing.data.metrics:  # a restart: each key's last step is never written again
                 self._present[key] = max((m.step for m in client.get_metric_history(self._run_id, key)), default=-1)
         else:
             self._run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
         self._client = client
         return client
+
+
+def named_run(client: Any, experiment_id: str, run_name: Optional[str]) -> Any:
+    """The MLflow run named after an eventbus run in an experiment (the one MLflowLogger writes to), or None."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.mlflow.runName = '{run_name}'")
+    return runs[0] if runs else None
