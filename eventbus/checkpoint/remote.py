@@ -162,8 +162,10 @@ class RemoteFolder:
     def exists(self, name: str = "") -> bool:
         return bool(self.call(f"lookup of {name or self.url}", self.fs.exists, self.child(name) if name else self.root))
 
-    def read_text(self, name: str) -> str:
-        return bytes(self.call(f"read of {name}", self.fs.cat_file, self.child(name))).decode()
+    def read_text(self, name: str, limit: int = 4096) -> str:
+        """A small object's text (a ``.symlink``): at most ``limit`` bytes are read, whatever is there."""
+        data = bytes(self.call(f"read of {name}", self.fs.cat_file, self.child(name), start=0, end=limit))
+        return data.decode(errors="replace")
 
     def get(self, name: str, local: pathlib.Path) -> None:
         self.call(f"download of {name}", self.fs.get, self.child(name), str(local), recursive=True)
