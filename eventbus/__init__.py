@@ -73,9 +73,9 @@ _EXPORTS = {
     "Time": "eventbus.core.time", "Timestamp": "eventbus.core.time", "TimeUnit": "eventbus.core.time",
     "Trainer": "eventbus.training.trainer",
     "BusConfig": "eventbus.bus.config",
-    "Snapshot": "eventbus.bus.snapshot",
-    "Message": "eventbus.bus.subscriber", "Subscriber": "eventbus.bus.subscriber",
-    "AllRanks": "eventbus.bus.ranks",
+    "Snapshot": "eventbus.bus.subscribe.snapshot",
+    "Message": "eventbus.bus.subscribe.subscriber", "Subscriber": "eventbus.bus.subscribe.subscriber",
+    "AllRanks": "eventbus.bus.subscribe.ranks",
 }
 
 __all__ = ["Algorithm", "AllRanks", "BusConfig", "Callback", "ComposerClassifier", "ComposerModel",
@@ -100,9 +100,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from eventbus.bus.config import BusConfig
-    from eventbus.bus.ranks import AllRanks
-    from eventbus.bus.snapshot import Snapshot
-    from eventbus.bus.subscriber import Message, Subscriber
+    from eventbus.bus.subscribe.ranks import AllRanks
+    from eventbus.bus.subscribe.snapshot import Snapshot
+    from eventbus.bus.subscribe.subscriber import Message, Subscriber
     from eventbus.core.callback import Callback
     from eventbus.core.engine import Engine
     from eventbus.core.events import Event

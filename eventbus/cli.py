@@ -260,7 +260,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 async def _which_run(journal: pathlib.Path) -> str:
     """The run a journal replay shows (the first one the journal holds), by name and id."""
-    from eventbus.bus.subscriber import journal_messages
+    from eventbus.bus.subscribe.journal_stream import journal_messages
 
     async for message in journal_messages(journal):
         return f"replaying run {message.state.run_name} (id {message.run_id})"

@@ -45,12 +45,11 @@ import pathlib
 import signal
 import sys
 import time
-from typing import Any, AsyncIterator, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-from eventbus.bus import wire
-from eventbus.bus.journal import JOURNAL_NAME, JournalReader, Position, segment_paths
-from eventbus.bus.sequencer import decode
-from eventbus.bus.subscriber import Message, RunView, SubscriberStats
+from eventbus.bus.journal import JOURNAL_NAME, Position, segment_paths
+from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary, journal_messages
+from eventbus.bus.subscribe.messages import Message
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.daemons.host import CallbackHost, Cursor
@@ -303,66 +302,6 @@ def _numbers(metrics: dict[str, Any]) -> int:
 # ---------------------------------------------------------------------------------------- the journal
 
 
-class _JournalStream:
-    """The journal as a Message stream (as ``journal_messages``), that can also wait for a live run's
-    next records (``follow``) and reports how far it has read (bytes) for the progress bar."""
-
-    def __init__(self, path: pathlib.Path, follow: bool, progress: "_Progress"):
-        self.path = path
-        self.follow = follow
-        self.stopping = asyncio.Event()
-        self.caught_up = False  # --follow: reached the end of what the live run had written
-        self.last_seq = 0
-        self._at = Position()
-        self._stats = SubscriberStats()  # malformed records are counted here (and skipped)
-        self._progress = progress
-
-    async def messages(self) -> AsyncIterator[Message]:
-        """Every message, in journal order. A run's end message is held back while more records
-        follow it (a trainer resumed into the same run folder appends its own run): the host stops at
-        an end message, and the export goes on to the last run's end (or, without it, the journal's)."""
-        view = RunView.for_journal(self._stats)
-        reader = JournalReader(self.path)
-        position = Position()
-        held: Optional[Message] = None  # an end message, not yet known to be the last
-        while not self.stopping.is_set():
-            for message in self._read(reader, position, view):
-                position = self._at
-                if message.kind == "end":
-                    held = message
-                    continue
-                held = None  # another run follows the one that ended: go on with it
-                yield message
-                if self.stopping.is_set():
-                    return
-                if self._progress.messages() % 256 == 0:
-                    await asyncio.sleep(0)  # let the host's consumers run
-            if held is not None:
-                yield held
-                return
-            if not self.follow:
-                return
-            if not self.caught_up:
-                self.caught_up = True
-                print(f"eventbus export: caught up with the live run at seq {self.last_seq}; following it "
-                      f"until its end", file=sys.stderr, flush=True)
-            try:  # a live run: its next records, or a signal
-                await asyncio.wait_for(self.stopping.wait(), POLL_SECONDS)
-            except asyncio.TimeoutError:
-                pass
-
-    def _read(self, reader: JournalReader, position: Position, view: Any) -> Iterator[Message]:
-        """The messages of the records from ``position`` on (``self._at``: where the next one starts)."""
-        for record in reader.records(position):
-            self._at = record.end
-            item = decode(record.data, wire.MAX_MESSAGE_BYTES, self._stats)
-            message = view.deliver(item) if item is not None else None
-            if message is not None:
-                self.last_seq = message.seq
-                self._progress.message(record.end)
-                yield message
-
-
 class _Progress:
     """tqdm on a terminal; otherwise a plain line every PLAIN_EVERY seconds (logs, CI)."""
 
@@ -382,9 +321,6 @@ class _Progress:
         if at.segment >= len(self._sizes):  # the writer started another segment (a live run)
             self._sizes = [p.stat().st_size for p in segment_paths(self._journal)]
         return sum(self._sizes[:at.segment]) + at.offset
-
-    def messages(self) -> int:
-        return self._counts.messages
 
     def message(self, at: Position) -> None:
         self._counts.messages += 1
@@ -420,7 +356,8 @@ def export(options: ExportOptions) -> int:
     resumed_at = cursor.seqs.get(_NAME, 0) if cursor.run_id == first.run_id else 0
     counts = _Counts()
     progress = _Progress(journal, counts)
-    stream = _JournalStream(journal, options.follow, progress)
+    stream = JournalStream(journal, follow=options.follow, through_restarts=True, on_message=progress.message,
+                           on_caught_up=_following)
     wrapper = _Exporting(target.destination, target.present, first.state, counts)
     started = time.perf_counter()
     try:
@@ -444,15 +381,16 @@ def export(options: ExportOptions) -> int:
     return _check(journal)
 
 
+def _following(seq: int) -> None:
+    print(f"eventbus export: caught up with the live run at seq {seq}; following it until its end",
+          file=sys.stderr, flush=True)
+
+
 def _check(journal: pathlib.Path) -> int:
-    """3 with one line naming what the journal lost (as ``eventbus replay`` says it), else 0: a pass of
-    its own, since the export stops at the run's end message and damage may lie anywhere."""
-    reader = JournalReader(journal)
-    for _ in reader.records():
-        pass
-    if reader.damage:
-        print(f"eventbus export: {journal}: {reader.summary()}; first: {reader.damage[0].describe()} "
-              f"(every intact record was exported)", file=sys.stderr)
+    """3 with one line naming what the journal lost (as ``eventbus replay`` says it), else 0."""
+    damage = damage_summary(journal)
+    if damage is not None:
+        print(f"eventbus export: {journal}: {damage} (every intact record was exported)", file=sys.stderr)
         return 3
     return 0
 
@@ -460,7 +398,6 @@ def _check(journal: pathlib.Path) -> int:
 async def _first_message(journal: pathlib.Path, follow: bool) -> Optional[Message]:
     """The journal's first message (its run's header: run id, run name, folder); with ``follow``,
     waited for until the trainer has written it."""
-    from eventbus.bus.subscriber import journal_messages
 
     while True:
         async for message in journal_messages(journal):
@@ -491,7 +428,7 @@ def _open_cursor(target: _Target, options: ExportOptions, run_id: str) -> Cursor
     return Cursor(path)
 
 
-async def _run(wrapper: _Exporting, cursor: Cursor, stream: _JournalStream) -> Optional[BaseException]:
+async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream) -> Optional[BaseException]:
     """Host the destination over the stream; the tracker's exception if it failed (committed up to it)."""
     host = CallbackHost([wrapper], fail_fast=True, cursor=cursor)
     loop = asyncio.get_running_loop()

@@ -19,7 +19,7 @@ import uuid
 import pytest
 import torch
 
-from eventbus.bus.subscriber import journal_messages
+from eventbus.bus.subscribe.journal_stream import journal_messages
 from tests.conftest import REPO_ROOT
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}

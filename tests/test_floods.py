@@ -21,7 +21,7 @@ from bench.flooder import FLOODS
 from eventbus import BusConfig, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from eventbus.bus.service import SubscriberTable
+from eventbus.bus.publish.service import SubscriberTable
 from tests.conftest import BackgroundTrainer, make_loader, make_model
 
 # The trainer's RSS may grow by at most this much while flooded. Measured here (2-core VM), with the

@@ -20,10 +20,10 @@ import pytest
 from eventbus import BusConfig, ConfigError, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import JournalReader, JournalWriter, read_journal, segment_paths
-from eventbus.bus.journal_source import JournalSource
 from eventbus.bus.security import ClientKeys, generate_keys
-from eventbus.bus.sequencer import Sequencer
-from eventbus.bus.subscriber import SubscriberStats
+from eventbus.bus.subscribe.journal_source import JournalSource
+from eventbus.bus.subscribe.sequencer import Sequencer
+from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically
 from eventbus.checkpoint.staging import StagingBuffers
 from tests.conftest import REPO_ROOT, make_loader, make_model
@@ -252,7 +252,7 @@ def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_jou
     ``replay_cache_bytes``, and a subscriber joining from the beginning still gets every message."""
     import asyncio
 
-    from eventbus.bus.subscriber import Subscriber
+    from eventbus.bus.subscribe.subscriber import Subscriber
 
     address = f"ipc://{tmp_path}/bus"
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="bounded",

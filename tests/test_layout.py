@@ -1,8 +1,12 @@
-"""The layout's promise: the bus, the monitor and the proxy work in a process that has no torch."""
+"""The layout's promises: the bus, the monitor and the proxy work in a process that has no torch; the bus's
+two wings (publish, subscribe) meet only in the shared wire modules; no import circles; core imports
+nothing above it."""
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -37,9 +41,10 @@ def test_the_bus_reads_a_real_run_without_torch(tmp_path):
 import asyncio
 import eventbus
 from eventbus import Event, Subscriber, Snapshot, ProtocolError, Time
-from eventbus.bus import config, history, journal, leases, payload, protocol, proxy, publisher, ranks, records
-from eventbus.bus import security, service, snapshot, subscriber, wire
-from eventbus.bus.subscriber import journal_messages
+from eventbus.bus import config, journal, protocol, proxy, schema, security, wire
+from eventbus.bus.publish import history, leases, payload, publisher, records, service
+from eventbus.bus.subscribe import journal_stream, messages, ranks, recovery, snapshot, stats, subscriber
+from eventbus.bus.subscribe.journal_stream import journal_messages
 
 async def main():
     batches = [int(m.state.timestamp.batch) async for m in journal_messages(sys.argv[1])
@@ -65,3 +70,111 @@ def test_the_package_root_imports_the_training_side_only_when_asked():
                                "print(sorted(m for m in sys.modules if m.startswith('eventbus.training')))")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------- the import graph
+
+PACKAGES = ("eventbus", "workers")
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(path: pathlib.Path, known: dict[str, pathlib.Path], *, type_only: bool) -> set[str]:
+    """The project modules ``path`` imports, wherever in the file (functions too); ``type_only``: also
+    the imports under ``if TYPE_CHECKING:``."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) and not type_only:
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names if alias.name in known)
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                for name in (child.module, *(f"{child.module}.{alias.name}" for alias in child.names)):
+                    if name in known:
+                        found.add(name)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def import_graph(*, type_only: bool) -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(path, known, type_only=type_only) - {name} for name, path in known.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_the_bus_wings_meet_only_in_the_shared_modules():
+    graph = import_graph(type_only=True)
+    wings = {"publish": "eventbus.bus.publish", "subscribe": "eventbus.bus.subscribe"}
+    for wing, prefix in wings.items():
+        other = next(p for w, p in wings.items() if w != wing)
+        members = [name for name in graph if name.startswith(prefix)]
+        assert members, f"no modules in {prefix}"
+        crossing = {name: sorted(i for i in graph[name] if i.startswith(other)) for name in members}
+        assert not any(crossing.values()), f"the {wing} wing imports the other: {crossing}"
+
+
+def test_no_import_circles_except_type_only_inside_one_folder():
+    assert circles(import_graph(type_only=False)) == []
+    for component in circles(import_graph(type_only=True)):
+        folders = {name.rsplit(".", 1)[0] for name in component}
+        assert len(folders) == 1, f"a type-only import circle across folders: {sorted(component)}"
+
+
+def test_core_imports_nothing_above_it():
+    graph = import_graph(type_only=True)
+    for name, imported in graph.items():
+        if name.startswith("eventbus.core"):
+            above = sorted(i for i in imported if not i.startswith(("eventbus.core", "eventbus.errors")))
+            assert above == [], f"{name} imports {above}"

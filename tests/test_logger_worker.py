@@ -12,7 +12,7 @@ import time
 from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from eventbus.bus.subscriber import Subscriber
+from eventbus.bus.subscribe.subscriber import Subscriber
 from tests.conftest import BackgroundTrainer, make_loader, make_model
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import pytest
 
 from eventbus import Callback, Trainer
-from eventbus.bus.subscriber import journal_messages
+from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.monitor.app import main
 from eventbus.monitor.fmt import sparkline
 from eventbus.monitor.model import DaemonView, SeriesView, Tracker, ViewModel

@@ -124,8 +124,8 @@ def test_hostile_requests_neither_crash_the_trainer_nor_stop_its_record(tmp_path
 def test_the_run_waits_for_a_following_worker_still_on_a_crashed_run():
     """A worker that follows restarts reports which run it applied; until it has switched to this
     run (it replays it from the start) the trainer counts it behind, so the run does not end first."""
-    from eventbus.bus.history import History
-    from eventbus.bus.service import SubscriberTable
+    from eventbus.bus.publish.history import History
+    from eventbus.bus.publish.service import SubscriberTable
 
     history = History("new" * 8, 0, None, 100)
     for _ in range(5):

@@ -17,7 +17,7 @@ import torch
 from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from eventbus.bus.subscriber import journal_messages
+from eventbus.bus.subscribe.journal_stream import journal_messages
 from tests.conftest import make_loader, make_model
 
 

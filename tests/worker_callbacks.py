@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from eventbus import Callback, Event
@@ -24,7 +25,9 @@ class SleepyCounter(Callback):
 
 
 class SeqRecorder(Callback):
-    """Appends 'seq event' per event, after a pause (so a kill usually lands before the write)."""
+    """Appends 'seq event' per event, after a pause. Its file is part of its state, as a tracker's is:
+    the committed state is the file's length, and a restarted worker cuts off what was written after
+    that commit (the events it applies again), so each seq is in the file once however the kill lands."""
 
     def __init__(self, path: str, sleep: float = 0.03):
         self.path, self.sleep = path, sleep
@@ -33,6 +36,13 @@ class SeqRecorder(Callback):
         time.sleep(self.sleep)
         with open(self.path, "a") as file:
             file.write(f"{state.seq} {event.value}\n")
+
+    def state_dict(self):
+        return {"bytes": os.path.getsize(self.path) if os.path.exists(self.path) else 0}
+
+    def load_state_dict(self, state):
+        if os.path.exists(self.path):
+            os.truncate(self.path, state["bytes"])
 
 
 class PlateauStopper(Callback):

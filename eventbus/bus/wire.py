@@ -33,6 +33,7 @@ from typing import Any, Iterable, Optional, Union
 
 import msgpack
 
+from eventbus.bus.schema import Kind
 from eventbus.core.events import Event
 from eventbus.errors import ProtocolError
 
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-KINDS = frozenset({"header", "event", "metrics", "end"})
+KINDS = frozenset({Kind.HEADER, Kind.EVENT, Kind.METRICS, Kind.END})
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 8
 MAX_CONTAINER_LEN = 100_000

@@ -13,25 +13,33 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
 
 from eventbus.core.events import Event
+from eventbus.core.state import TrainingStateView
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
     from eventbus.core.logger import Logger
-    from eventbus.training.algorithm import Algorithm
-    from eventbus.training.state import State
 
-__all__ = ["Engine", "EventSink"]
+__all__ = ["AlgorithmLike", "Engine", "EventSink"]
 
 log = logging.getLogger(__name__)
+
+
+class AlgorithmLike(Protocol):
+    """Composer's Algorithm as the engine runs it (:class:`eventbus.training.algorithm.Algorithm`)."""
+
+    def match(self, event: Event, state: Any) -> bool: ...
+
+    def apply(self, event: Event, state: Any, logger: "Logger") -> Any: ...
 
 
 class EventSink:
     """Receives every event after the local callbacks ran (the bus publisher is one)."""
 
-    def publish(self, event: Event, state: "State") -> None:
+    def publish(self, event: Event, state: Any) -> None:
+        """``state``: the engine's state (for the bus, a :class:`~eventbus.publishing.source.CaptureSource`)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -43,7 +51,7 @@ class Engine:
 
     def __init__(
         self,
-        state: "State",
+        state: TrainingStateView,
         logger: "Logger",
         sinks: Sequence[EventSink] = (),
     ):
@@ -71,7 +79,7 @@ class Engine:
         if event.__class__ is not Event:
             event = Event(event)
         state, logger = self.state, self.logger
-        algorithms: Sequence["Algorithm"] = state.algorithms
+        algorithms: Sequence["AlgorithmLike"] = state.algorithms
         if algorithms:
             for algorithm in reversed(algorithms) if event.is_after_event else algorithms:
                 if algorithm.match(event, state):

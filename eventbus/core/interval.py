@@ -10,14 +10,12 @@ unless it already ran for the final batch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
 from eventbus.core.events import Event
+from eventbus.core.state import StateView
 from eventbus.core.time import Time, TimeUnit, ensure_time
 from eventbus.errors import ConfigError
-
-if TYPE_CHECKING:
-    from eventbus.training.state import State
 
 __all__ = ["IntervalLike", "interval_scheduler"]
 
@@ -25,7 +23,7 @@ IntervalLike = Union[int, str, Time, Callable[[Any, Event], bool]]
 
 
 def interval_scheduler(interval: IntervalLike, *, name: str, batch_event: Event = Event.BATCH_END,
-                       epoch_event: Event = Event.EPOCH_END) -> Callable[["State", Event], bool]:
+                       epoch_event: Event = Event.EPOCH_END) -> Callable[[StateView, Event], bool]:
     """Turn an interval into ``due(state, event)``; ConfigError names ``name``."""
     if callable(interval) and not isinstance(interval, Time):
         return interval

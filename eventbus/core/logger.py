@@ -15,11 +15,11 @@ import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TextIO, Union
 
 from eventbus.core.callback import Callback
+from eventbus.core.state import StateView
 from eventbus.core.time import Time, TimeUnit, ensure_time
 
 if TYPE_CHECKING:
     from eventbus.core.time import Timestamp
-    from eventbus.training.state import State
 
 __all__ = ["Logger", "LoggerDestination", "InMemoryLogger", "ConsoleLogger", "to_number", "format_name",
            "is_logger_destination"]
@@ -56,7 +56,7 @@ class LoggerDestination(Callback):
                    mask_class_labels: Optional[dict[int, str]] = None, use_table: bool = True) -> None:
         pass
 
-    def upload_file(self, state: "State", remote_file_name: str, file_path: pathlib.Path, *,
+    def upload_file(self, state: StateView, remote_file_name: str, file_path: pathlib.Path, *,
                     overwrite: bool) -> None:
         """Store ``file_path`` as ``remote_file_name``; copy it first if you keep it for later."""
 
@@ -71,7 +71,7 @@ def is_logger_destination(obj: Any) -> bool:
         cls.__name__ == "LoggerDestination" for cls in type(obj).__mro__)
 
 
-def format_name(template: str, state: "State") -> str:
+def format_name(template: str, state: StateView) -> str:
     """Composer's ``{run_name}``, ``{rank}``, ``{world_size}`` ... placeholders filled from ``state``."""
     rank, world_size = getattr(state, "rank", 0), getattr(state, "world_size", 1)
     return template.format(run_name=state.run_name, rank=rank, global_rank=rank, local_rank=rank,
@@ -85,7 +85,7 @@ class Logger:
     Destinations may be eventbus's or Composer's own ``LoggerDestination``s.
     """
 
-    def __init__(self, state: "State", destinations: Sequence[Any] = (),
+    def __init__(self, state: StateView, destinations: Sequence[Any] = (),
                  artifacts_folder: Union[str, os.PathLike, None] = None):
         self._state = state
         self.destinations: list[Any] = list(destinations)
@@ -166,9 +166,9 @@ class InMemoryLogger(LoggerDestination):
         self.most_recent_values: dict[str, Any] = {}
         self.most_recent_timestamps: dict[str, "Timestamp"] = {}
         self.hyperparameters: dict[str, Any] = {}
-        self._state: Optional["State"] = None
+        self._state: Optional[StateView] = None
 
-    def init(self, state: "State", logger: Logger) -> None:
+    def init(self, state: StateView, logger: Logger) -> None:
         self._state = state
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
@@ -197,7 +197,7 @@ class ConsoleLogger(LoggerDestination):
         if self.log_interval.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH) or self.log_interval.value < 1:
             raise ValueError(f"log_interval must be a positive number of epochs or batches, got {log_interval!r}")
         self._stream = stream
-        self._state: Optional["State"] = None
+        self._state: Optional[StateView] = None
         self._pending: dict[str, Any] = {}
 
     @property
@@ -206,7 +206,7 @@ class ConsoleLogger(LoggerDestination):
             return sys.stderr if self._stream == "stderr" else sys.stdout
         return self._stream
 
-    def init(self, state: "State", logger: Logger) -> None:
+    def init(self, state: StateView, logger: Logger) -> None:
         self._state = state
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
@@ -221,15 +221,15 @@ class ConsoleLogger(LoggerDestination):
         else:
             self._pending.update(metrics)
 
-    def batch_end(self, state: "State", logger: Logger) -> None:
+    def batch_end(self, state: StateView, logger: Logger) -> None:
         if self.log_interval.unit is TimeUnit.BATCH and state.timestamp.batch.value % self.log_interval.value == 0:
             self._flush()
 
-    def epoch_end(self, state: "State", logger: Logger) -> None:
+    def epoch_end(self, state: StateView, logger: Logger) -> None:
         if self.log_interval.unit is TimeUnit.EPOCH and state.timestamp.epoch.value % self.log_interval.value == 0:
             self._flush()
 
-    def fit_end(self, state: "State", logger: Logger) -> None:
+    def fit_end(self, state: StateView, logger: Logger) -> None:
         self._flush()
 
     def _flush(self) -> None:

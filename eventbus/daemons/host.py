@@ -45,8 +45,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
-from eventbus.bus.snapshot import LiveState, calling_callback
-from eventbus.bus.subscriber import Message
+from eventbus.bus.subscribe.snapshot import LiveState, calling_callback
+from eventbus.bus.subscribe.subscriber import Message
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, is_logger_destination

@@ -17,8 +17,8 @@ import signal
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
-from eventbus.bus.journal import JournalReader
-from eventbus.bus.subscriber import Subscriber, journal_messages
+from eventbus.bus.subscribe.journal_stream import damage_summary, journal_messages
+from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.daemons.host import CallbackHost, Cursor, subscription
@@ -170,11 +170,9 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     except Exception as err:
         print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
         return 1
-    reader = JournalReader(path)
-    for _ in reader.records():  # the check pass: journal_messages does not report damage
-        pass
-    if reader.damage:
-        print(f"eventbus replay: {path}: {reader.summary()}; first: {reader.damage[0].describe()}", file=sys.stderr)
+    damage = damage_summary(path)
+    if damage is not None:
+        print(f"eventbus replay: {path}: {damage}", file=sys.stderr)
         return 3
     return 0
 

@@ -137,7 +137,7 @@ async def _poll_trainer(subscriber: Any, tracker: Tracker, every: float = TRAINE
 
 async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float, once: bool) -> int:
     """Follow the run at ``address`` until it ends or a signal arrives (``once``: draw one frame)."""
-    from eventbus.bus.subscriber import Subscriber
+    from eventbus.bus.subscribe.subscriber import Subscriber
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -234,7 +234,7 @@ async def _follow(subscriber: Any, tracker: Tracker, screen: _Screen, refresh: f
 
 async def _show_journal(path: pathlib.Path, tracker: Tracker, screen: _Screen) -> int:
     """A journal's run as of its last record: one plain frame."""
-    from eventbus.bus.subscriber import journal_messages
+    from eventbus.bus.subscribe.journal_stream import journal_messages
 
     tracker.journal_mode = True
     async for message in journal_messages(path):

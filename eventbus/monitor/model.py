@@ -296,7 +296,7 @@ class Tracker:
             self._batches.append((int(state.batch_num_samples), wct))
 
     def feed(self, message: Any, now: Optional[float] = None) -> None:
-        """One message of the stream (a :class:`eventbus.bus.subscriber.Message`)."""
+        """One message of the stream (a :class:`eventbus.bus.subscribe.subscriber.Message`)."""
         now = time.monotonic() if now is None else now
         self.version += 1
         self.messages += 1

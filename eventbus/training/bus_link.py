@@ -1,7 +1,8 @@
 """Everything the trainer does with the bus's Publisher, and nothing else does.
 
-Two moments: ``start_bus`` binds the Publisher before INIT (so every event is
-published) and puts an :class:`~eventbus.training.capture.EventCapture` among
+Two moments: ``start_bus`` binds the bus before INIT (so every event is
+published; :func:`~eventbus.publishing.session.open_bus`, shared with the
+adapters) and puts its :class:`~eventbus.publishing.capture.EventCapture` among
 the engine's sinks, and ``BusLink.agree_on_batch`` carries the subscribers'
 stop and checkpoint requests into the per-batch collective, so all ranks act on
 them at the same batch.
@@ -9,21 +10,14 @@ them at the same batch.
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import uuid
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from eventbus.bus.config import BusConfig
-from eventbus.bus.publisher import Publisher
-from eventbus.bus.records import Key
-from eventbus.checkpoint.staging import StagingBuffers
-from eventbus.errors import ConfigError
+from eventbus.bus.schema import Key
+from eventbus.publishing.capture import EventCapture
+from eventbus.publishing.session import BusArgument, open_bus
 from eventbus.training import distributed
-from eventbus.training.capture import EventCapture
 
 if TYPE_CHECKING:
     import pathlib
@@ -34,50 +28,24 @@ if TYPE_CHECKING:
 
 __all__ = ["BusLink", "start_bus", "static_surface"]
 
-BusArgument = Union[None, bool, str, BusConfig]
-
-
 def start_bus(bus: BusArgument, *, state: "State", engine: "Engine", logger: "Logger", run_folder: "pathlib.Path",
               sharded: bool, hyperparameters: dict[str, Any],
               checkpoint_source: Callable[[], dict[str, Any]]) -> Optional[EventCapture]:
     """Bind the bus (unless ``bus=False``); every event is published from INIT on."""
-    if bus is False:
-        return None
-    if bus is None or bus is True:
-        config = BusConfig.from_environment()
-    elif isinstance(bus, str):
-        config = BusConfig.from_environment(address=bus)
-    elif isinstance(bus, BusConfig):
-        config = bus
-    else:
-        raise ConfigError(f"bus must be an address string, a BusConfig, or False; got {bus!r}")
-    run_id = distributed.broadcast_object(uuid.uuid4().hex)  # one run id for all ranks
-    staging = StagingBuffers(run_id)
-    publisher = Publisher(config, run_folder, rank=state.rank, run_id=run_id, staging=staging)
-    publisher.start({
-        "ranks": distributed.all_gather_object(publisher.endpoint()),
-        "run_name": state.run_name, "rank": state.rank, "world_size": state.world_size,
-        "seed": state.rank_zero_seed, "device": str(state.device), "precision": state.precision,
-        "max_duration": str(state.max_duration) if state.max_duration is not None else None,
-        "device_train_microbatch_size": state.device_train_microbatch_size,
-        "hyperparameters": hyperparameters, "pid": os.getpid(), "host": socket.gethostname(),
-        "run_folder": str(run_folder.resolve()), **static_surface(state),
-    })
-    capture = EventCapture(publisher, staging, checkpoint_source, distributed=state.world_size > 1,
-                           sharded=sharded)
-    engine.sinks.append(capture)
-    logger.destinations.append(capture.metrics_destination)
-    journal = f", journal {publisher.journal_path}" if publisher.journal_path else ""
-    print(f"eventbus: run {state.run_name} publishing on {publisher.address}{journal}", file=sys.stderr, flush=True)
+    capture = open_bus(bus, state, run_folder=run_folder, sharded=sharded, hyperparameters=hyperparameters,
+                       checkpoint_source=checkpoint_source, header=static_surface(state))
+    if capture is not None:
+        engine.sinks.append(capture)
+        logger.destinations.append(capture.metrics_destination)
     return capture
 
 
 def static_surface(state: "State") -> dict[str, Any]:
-    """What a snapshot's ``model``, ``evaluators`` and metric names read, sent once in the header:
-    parameter names, shapes, dtypes (never values), evaluator labels, metric names."""
-    params = [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in state.model.named_parameters()]
+    """What a snapshot reads from the run header besides the model: the seed, the precision, the
+    evaluators' labels and metric names, the train metric names."""
     return {
-        Key.MODEL: {"class": type(state.model).__name__, "params": params},
+        "seed": state.rank_zero_seed, "precision": state.precision,
+        "device_train_microbatch_size": state.device_train_microbatch_size,
         Key.EVALUATORS: [[e.label, list(state.eval_metrics.get(e.label, {})), e.metric_names]
                          for e in state.evaluators],
         Key.TRAIN_METRIC_NAMES: list(state.train_metrics),

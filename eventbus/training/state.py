@@ -2,7 +2,7 @@
 
 Attribute names follow Composer's ``State`` so callbacks port unchanged. On the
 training side values are live objects (device tensors included); a subscriber
-sees the same names on a read-only snapshot (``eventbus.bus.snapshot``).
+sees the same names on a read-only snapshot (``eventbus.bus.subscribe.snapshot``).
 """
 
 from __future__ import annotations

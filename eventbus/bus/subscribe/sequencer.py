@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from eventbus.bus import wire
+from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from eventbus.bus.subscriber import SubscriberStats
 
 __all__ = ["Decoded", "Sequencer", "decode"]
 

@@ -8,15 +8,12 @@ while instead of waiting for a timeout at every gap.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from eventbus.bus import wire
-from eventbus.bus.journal_source import JournalSource
-from eventbus.bus.sequencer import Sequencer
-from eventbus.bus.service_client import ServiceClient
-
-if TYPE_CHECKING:
-    from eventbus.bus.subscriber import SubscriberStats
+from eventbus.bus.subscribe.journal_source import JournalSource
+from eventbus.bus.subscribe.sequencer import Sequencer
+from eventbus.bus.subscribe.service_client import ServiceClient
+from eventbus.bus.subscribe.stats import SubscriberStats
 
 __all__ = ["GapFiller"]
 

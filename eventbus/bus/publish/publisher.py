@@ -1,6 +1,6 @@
 """The publisher: a bus thread that numbers, journals and sends what the training thread captured.
 
-Training thread (:meth:`Publisher.put`, called by :mod:`eventbus.training.capture`):
+Training thread (:meth:`Publisher.put`, called by :mod:`eventbus.publishing.capture`):
 one record on an unbounded-by-type but size-checked queue; it never touches a
 socket or a file and never blocks. When the queue is full (the bus thread far
 behind) the record is dropped and counted, so training never waits.
@@ -9,7 +9,7 @@ Bus thread: turns records into payloads, numbers them (seq, contiguous per run
 and rank), appends them to the journal, sends them on the PUB socket (never
 blocking: at the high-water mark ZeroMQ drops for that slow subscriber, who
 recovers the gap from the replay service), and serves the ROUTER socket
-(:mod:`eventbus.bus.service`). Imports no torch.
+(:mod:`eventbus.bus.publish.service`). Imports no torch.
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ from eventbus.bus.config import (
     default_address,
     service_address_for,
 )
-from eventbus.bus.history import History
 from eventbus.bus.journal import JOURNAL_NAME, JournalWriter
-from eventbus.bus.leases import Leases
-from eventbus.bus.payload import PayloadBuilder, resolve
 from eventbus.bus.protocol import LARGEST_REQUEST_BYTES
-from eventbus.bus.records import EndRecord, EventRecord, HyperparametersRecord, Kind, MetricsRecord, Record
+from eventbus.bus.publish.history import History
+from eventbus.bus.publish.leases import Leases
+from eventbus.bus.publish.payload import PayloadBuilder, resolve
+from eventbus.bus.publish.records import EndRecord, EventRecord, HyperparametersRecord, MetricsRecord, Record
+from eventbus.bus.publish.service import PublisherStats, RequestService, StagingArea, SubscriberTable
+from eventbus.bus.schema import Kind
 from eventbus.bus.security import ServerKeys
-from eventbus.bus.service import PublisherStats, RequestService, StagingArea, SubscriberTable
 from eventbus.errors import ConfigError
 
 __all__ = ["Publisher", "PublisherStats"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
-from eventbus.bus.records import Key
-from eventbus.bus.views import (
+from eventbus.bus.schema import Key
+from eventbus.bus.subscribe.views import (
     DeviceView,
     EvaluatorView,
     MetricView,

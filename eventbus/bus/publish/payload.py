@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from eventbus.bus.records import PER_BATCH_KEYS, EventRecord, Key
+from eventbus.bus.publish.records import EventRecord
+from eventbus.bus.schema import PER_BATCH_KEYS, Key
 from eventbus.bus.wire import pack_payload
 
 __all__ = ["PayloadBuilder", "resolve"]

@@ -20,7 +20,7 @@ import zmq
 
 from eventbus.bus import wire
 from eventbus.bus.journal import JournalWriter
-from eventbus.bus.records import Kind
+from eventbus.bus.schema import Kind
 
 __all__ = ["History"]
 

@@ -1,34 +1,35 @@
 """The training thread's side of the bus: capture an event in about a microsecond, hand it over.
 
-:class:`EventCapture` is the engine's event sink. At each event it takes
+:class:`EventCapture` is the engine's event sink, and what every adapter calls at each of its
+trainer's hooks: ``publish(event, source)`` with a :class:`~eventbus.publishing.source.CaptureSource`.
+At each event it takes
 references to immutable values (the Timestamp, Python floats), stages changed
 device tensors (copied to pinned host memory with ``non_blocking=True`` and a
-CUDA event; nothing waits), and puts one :class:`~eventbus.bus.records.EventRecord`
+CUDA event; nothing waits), and puts one :class:`~eventbus.bus.publish.records.EventRecord`
 on the publisher's queue. It never touches a socket or a file and never
 synchronises the device. What costs the trainer something (gradient norms,
 memory statistics, flops, checkpoints) is captured only while a subscriber
-holds a lease on it (:class:`~eventbus.bus.leases.Leases`).
+holds a lease on it (:class:`~eventbus.bus.publish.leases.Leases`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from eventbus.bus.publisher import Publisher
-from eventbus.bus.records import EventRecord, Key
+from eventbus.bus.publish.publisher import Publisher
+from eventbus.bus.publish.records import EventRecord
+from eventbus.bus.schema import Key
 from eventbus.checkpoint.staging import Staged, StagingBuffers
 from eventbus.core.engine import EventSink
 from eventbus.core.events import Event
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import LoggerDestination
+from eventbus.publishing.source import CaptureSource
 from eventbus.training import distributed
-
-if TYPE_CHECKING:
-    from eventbus.training.state import State
 
 __all__ = ["EventCapture", "stage"]
 
@@ -161,7 +162,7 @@ class EventCapture(EventSink):
         """The engine closed: end the run on the bus (drains, journals ``end``, removes staged buffers)."""
         self.publisher.close()
 
-    def publish(self, event: Event, state: "State") -> None:
+    def publish(self, event: Event, state: CaptureSource) -> None:
         """Capture one event; called by the engine after the local callbacks. Never blocks.
 
         This runs ~15 times per batch on the training thread: keep it to reference-taking."""
@@ -180,7 +181,7 @@ class EventCapture(EventSink):
             length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
             changes, staged, state.previous_timestamp))
 
-    def _apply_stop_request(self, state: "State") -> None:
+    def _apply_stop_request(self, state: CaptureSource) -> None:
         if self.distributed:
             if self._agreed_stop:
                 self._agreed_stop = False
@@ -189,7 +190,7 @@ class EventCapture(EventSink):
         elif self.leases.wants_stop():
             state.stop_training(self.leases.pop_stop())
 
-    def _changes(self, event: Event, state: "State") -> Optional[dict[str, Any]]:
+    def _changes(self, event: Event, state: CaptureSource) -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""
         loss = state.loss
         if loss is self._last_loss and state.total_loss_dict is self._last_total_losses \
@@ -208,9 +209,10 @@ class EventCapture(EventSink):
             changes[Key.OPTIMIZERS] = [(type(o).__name__, _hyperparameters(o, self._hyperparameter_keys))
                                        for o in state.optimizers]
             changes[Key.SCHEDULERS] = [(type(s).__name__, _last_lr(s)) for s in state.schedulers]
-        if event is Event.EVAL_END and state.dataloader_label in state.eval_metric_values:
-            values = state.eval_metric_values[state.dataloader_label]
-            changes[Key.EVAL_METRICS] = (state.dataloader_label, {k: stage(v) for k, v in values.items()})
+        label = state.dataloader_label
+        if event is Event.EVAL_END and label is not None and label in state.eval_metric_values:
+            values = state.eval_metric_values[label]
+            changes[Key.EVAL_METRICS] = (label, {k: stage(v) for k, v in values.items()})
         if state.train_metric_values is not self._last_train_values:
             # Computed after AFTER_TRAIN_BATCH, before BATCH_END: captured at the first event that sees them.
             self._last_train_values = state.train_metric_values
@@ -221,7 +223,7 @@ class EventCapture(EventSink):
             changes[Key.STOP_REASON] = state.stop_reason
         return changes or None
 
-    def _capture_on_demand(self, event: Event, state: "State") -> tuple[dict[str, Any], Optional[Staged]]:
+    def _capture_on_demand(self, event: Event, state: CaptureSource) -> tuple[dict[str, Any], Optional[Staged]]:
         """What costs the trainer something, captured only while a subscriber holds a lease on it."""
         captured: dict[str, Any] = {}
         batch = state.timestamp.batch.value
@@ -246,7 +248,7 @@ class EventCapture(EventSink):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _stage_checkpoint_if_due(self, event: Event, state: "State") -> Optional[Staged]:
+    def _stage_checkpoint_if_due(self, event: Event, state: CaptureSource) -> Optional[Staged]:
         if not (self._agreed_checkpoint if self.distributed else self.publisher.holds_checkpoint_lease()):
             return None
         due = self.publisher.rank == 0 and self._checkpoint_is_due(event, state)
@@ -289,7 +291,7 @@ class EventCapture(EventSink):
             "checkpoint at batch %d skipped: the checkpoint worker has not finished the previous ones", batch)
         self.log_metrics({"checkpoint/skipped": batch})
 
-    def _checkpoint_is_due(self, event: Event, state: "State") -> bool:
+    def _checkpoint_is_due(self, event: Event, state: CaptureSource) -> bool:
         wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
         if self._checkpoint_due is None or self._checkpoint_interval != wanted:
             # Validated by the request service before it reached the leases: this cannot raise.

@@ -1,19 +1,15 @@
-"""What the training thread hands the bus thread, and the payload keys it becomes on the wire.
+"""The names both ends of the wire agree on: message kinds and payload keys.
 
-The training thread builds one record per event in about a microsecond: it keeps
-references (the immutable Timestamp, Python numbers, host tensors) and staged
-device values, and converts nothing. The bus thread turns records into message
-payloads (:mod:`eventbus.bus.payload`) under the keys below, and
-:class:`~eventbus.bus.snapshot.Snapshot` reads them back under the same keys.
+The publishing side (:mod:`eventbus.bus.publish.payload`) writes a snapshot under
+these keys; the subscribing side (:class:`~eventbus.bus.subscribe.snapshot.Snapshot`)
+reads it back under the same ones. Neither side imports the other: both import this.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Final, Optional, Protocol, Union
+from typing import Final
 
-__all__ = ["Key", "Kind", "Deferred", "StagedCheckpointRef", "EventRecord", "MetricsRecord",
-           "HyperparametersRecord", "EndRecord", "Record"]
+__all__ = ["Kind", "Key", "PER_BATCH_KEYS"]
 
 
 class Kind:
@@ -61,57 +57,3 @@ class Key:
 
 
 PER_BATCH_KEYS: Final = (Key.GRAD_NORMS, Key.MEMORY, Key.BATCH_FLOPS)
-
-
-class Deferred(Protocol):
-    """A value the training thread staged without reading it (a device tensor copied to pinned
-    memory); only the bus thread calls ``resolve``, which may wait for the copy."""
-
-    def resolve(self) -> Any: ...
-
-
-class StagedCheckpointRef(Protocol):
-    """A checkpoint staged in shared memory: its descriptor, and the device copy to wait for."""
-
-    descriptor: dict[str, Any]
-    copied: Any  # a CUDA event with ``synchronize()``, or None
-
-
-@dataclasses.dataclass(slots=True)
-class EventRecord:
-    """One event as captured on the training thread; ``changes`` holds only what changed."""
-
-    event: str
-    wall_time: float
-    mono_time: float
-    timestamp: Any  # the live Timestamp object: immutable, shared by most events of a batch
-    eval_timestamp: Any
-    dataloader_label: Optional[str]
-    dataloader_len: Optional[float]  # batches (a Time's value)
-    batch_num_samples: int
-    batch_num_tokens: int
-    changes: Optional[dict[str, Any]] = None  # Key -> captured value (may be Deferred)
-    checkpoint: Optional[StagedCheckpointRef] = None
-    previous_timestamp: Any = None  # the live (immutable) previous Timestamp, by reference
-
-
-@dataclasses.dataclass(slots=True)
-class MetricsRecord:
-    metrics: dict[str, Any]
-    step: Optional[int]
-    source: str
-    wall_time: float
-    mono_time: float
-
-
-@dataclasses.dataclass(slots=True)
-class HyperparametersRecord:
-    hyperparameters: dict[str, Any]
-
-
-@dataclasses.dataclass(slots=True)
-class EndRecord:
-    """Closes the run: the bus thread drains, publishes ``end`` and stops."""
-
-
-Record = Union[EventRecord, MetricsRecord, HyperparametersRecord, EndRecord]

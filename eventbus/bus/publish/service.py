@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional, Protocol
 import zmq
 
 from eventbus.bus import wire
-from eventbus.bus.history import History
-from eventbus.bus.leases import Leases
 from eventbus.bus.protocol import MAX_REPLAY_REPLY_BYTES, MAX_REPLAY_SPAN, Op, Request, parse_request
+from eventbus.bus.publish.history import History
+from eventbus.bus.publish.leases import Leases
 from eventbus.errors import ProtocolError
 
 __all__ = ["RequestService", "PublisherStats", "SubscriberTable", "StagingArea"]

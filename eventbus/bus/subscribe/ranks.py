@@ -19,7 +19,9 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncIterator
 
-from eventbus.bus.subscriber import Message, Subscriber, SubscriberStats
+from eventbus.bus.subscribe.messages import Message
+from eventbus.bus.subscribe.stats import SubscriberStats
+from eventbus.bus.subscribe.subscriber import Subscriber
 
 __all__ = ["AllRanks"]
 

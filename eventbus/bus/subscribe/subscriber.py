@@ -19,9 +19,9 @@ from the replay service, or from the journal when the publisher is gone.
 Nothing is skipped silently: an unrecoverable gap is logged and counted.
 Malformed messages are counted as ``protocol_errors`` and skipped.
 
-The pieces: :mod:`~eventbus.bus.sequencer` (seq order, duplicates, gaps),
-:mod:`~eventbus.bus.service_client` (requests and control messages),
-:mod:`~eventbus.bus.recovery` and :mod:`~eventbus.bus.journal_source` (gap
+The pieces: :mod:`~eventbus.bus.subscribe.sequencer` (seq order, duplicates, gaps),
+:mod:`~eventbus.bus.subscribe.service_client` (requests and control messages),
+:mod:`~eventbus.bus.subscribe.recovery` and :mod:`~eventbus.bus.subscribe.journal_source` (gap
 filling); this module holds the sockets, the receive loop and the delivery.
 """
 
@@ -31,121 +31,33 @@ import asyncio
 import collections
 import dataclasses
 import os
-import time
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterable, Optional, Sequence, Union
 
 import zmq
 import zmq.asyncio
 
 from eventbus.bus import wire
 from eventbus.bus.config import service_address_for
-from eventbus.bus.journal import read_journal
-from eventbus.bus.journal_source import JournalSource
-from eventbus.bus.recovery import GapFiller
 from eventbus.bus.security import ClientKeys
-from eventbus.bus.sequencer import Decoded, Sequencer, decode
-from eventbus.bus.service_client import SOCKET_SLACK, ServiceClient
-from eventbus.bus.snapshot import Snapshot
+from eventbus.bus.subscribe.journal_source import JournalSource
+from eventbus.bus.subscribe.messages import Message, RunView
+from eventbus.bus.subscribe.recovery import GapFiller
+from eventbus.bus.subscribe.sequencer import Sequencer
+from eventbus.bus.subscribe.service_client import SOCKET_SLACK, ServiceClient
+from eventbus.bus.subscribe.snapshot import Snapshot
+from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.core.events import Event
 
 _DRAIN_BATCH = 1024  # messages taken per wake-up before the event loop gets a turn
 
-__all__ = ["Message", "RunView", "Subscriber", "SubscriberStats", "journal_messages"]
-
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """One delivered message. ``state`` is the snapshot as of this message."""
-
-    kind: str
-    event: Optional[Event]
-    state: Snapshot
-    seq: int
-    run_id: str
-    rank: int
-    metrics: Optional[dict[str, Any]] = None
-    step: Optional[int] = None
-    source: Optional[str] = None
-    recovered: bool = False
-
-
-@dataclasses.dataclass
-class SubscriberStats:
-    received: int = 0
-    delivered: int = 0
-    duplicates: int = 0
-    gaps: int = 0
-    recovered: int = 0
-    lost: int = 0
-    protocol_errors: int = 0
-    other_ranks: int = 0
-    buffered: int = 0
-    lag_seconds: float = 0.0
-
-
-class RunView:
-    """The run as delivered so far (its header and latest snapshot); turns messages into :class:`Message`.
-
-    ``control`` and ``fetch`` are what each snapshot uses to reach the trainer (None: no trainer).
-    """
-
-    @classmethod
-    def for_journal(cls, stats: SubscriberStats) -> "RunView":
-        """A journal's run: no trainer behind it (see :func:`journal_messages`)."""
-        return cls(stats, None, control=_no_trainer, fetch=None)
-
-    def __init__(self, stats: SubscriberStats, events: Optional[frozenset[Event]],
-                 control: Optional[Callable[[str, dict[str, Any]], None]],
-                 fetch: Optional[Callable[[dict[str, Any]], Any]]):
-        self._stats = stats
-        self._events = events
-        self._control = control
-        self._fetch = fetch
-        self.header: dict[str, Any] = {}
-        self.state: Optional[Snapshot] = None
-
-    def reset(self) -> None:
-        """A new run: nothing known about it yet."""
-        self.header, self.state = {}, None
-
-    def absorb(self, envelope: wire.Envelope) -> Optional[Snapshot]:
-        """Update the header or the current snapshot from a message; returns the snapshot."""
-        if envelope.kind == "header":
-            self.header = envelope.payload
-            return self.state
-        if envelope.kind == "event":
-            self.state = self._snapshot(envelope, envelope.event, envelope.payload)
-        return self.state
-
-    def deliver(self, item: Decoded) -> Optional[Message]:
-        """The message to yield, or None when its event is filtered out (its state is still absorbed)."""
-        envelope = item.envelope
-        state = self.absorb(envelope)
-        if state is None:
-            state = self._snapshot(envelope, None, {})
-        event = Event(envelope.event) if envelope.kind == "event" else None
-        if event is not None and self._events is not None and event not in self._events:
-            return None
-        self._stats.delivered += 1
-        self._stats.lag_seconds = max(0.0, time.time() - envelope.wall_time)
-        payload = envelope.payload
-        return Message(
-            kind=envelope.kind, event=event, state=state, seq=envelope.seq, run_id=envelope.run_id,
-            rank=envelope.rank, metrics=payload.get("metrics") if envelope.kind == "metrics" else None,
-            step=payload.get("step"), source=payload.get("source"), recovered=item.recovered,
-        )
-
-    def _snapshot(self, envelope: wire.Envelope, event: Optional[str], payload: dict[str, Any]) -> Snapshot:
-        return Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=event,
-                        wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
-                        payload=payload, control=self._control, fetch=self._fetch)
-
+__all__ = ["Message", "Subscriber", "SubscriberStats"]
 
 class Subscriber:
     """Receives one publisher's messages; see the module docstring for the guarantees.
 
     ``events`` limits which events are received: the publisher sends only those (with the run
     header, the end of the run, and logged metrics unless ``metrics=False``), and gap detection
-    still notices a missed one of them (see :class:`~eventbus.bus.sequencer.Sequencer`).
+    still notices a missed one of them (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`).
     ``resume=(run_id, seq)`` continues after ``seq`` if the run is still ``run_id``.
     ``journal`` is a path to fall back on when the replay service cannot answer
     (by default the path announced in the run header, if it exists here).
@@ -396,25 +308,3 @@ def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[
     if events is None:
         return None if metrics else [name for name in wire.TOPICS if name != "metrics"]
     return ["header", "end", *(["metrics"] if metrics else []), *sorted(e.value for e in events)]
-
-
-async def journal_messages(path: Union[str, os.PathLike]) -> AsyncIterator[Message]:
-    """A finished (or running) run's journal as the same Message stream a Subscriber yields.
-
-    No trainer is behind a journal: a snapshot's ``stop_training()`` raises RuntimeError, and a
-    staged checkpoint loads only from shared memory still present on this host.
-    """
-    stats = SubscriberStats()
-    view = RunView.for_journal(stats)
-    for record in read_journal(path):
-        item = decode(record, wire.MAX_MESSAGE_BYTES, stats)
-        if item is not None:
-            stats.received += 1
-            message = view.deliver(item)
-            if message is not None:
-                yield message
-        await asyncio.sleep(0)
-
-
-def _no_trainer(op: str, fields: dict[str, Any]) -> None:
-    raise RuntimeError(f"{op}: there is no trainer to talk to when replaying a journal")

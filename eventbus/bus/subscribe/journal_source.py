@@ -1,6 +1,6 @@
 """Recovering a subscriber's messages from the run's journal, when the publisher cannot answer.
 
-Recovered messages go to the :class:`~eventbus.bus.sequencer.Sequencer`, which
+Recovered messages go to the :class:`~eventbus.bus.subscribe.sequencer.Sequencer`, which
 queues them in seq order; a seq is only ever taken from the journal when it is
 the next one due, so nothing is delivered twice. A seq the journal lost
 (damage: see :mod:`eventbus.bus.journal`) is handed to ``Sequencer.lose``, so
@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable, Optional
 
 from eventbus.bus.journal import JournalReader, Position
-from eventbus.bus.sequencer import Sequencer
+from eventbus.bus.subscribe.sequencer import Sequencer
 
 __all__ = ["JournalSource", "CHUNK", "INDEX_EVERY"]
 

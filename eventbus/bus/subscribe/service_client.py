@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
 import zmq.asyncio
 
 from eventbus.bus import wire
 from eventbus.bus.security import ClientKeys
+from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError, TransferError
-
-if TYPE_CHECKING:
-    from eventbus.bus.subscriber import SubscriberStats
 
 __all__ = ["ServiceClient", "SOCKET_SLACK"]
 

@@ -1,0 +1,70 @@
+"""What the training thread hands the bus thread.
+
+The training thread builds one record per event in about a microsecond: it keeps
+references (the immutable Timestamp, Python numbers, host tensors) and staged
+device values, and converts nothing. The bus thread turns records into message
+payloads (:mod:`eventbus.bus.publish.payload`) under the keys of
+:mod:`eventbus.bus.schema`, which :class:`~eventbus.bus.subscribe.snapshot.Snapshot` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Protocol, Union
+
+__all__ = ["Deferred", "StagedCheckpointRef", "EventRecord", "MetricsRecord",
+           "HyperparametersRecord", "EndRecord", "Record"]
+
+
+class Deferred(Protocol):
+    """A value the training thread staged without reading it (a device tensor copied to pinned
+    memory); only the bus thread calls ``resolve``, which may wait for the copy."""
+
+    def resolve(self) -> Any: ...
+
+
+class StagedCheckpointRef(Protocol):
+    """A checkpoint staged in shared memory: its descriptor, and the device copy to wait for."""
+
+    descriptor: dict[str, Any]
+    copied: Any  # a CUDA event with ``synchronize()``, or None
+
+
+@dataclasses.dataclass(slots=True)
+class EventRecord:
+    """One event as captured on the training thread; ``changes`` holds only what changed."""
+
+    event: str
+    wall_time: float
+    mono_time: float
+    timestamp: Any  # the live Timestamp object: immutable, shared by most events of a batch
+    eval_timestamp: Any
+    dataloader_label: Optional[str]
+    dataloader_len: Optional[float]  # batches (a Time's value)
+    batch_num_samples: int
+    batch_num_tokens: int
+    changes: Optional[dict[str, Any]] = None  # Key -> captured value (may be Deferred)
+    checkpoint: Optional[StagedCheckpointRef] = None
+    previous_timestamp: Any = None  # the live (immutable) previous Timestamp, by reference
+
+
+@dataclasses.dataclass(slots=True)
+class MetricsRecord:
+    metrics: dict[str, Any]
+    step: Optional[int]
+    source: str
+    wall_time: float
+    mono_time: float
+
+
+@dataclasses.dataclass(slots=True)
+class HyperparametersRecord:
+    hyperparameters: dict[str, Any]
+
+
+@dataclasses.dataclass(slots=True)
+class EndRecord:
+    """Closes the run: the bus thread drains, publishes ``end`` and stops."""
+
+
+Record = Union[EventRecord, MetricsRecord, HyperparametersRecord, EndRecord]
