@@ -1,0 +1,154 @@
+"""What the three adapters share: a Composer-named state, and the bus it is published on.
+
+An adapter is an ordinary callback of someone else's trainer (Lightning, Hugging
+Face, Composer). At each of that trainer's hooks it updates a :class:`RunState`
+-- by reference: the loss tensor, the optimizer objects, a new Timestamp -- and
+calls :meth:`BusAdapter.publish` with the Composer :class:`Event` the hook
+stands for. From there the path is the one :class:`eventbus.Trainer` uses
+(:mod:`eventbus.publishing`): capture on the training thread, the bus thread
+journals and sends. Nothing here reads a device value.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Mapping, Optional, Union
+
+from eventbus.core.events import Event
+from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.publishing.capture import EventCapture
+from eventbus.publishing.session import BusArgument, open_bus
+
+__all__ = ["RunState", "BusAdapter", "default_run_name"]
+
+
+def default_run_name(prefix: str) -> str:
+    """A run name when the user gives none: the trainer's name, the time and the pid (unique per host)."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+class RunState:
+    """Composer's State names over another trainer's run (a :class:`~eventbus.publishing.source.CaptureSource`).
+
+    The adapter assigns the attributes from its trainer's hooks. Per-batch values are replaced, never
+    mutated in place: capture compares them by identity to send only what changed.
+    """
+
+    def __init__(self, run_name: str, *, rank: int = 0, world_size: int = 1, model: Any = None,
+                 device: Any = "cpu", max_duration: Optional[Time] = None):
+        self.run_name = run_name
+        self.rank = rank
+        self.world_size = world_size
+        self.model = model
+        self.device = device
+        self.max_duration = max_duration
+        self.timestamp = Timestamp()
+        self.previous_timestamp: Optional[Timestamp] = None
+        self.eval_timestamp = Timestamp()
+        self.dataloader_label: Optional[str] = None
+        self.dataloader_len: Optional[Time] = None
+        self.batch: Any = None
+        self.batch_num_samples = 0
+        self.batch_num_tokens = 0
+        self.loss: Any = None
+        self.total_loss_dict: Mapping[str, Any] = {}
+        self.train_metric_values: Mapping[str, Any] = {}
+        self.eval_metric_values: Mapping[str, Mapping[str, Any]] = {}
+        self.optimizers: list[Any] = []
+        self.schedulers: list[Any] = []
+        self.stop_reason: Optional[str] = None
+        self.stop_requested = False  # set by a worker's stop_training(); the adapter tells its trainer
+
+    def advance_batch(self, samples: int = 0, tokens: int = 0) -> None:
+        """One optimizer step done (Composer's ``timestamp.batch`` counts optimizer steps)."""
+        self.previous_timestamp = self.timestamp
+        self.batch_num_samples, self.batch_num_tokens = samples, tokens
+        self.timestamp = self.timestamp.to_next_batch(samples=samples, tokens=tokens)
+
+    def advance_epoch(self) -> None:
+        self.previous_timestamp = self.timestamp
+        self.timestamp = self.timestamp.to_next_epoch()
+
+    def get_elapsed_duration(self) -> Optional[Time]:
+        """Fraction of ``max_duration`` trained so far, as a ``dur`` Time; None without a duration."""
+        if self.max_duration is None:
+            return None
+        done = self.timestamp.get(self.max_duration.unit).value
+        total = self.max_duration.value
+        return Time(min(done / total, 1.0) if total else 1.0, TimeUnit.DURATION)
+
+    def stop_training(self, reason: Optional[str] = None) -> None:
+        """Called by capture at BATCH_END when a worker asked to stop; the adapter passes it on."""
+        self.stop_reason = reason or "stop requested"
+        self.stop_requested = True
+
+
+class BusAdapter:
+    """One rank's bus for an adapter: opened at the trainer's first hook, closed at its last.
+
+    Args:
+        bus: as :class:`eventbus.Trainer`'s ``bus=`` (None: ``runs/<run_name>/`` with its ipc address
+            and journal; an address string; a ``BusConfig``; False: publish nothing).
+        run_folder: where the journal lives (default ``runs/<run_name>``).
+    """
+
+    def __init__(self, bus: BusArgument = None, run_folder: Union[str, os.PathLike[str], None] = None):
+        self.bus = bus
+        self.run_folder = pathlib.Path(run_folder) if run_folder is not None else None
+        self.capture: Optional[EventCapture] = None
+        self.state: Optional[RunState] = None
+
+    @property
+    def address(self) -> Optional[str]:
+        return self.capture.publisher.address if self.capture is not None else None
+
+    def open(self, state: RunState, *, hyperparameters: Mapping[str, Any], trainer: str,
+             checkpoint_source: Optional[Callable[[], dict[str, Any]]] = None,
+             header: Optional[Mapping[str, Any]] = None) -> None:
+        """Bind the bus (a collective under torch.distributed: every rank calls it)."""
+        if self.capture is not None:
+            return
+        self.state = state
+        folder = self.run_folder or pathlib.Path("runs") / state.run_name
+        self.capture = open_bus(self.bus, state, run_folder=folder, hyperparameters=hyperparameters,
+                                checkpoint_source=checkpoint_source or _no_checkpoint,
+                                header={"trainer": trainer, **(header or {})}, quiet=True)
+        if self.capture is not None and state.rank == 0:
+            journal = f", journal {self.capture.publisher.journal_path}" if self.capture.publisher.journal_path else ""
+            print(f"eventbus: {trainer} run {state.run_name} publishing on {self.address}{journal}",
+                  file=sys.stderr, flush=True)
+
+    def publish(self, event: Event) -> None:
+        """Capture one event of the current state (training thread; never blocks)."""
+        if self.capture is not None and self.state is not None:
+            self.capture.publish(event, self.state)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
+        """What the user logged, under the names it was logged with (device values staged, not read)."""
+        if self.capture is not None and metrics:
+            self.capture.log_metrics(dict(metrics), step)
+
+    def log_hyperparameters(self, hyperparameters: Mapping[str, Any]) -> None:
+        if self.capture is not None and hyperparameters:
+            self.capture.publisher.log_hyperparameters(dict(hyperparameters))
+
+    def take_stop(self) -> Optional[str]:
+        """A worker's stop request applied at the last BATCH_END, once: its reason, else None."""
+        state = self.state
+        if state is None or not state.stop_requested:
+            return None
+        state.stop_requested = False
+        return state.stop_reason
+
+    def close(self) -> None:
+        """End the run on the bus: drain, journal the end, release staged buffers. Idempotent."""
+        capture, self.capture = self.capture, None
+        if capture is not None:
+            capture.close()
+
+
+def _no_checkpoint() -> dict[str, Any]:
+    raise RuntimeError("this trainer's adapter stages no checkpoints through the bus")
