@@ -1,5 +1,7 @@
 #!/usr/bin/env sh
-# Create .venv and install eventbus into it (add "test" to install the test tools too).
+# Create .venv and install eventbus into it (add "test" to install what the tests use too: the test
+# extra, with Lightning and transformers; Composer 0.32.1 (scripts/install-composer.sh); and tmux,
+# which the terminal tests drive, when it is missing and apt-get can install it).
 # An already-installed torch is kept: the venv sees system site-packages, and torch
 # is installed only when none imports, pinned to the local CPU build so that no
 # multi-GB CUDA download happens by accident.
@@ -14,4 +16,11 @@ fi
 extras=""
 [ "${1:-}" = "test" ] && extras="[test]"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras}"
+if [ "${1:-}" = "test" ]; then
+  sh scripts/install-composer.sh
+  if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing tmux (the terminal tests drive it)"
+    (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "bootstrap: could not install tmux"
+  fi
+fi
 echo "bootstrap: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -3,7 +3,7 @@
 Each test runs the same seeded job (same weights, data, optimizer and scheduler) once with
 ``composer.Trainer`` and once with ``eventbus.Trainer``, both carrying Composer's callback and logger
 classes, and compares what they logged. Wall-clock values are compared by key only. Skipped when
-Composer is not installed (``sh ../shared/tools/composer-venv.sh .venv`` installs it).
+``sh scripts/bootstrap.sh test`` installs Composer.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ import re
 import warnings
 from typing import Any, Callable
 
+import composer  # noqa: E402  (installed by scripts/bootstrap.sh test)
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-
-composer = pytest.importorskip("composer", reason="MosaicML Composer is not installed (see .ci/run)")
-
-from composer.callbacks import (  # noqa: E402  (after the importorskip above)
+from composer.callbacks import (  # noqa: E402
     EarlyStopper,
     LRMonitor,
     MemoryMonitor,
@@ -30,6 +27,7 @@ from composer.callbacks import (  # noqa: E402  (after the importorskip above)
 from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger  # noqa: E402
 from composer.models import ComposerClassifier as ComposerComposerClassifier  # noqa: E402
 from composer.optim import CosineAnnealingScheduler  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset
 
 import eventbus  # noqa: E402
 

@@ -25,10 +25,7 @@ import warnings
 from typing import Any, Iterator
 
 import pytest
-
-composer = pytest.importorskip("composer", reason="MosaicML Composer is not installed (see .ci/run)")
-
-from composer.callbacks import (  # noqa: E402  (after the importorskip above)
+from composer.callbacks import (  # noqa: E402
     EarlyStopper,
     LRMonitor,
     MemoryMonitor,
