@@ -15,18 +15,19 @@ Nothing lost, nothing doubled, on two levels:
 
 * **Cursor** (``.eventbus-export-<target>.json`` beside the output): the host
   commits the last applied seq and the destination's ``state_dict()`` together;
-  just before each commit the destination is flushed, so everything up to the
+  just before each commit the destination is flushed (``flush()``), so everything up to the
   committed seq is on disk (or at the server). ``--resume`` continues after it.
-* **Read-back**: the export first asks the destination what it already holds and
-  skips those points: (tag, step) pairs in the TensorBoard event files, each
-  key's metric history in the MLflow run, the steps in ``metrics.jsonl``
-  (:class:`~eventbus.trackers.files.MetricsFileLogger` does that itself). This
-  covers what the cursor cannot: points written after the last commit by an
-  export that was killed, and points a live logger already delivered. So a plain
-  rerun (without ``--resume``) re-reads the journal but sends nothing new, and a
-  ``--resume`` after a SIGKILL sends each point exactly once. W&B is read back by
-  :class:`~eventbus.trackers.wandb.WandBLogger` itself (the W&B run's id is the
-  eventbus run id; it skips every step at or below the last one W&B has).
+* **Read-back**: the export asks the destination what it already holds
+  (:meth:`~eventbus.core.logger.LoggerDestination.held_steps`,
+  ``holds_hyperparameters``) and skips those points: (tag, step) pairs in the
+  TensorBoard event files, each key's metric history in the MLflow run, the steps
+  in ``metrics.jsonl``. This covers what the cursor cannot: points written after
+  the last commit by an export that was killed, and points a live logger already
+  delivered. So a plain rerun (without ``--resume``) re-reads the journal but
+  sends nothing new, and a ``--resume`` after a SIGKILL sends each point exactly
+  once. W&B cannot tell per key; :class:`~eventbus.trackers.wandb.WandBLogger`
+  reads itself back (the W&B run's id is the eventbus run id; it skips every step
+  at or below the last one W&B has).
 
 Exit codes: 0 done; 1 the tracker failed (the cursor holds what it took:
 ``--resume`` later); 2 bad usage (unknown target, no journal); 3 the journal is
@@ -86,49 +87,56 @@ def resolve_journal(path: pathlib.Path) -> pathlib.Path:
 
 @dataclasses.dataclass
 class _Target:
-    """What one export writes into: the destination, what it already holds, and where it is."""
+    """What one export writes into: the destination, and where it is."""
 
     destination: LoggerDestination
     where: str  # for the summary line
     cursor_dir: pathlib.Path
-    cursor_key: str  # distinguishes two destinations of one target kind sharing cursor_dir
-    present: Optional[Callable[[str], set[int]]]  # key -> steps already there (None: cannot tell)
+    cursor_key: str = ""  # distinguishes two destinations of one target kind sharing cursor_dir
 
 
 def build_target(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
-    """The destination for ``options.target`` (its package imported only now), with its read-back."""
-    output = options.output
-    if options.target in ("csv", "jsonl"):
-        from eventbus.trackers.files import MetricsFileLogger
+    """The destination for ``options.target`` (its package imported only now)."""
+    builder = _BUILDERS.get(options.target)
+    if builder is None:
+        raise ConfigError(f"unknown export target {options.target!r} (choose from {', '.join(TARGETS)})")
+    return builder(options, run_folder, state)
 
-        folder = output or run_folder
-        return _Target(MetricsFileLogger(folder), str(folder / f"metrics.{options.target}"), folder, "",
-                       _JsonlContents(folder / "metrics.jsonl"))
-    if options.target == "tensorboard":
-        _require("torch.utils.tensorboard", "tensorboard")
-        from eventbus.trackers.tensorboard import TensorBoardLogger
 
-        folder = output or run_folder / "tensorboard"
-        return _Target(TensorBoardLogger(folder), str(folder), folder, "", _TensorBoardContents(folder))
-    if options.target == "mlflow":
-        _require("mlflow.tracking", "mlflow")
-        from eventbus.trackers.mlflow import MLflowLogger
+def _files(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
+    from eventbus.trackers.files import MetricsFileLogger
 
-        folder = output or run_folder
-        uri = options.mlflow_uri or (folder / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):
-            import os
+    folder = options.output or run_folder
+    return _Target(MetricsFileLogger(folder), str(folder / f"metrics.{options.target}"), folder)
 
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as MLflowLogger does for its default
-        logger = MLflowLogger(uri)
-        return _Target(logger, uri, folder, _digest(uri), _MlflowContents(logger, state))
-    if options.target == "wandb":
-        module = _require("eventbus.trackers.wandb", "wandb")
-        _require("wandb", "wandb")
-        folder = output or run_folder
-        logger = module.WandBLogger(init_kwargs={"dir": str(output)} if output else None)
-        return _Target(logger, f"W&B run {_run_id_of(state)}", folder, "", None)
-    raise ConfigError(f"unknown export target {options.target!r} (choose from {', '.join(TARGETS)})")
+
+def _tensorboard(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
+    _require("torch.utils.tensorboard", "tensorboard")
+    from eventbus.trackers.tensorboard import TensorBoardLogger
+
+    folder = options.output or run_folder / "tensorboard"
+    return _Target(TensorBoardLogger(folder), str(folder), folder)
+
+
+def _mlflow(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
+    _require("mlflow.tracking", "mlflow")
+    from eventbus.trackers.mlflow import MLflowLogger
+
+    folder = options.output or run_folder
+    uri = options.mlflow_uri or (folder / "mlruns").resolve().as_uri()
+    return _Target(MLflowLogger(uri), uri, folder, _digest(uri))
+
+
+def _wandb(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
+    module = _require("eventbus.trackers.wandb", "wandb")
+    _require("wandb", "wandb")
+    folder = options.output or run_folder
+    logger = module.WandBLogger(init_kwargs={"dir": str(options.output)} if options.output else None)
+    return _Target(logger, f"W&B run {_run_id_of(state)}", folder)
+
+
+_BUILDERS: dict[str, Callable[[ExportOptions, pathlib.Path, Any], _Target]] = {
+    "csv": _files, "jsonl": _files, "tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}
 
 
 def _run_id_of(state: Any) -> str:
@@ -149,72 +157,6 @@ def _digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-class _JsonlContents:
-    """The steps already in ``metrics.jsonl`` (a step's line holds all its keys: any key counts), read once."""
-
-    def __init__(self, path: pathlib.Path):
-        self._path = path
-        self._steps: Optional[set[int]] = None
-
-    def __call__(self, key: str) -> set[int]:
-        if self._steps is None:
-            from eventbus.trackers.files import written_steps
-
-            self._steps = written_steps(self._path)
-        return self._steps
-
-
-class _TensorBoardContents:
-    """The (tag, step) pairs already in a TensorBoard log dir, read once with TensorBoard's own loader."""
-
-    def __init__(self, folder: pathlib.Path):
-        self._folder = folder
-        self._steps: Optional[dict[str, set[int]]] = None
-
-    def __call__(self, key: str) -> set[int]:
-        if self._steps is None:
-            from eventbus.trackers.tensorboard import written_points
-
-            self._steps = written_points(self._folder)
-        return self._steps.get(key, set())
-
-
-class _MlflowContents:
-    """Each key's steps already in the MLflow run the logger writes to (asked once per key)."""
-
-    def __init__(self, logger: Any, state: Any):
-        self._logger = logger
-        self._state = state
-        self._steps: dict[str, set[int]] = {}
-        self._run_id: Optional[str] = None
-
-    def __call__(self, key: str) -> set[int]:
-        if key not in self._steps:
-            run_id = self._find_run()
-            client = self._client()
-            history = client.get_metric_history(run_id, key.replace("@", "_")) if run_id else []
-            self._steps[key] = {int(m.step) for m in history}
-        return self._steps[key]
-
-    def _client(self) -> Any:
-        from mlflow.tracking import MlflowClient
-
-        return MlflowClient(tracking_uri=self._logger.tracking_uri)
-
-    def _find_run(self) -> Optional[str]:
-        """The run MLflowLogger picks: the one named after the eventbus run in its experiment."""
-        if self._run_id is None:
-            client = self._client()
-            experiment = client.get_experiment_by_name(self._logger.experiment_name)
-            if experiment is None:
-                return None
-            from eventbus.trackers.mlflow import named_run
-
-            run = named_run(client, experiment.experiment_id, self._state.run_name)
-            self._run_id = run.info.run_id if run is not None else None
-        return self._run_id
-
-
 @dataclasses.dataclass
 class _Counts:
     """What the export did, for the progress bar and the summary line."""
@@ -226,13 +168,12 @@ class _Counts:
 
 
 class _Exporting(LoggerDestination):
-    """Wraps the tracker's destination: skips what it already holds, flushes it before each commit,
-    and initialises it on a resumed export whose INIT lies before the cursor (the host skips it)."""
+    """Wraps the tracker's destination: skips what it already holds (:meth:`LoggerDestination.held_steps`),
+    flushes it before each commit, and initialises it on a resumed export whose INIT lies before the
+    cursor (the host skips it)."""
 
-    def __init__(self, inner: LoggerDestination, present: Optional[Callable[[str], set[int]]],
-                 first_state: Any, counts: _Counts):
+    def __init__(self, inner: LoggerDestination, first_state: Any, counts: _Counts):
         self.inner = inner
-        self._present = present
         self._state = first_state
         self._counts = counts
         self._ready = False
@@ -253,27 +194,26 @@ class _Exporting(LoggerDestination):
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._ensure_ready()
-        if isinstance(self._present, _TensorBoardContents) and self._present("hyperparameters/text_summary"):
-            return  # TensorBoard keeps them as a text point: once is enough (the others check by name)
-        self.inner.log_hyperparameters(hyperparameters)
+        if not self.inner.holds_hyperparameters():
+            self.inner.log_hyperparameters(hyperparameters)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._ensure_ready()
         at = int(step or 0)
-        if self._present is not None:
-            fresh = {k: v for k, v in metrics.items() if at not in self._present(k)}
-            self._counts.present += _numbers(metrics) - _numbers(fresh)
-            metrics = fresh
+        fresh = {k: v for k, v in metrics.items() if at not in (self.inner.held_steps(k) or ())}
+        self._counts.present += _numbers(metrics) - _numbers(fresh)
+        metrics = fresh
         if metrics:
             self.inner.log_metrics(metrics, step)
             self._counts.points += _numbers(metrics)
             self._counts.steps.add(at)
 
+    def flush(self) -> None:
+        """Called by the host right before it commits the cursor, so the commit holds."""
+        if self._ready:
+            self.inner.flush()
+
     def state_dict(self) -> dict[str, Any]:
-        """Called by the host right before it commits the cursor: flush, so the commit holds."""
-        flush = getattr(self.inner, "flush", None) or getattr(getattr(self.inner, "_writer", None), "flush", None)
-        if self._ready and callable(flush):
-            flush()
         return {"inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -285,7 +225,7 @@ class _Exporting(LoggerDestination):
         if not self._ready:
             return
         if self.interrupted:
-            self.state_dict()  # the flush
+            self.flush()
             return
         self.inner.close(state if state is not None else self._state, logger)
 
@@ -358,7 +298,7 @@ def export(options: ExportOptions) -> int:
     progress = _Progress(journal, counts)
     stream = JournalStream(journal, follow=options.follow, through_restarts=True, on_message=progress.message,
                            on_caught_up=_following)
-    wrapper = _Exporting(target.destination, target.present, first.state, counts)
+    wrapper = _Exporting(target.destination, first.state, counts)
     started = time.perf_counter()
     try:
         failure = asyncio.run(_run(wrapper, cursor, stream))

@@ -63,6 +63,28 @@ class LoggerDestination(Callback):
     def can_upload_files(self) -> bool:
         return False
 
+    # What a tracker already holds and when it is durable: ``eventbus export`` and the daemons'
+    # cursors rely on these to send each point once across reruns and restarts.
+
+    def held_steps(self, key: str) -> Optional[set[int]]:
+        """The steps at which ``key`` was already stored before this destination wrote anything
+        (read back from its files or server on first use, once): ``eventbus export`` skips them.
+
+        Returns:
+            The steps, or None (the default) when the destination cannot tell: every point is sent.
+        """
+        return None
+
+    def holds_hyperparameters(self) -> bool:
+        """Whether the run's hyperparameters are stored already, so that logging them again would
+        double them; False (the default) when they are not, or when the destination never doubles them."""
+        return False
+
+    def flush(self) -> None:
+        """Make everything logged so far durable (on disk, or at the server). The callback host calls
+        it right before it commits a cursor, so what the cursor counts as applied survives a kill.
+        The default does nothing: for destinations that do not buffer."""
+
 
 def is_logger_destination(obj: Any) -> bool:
     """An eventbus LoggerDestination or any class named ``LoggerDestination`` in its MRO (Composer's),

@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import LiveState, calling_callback
 from eventbus.bus.subscribe.subscriber import Message
 from eventbus.core.callback import Callback
@@ -311,7 +312,7 @@ class CallbackHost:
                     slot.last_seq = message.seq
                     continue  # applied before a restart
                 await self._put(slot, message)
-            if message.kind == "end":
+            if message.kind == Kind.END:
                 return
 
     async def _put(self, slot: _Slot, item: Any) -> None:
@@ -454,11 +455,11 @@ class CallbackHost:
         slot.live.show(message.state)
         slot.logger.state = message.state
         slot.run_id = message.run_id
-        if message.kind == "metrics":
+        if message.kind == Kind.METRICS:
             if message.metrics is not None and _takes_metrics(callback):
                 return [(callback.log_metrics, (message.metrics, message.step))]
             return []
-        if message.kind == "header" and is_logger_destination(callback):
+        if message.kind == Kind.HEADER and is_logger_destination(callback):
             # The header precedes INIT on the wire; the trainer logs hyperparameters after INIT.
             slot.hyperparameters = dict(message.state.hyperparameters) if message.state is not None else {}
             return [(callback.log_hyperparameters, (slot.hyperparameters,))] if slot.seen_init else []

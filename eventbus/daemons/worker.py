@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.journal_stream import damage_summary, journal_messages
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
@@ -150,9 +151,9 @@ class _Runs:
             if run_id is None and joined is not None:
                 joined(message.run_id)  # sent before anything a callback sends about this run
             run_id = message.run_id
-            if message.kind != "event" or self._events is None or message.event.value in self._events:
+            if message.kind != Kind.EVENT or self._events is None or message.event.value in self._events:
                 yield message
-            if message.kind == "end":
+            if message.kind == Kind.END:
                 return
 
 

@@ -14,6 +14,7 @@ import math
 import time
 from typing import Any, Optional, Sequence, TypeGuard
 
+from eventbus.bus.schema import Kind
 from eventbus.core.events import Event
 
 __all__ = ["DEFAULT_METRICS", "STALE_AFTER", "SeriesView", "DaemonView", "ViewModel", "EventRate", "TrainerHealth",
@@ -307,7 +308,7 @@ class Tracker:
                 self.ended = False
             self.run_id = message.run_id
         kind = message.kind
-        if kind == "event":
+        if kind == Kind.EVENT:
             state = message.state
             self.state = state
             self.event = message.event.value if message.event is not None else None
@@ -319,11 +320,11 @@ class Tracker:
                     self._batches.append((int(state.batch_num_samples or 0), wct))
             elif message.event is Event.EVAL_END and state.dataloader_label:
                 self._eval_at[str(state.dataloader_label)] = int(state.timestamp.batch)
-        elif kind == "metrics" and message.metrics:
+        elif kind == Kind.METRICS and message.metrics:
             self._feed_metrics(message.metrics, message.step, message.state)
-        elif kind == "header":
+        elif kind == Kind.HEADER:
             self.header = dict(message.state.header or {})
-        elif kind == "end":
+        elif kind == Kind.END:
             self.ended = True
 
     def _feed_metrics(self, metrics: dict[str, Any], step: Optional[int], state: Any) -> None:

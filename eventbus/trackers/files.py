@@ -31,6 +31,7 @@ class MetricsFileLogger(LoggerDestination):
         self.hold_steps = hold_steps
         self._pending: dict[int, dict[str, Any]] = {}
         self._written: set[int] = set()
+        self._held: Optional[set[int]] = None  # the steps the file had before this logger wrote to it
         self._file: Optional[TextIO] = None
         self.path: Optional[pathlib.Path] = None
 
@@ -39,7 +40,7 @@ class MetricsFileLogger(LoggerDestination):
         runs): its held-back steps go to that run's file, then this run starts afresh."""
         if self._pending and self.folder is not None:
             self.close(state, logger)
-        self._pending, self._written, self.path = {}, set(), None
+        self._pending, self._written, self._held, self.path = {}, set(), None, None
         self.folder = run_folder(state, self.configured_folder)
 
     def state_dict(self) -> dict[str, Any]:
@@ -50,6 +51,7 @@ class MetricsFileLogger(LoggerDestination):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.folder = state.get("folder", self.folder)
+        self._held = None
         self._pending = {int(k): dict(v) for k, v in state.get("pending", {}).items()}
 
     def _open(self) -> None:
@@ -63,13 +65,25 @@ class MetricsFileLogger(LoggerDestination):
         self._written = written_steps(self.path)
         self._file = open(self.path, "a")
 
+    def held_steps(self, key: str) -> Optional[set[int]]:
+        """The steps ``metrics.jsonl`` held before this logger appended to it, read once (on first use);
+        a step's line holds every key logged for it, so any key counts."""
+        if self.folder is None:
+            return None
+        if self._held is None:
+            self._held = written_steps(pathlib.Path(self.folder) / "metrics.jsonl")
+        return self._held
+
+    def holds_hyperparameters(self) -> bool:
+        """``hyperparameters.json`` exists: the first hyperparameters logged for the run are kept."""
+        return self.folder is not None and (pathlib.Path(self.folder) / "hyperparameters.json").exists()
+
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self.folder is None or not hyperparameters:
+        if self.folder is None or not hyperparameters or self.holds_hyperparameters():
             return
         path = pathlib.Path(self.folder) / "hyperparameters.json"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(hyperparameters, indent=2, sort_keys=True, default=str))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(hyperparameters, indent=2, sort_keys=True, default=str))
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._open()

@@ -38,6 +38,7 @@ class MLflowLogger(LoggerDestination):
         self._client: Any = None
         self._run_id: Optional[str] = None
         self._present: dict[str, int] = {}  # key -> the last step the run held when it was opened
+        self._held: dict[str, set[int]] = {}  # key -> its steps in the run before this logger sent it
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run. A cursor of an earlier run (a daemon's cursor outlives runs) may have restored
@@ -46,7 +47,7 @@ class MLflowLogger(LoggerDestination):
             log.error("MLflow: %d items of the previous run %s were never sent; `eventbus export` sends them "
                       "from its journal", len(self.outbox.items), self.run_name)
         self.outbox.items.clear()
-        self._client, self._run_id, self._present = None, None, {}
+        self._client, self._run_id, self._present, self._held = None, None, {}, {}
         self.tracking_uri = self.configured_uri or (run_folder(state, None) / "mlruns").resolve().as_uri()
         self.run_name = str(state.run_name)
         self.outbox.put(["open"])
@@ -71,6 +72,18 @@ class MLflowLogger(LoggerDestination):
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if points:
             self.outbox.put(["metrics", int(step or 0), points, int(time.time() * 1000)])
+
+    def held_steps(self, key: str) -> Optional[set[int]]:
+        """The steps of ``key`` in the MLflow run named after the eventbus run (none while there is no
+        such run): its metric history, asked once per key, before this logger sends that key."""
+        if self.run_name is None:
+            return None
+        if key not in self._held:
+            client = self._client or self._connect()
+            run_id = self._run_id or self._named_run_id(client)
+            history = client.get_metric_history(run_id, key.replace("@", "_")) if run_id else []
+            self._held[key] = {int(m.step) for m in history}
+        return self._held[key]
 
     def flush(self) -> None:
         """Send what is queued, if the server answers (called before each cursor commit)."""
@@ -109,18 +122,7 @@ class MLflowLogger(LoggerDestination):
         """The client and the run named after the eventbus run (made if new; if not, what it holds)."""
         if self._client is not None:
             return self._client
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as err:
-            raise RuntimeError("MLflowLogger needs mlflow: pip install 'eventbus[mlflow]'") from err
-        if str(self.tracking_uri).startswith("file:"):
-            # MLflow 3 keeps the local file store behind an opt-in; it is still the simplest default.
-            # Here, not in init: a restarted worker resumes after INIT.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        # The Outbox retries: MLflow's own retries (7, backing off for minutes) would hold this thread.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        client = MlflowClient(tracking_uri=self.tracking_uri)
+        client = self._connect()
         experiment = client.get_experiment_by_name(self.experiment_name)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else client.create_experiment(self.experiment_name))
@@ -133,6 +135,27 @@ class MLflowLogger(LoggerDestination):
             self._run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
         self._client = client
         return client
+
+    def _connect(self) -> Any:
+        """A client of the tracking URI, set up as every call here needs it."""
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as err:
+            raise RuntimeError("MLflowLogger needs mlflow: pip install 'eventbus[mlflow]'") from err
+        if str(self.tracking_uri).startswith("file:"):
+            # MLflow 3 keeps the local file store behind an opt-in; it is still the simplest default.
+            # Here, not in init: a restarted worker resumes after INIT.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # The Outbox retries: MLflow's own retries (7, backing off for minutes) would hold this thread.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        return MlflowClient(tracking_uri=self.tracking_uri)
+
+    def _named_run_id(self, client: Any) -> Optional[str]:
+        """The id of the run :meth:`_open` picks, if it exists already."""
+        experiment = client.get_experiment_by_name(self.experiment_name)
+        run = named_run(client, experiment.experiment_id, self.run_name) if experiment is not None else None
+        return run.info.run_id if run is not None else None
 
 
 def named_run(client: Any, experiment_id: str, run_name: Optional[str]) -> Any:

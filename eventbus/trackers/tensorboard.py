@@ -31,11 +31,13 @@ class TensorBoardLogger(LoggerDestination):
         self.log_dir = log_dir
         self._writer: Any = None
         self._written: dict[str, int] = {}  # tag -> the last step already in the folder's files
+        self._held: Optional[dict[str, set[int]]] = None  # tag -> its steps in the folder before we wrote
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run: its own folder, whatever a cursor of an earlier run restored."""
         self.close(state, logger)
         self.log_dir = self.configured_dir or run_folder(state, None) / "tensorboard"
+        self._held = None
         self._open()
 
     def state_dict(self) -> dict[str, Any]:
@@ -44,6 +46,7 @@ class TensorBoardLogger(LoggerDestination):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.log_dir = state.get("log_dir", self.log_dir)
+        self._held = None
 
     def _open(self) -> None:
         if self._writer is not None or self.log_dir is None:
@@ -53,12 +56,30 @@ class TensorBoardLogger(LoggerDestination):
         except ImportError as err:
             raise RuntimeError("TensorBoardLogger needs tensorboard: pip install 'eventbus[tensorboard]'") from err
         folder = pathlib.Path(self.log_dir)
-        self._written = written_steps(folder)
+        points = written_points(folder)  # read before this writer adds a file
+        if self._held is None:
+            self._held = points
+        self._written = {tag: max(steps) for tag, steps in points.items()}
         self._writer = SummaryWriter(log_dir=str(folder))
 
+    def _points(self) -> Optional[dict[str, set[int]]]:
+        """Each tag's steps in the folder before this logger wrote to it: read when the writer opens
+        (or on first use, before that), once; None while the logger has no folder."""
+        if self._held is None and self.log_dir is not None:
+            self._held = written_points(pathlib.Path(self.log_dir))
+        return self._held
+
+    def held_steps(self, key: str) -> Optional[set[int]]:
+        """The steps of the tag ``key`` already in the folder's event files."""
+        points = self._points()
+        return None if points is None else points.get(key, set())
+
+    def holds_hyperparameters(self) -> bool:
+        """The folder has the hyperparameters' text point already (``hyperparameters/text_summary``)."""
+        return any(tag.startswith("hyperparameters") for tag in self._points() or {})
+
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        already = any(tag.startswith("hyperparameters") for tag in self._written)  # "hyperparameters/text_summary"
-        if self._writer is not None and hyperparameters and not already:
+        if self._writer is not None and hyperparameters and not self.holds_hyperparameters():
             text = "\n".join(f"    {k}: {v}" for k, v in sorted(hyperparameters.items()))
             self._writer.add_text("hyperparameters", text, 0)
 

@@ -196,12 +196,12 @@ class RequestService:
         """hello / progress: the subscriber table already recorded them."""
 
     def _stats_reply(self, route: list[bytes], request: Request) -> None:
-        self._reply(route, "stats", request, seq=self._history.seq, publisher=dataclasses.asdict(self._stats),
+        self._reply(route, Op.STATS, request, seq=self._history.seq, publisher=dataclasses.asdict(self._stats),
                     subscribers=self.subscribers.entries, now=time.time())
 
     def _snapshot(self, route: list[bytes], request: Request) -> None:
         self._stats.snapshot_requests += 1
-        self._reply(route, "snapshot", request, self._history.header_bytes, *self._history.latest(),
+        self._reply(route, Op.SNAPSHOT, request, self._history.header_bytes, *self._history.latest(),
                     seq=self._history.seq, rank=self._history.rank)
 
     def _replay(self, route: list[bytes], request: Request) -> None:
@@ -211,7 +211,7 @@ class RequestService:
         same_run = request.get("run_id") == self._history.run_id
         messages = self._history.messages(first, last, MAX_REPLAY_REPLY_BYTES) if same_run else []
         self._stats.replayed_messages += len(messages)
-        self._reply(route, "replay", request, *messages, first=first, last=first + len(messages) - 1)
+        self._reply(route, Op.REPLAY, request, *messages, first=first, last=first + len(messages) - 1)
 
     def _ping(self, route: list[bytes], request: Request) -> None:
         self._reply(route, "pong", request, seq=self._history.seq, links=self._history.links())
@@ -247,9 +247,9 @@ class RequestService:
 
     def _checkpoint_fetch(self, route: list[bytes], request: Request) -> None:
         self._stats.checkpoint_fetches += 1
-        envelope = [*route, wire.encode_request("checkpoint_fetch", id=request.id, run_id=self._history.run_id)]
+        envelope = [*route, wire.encode_request(Op.CHECKPOINT_FETCH, id=request.id, run_id=self._history.run_id)]
         if self._staging is None or not self._staging.send(self._router, envelope, request.get("buffer")):
-            self._reply(route, "checkpoint_fetch", request,
+            self._reply(route, Op.CHECKPOINT_FETCH, request,
                         error="no such staged checkpoint (already acknowledged, or from another run)")
 
 

@@ -19,6 +19,7 @@ import os
 from typing import Any, Callable, Optional
 
 from eventbus.bus.journal import JournalReader, Position
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.sequencer import Sequencer
 
 __all__ = ["JournalSource", "CHUNK", "INDEX_EVERY"]
@@ -75,9 +76,9 @@ class JournalSource:
             envelope = item.envelope
             run = runs.setdefault(envelope.run_id, _Run(record.position))
             run.last_seq = max(run.last_seq, envelope.seq)
-            if envelope.kind == "header":
+            if envelope.kind == Kind.HEADER:
                 run.header = envelope.payload
-            run.ended = run.ended or envelope.kind == "end"
+            run.ended = run.ended or envelope.kind == Kind.END
             if not run.index or envelope.seq >= run.index[-1][0] + INDEX_EVERY:
                 run.index.append((envelope.seq, record.position))
         if not runs:
@@ -125,7 +126,7 @@ class JournalSource:
             if not self._index or seq >= self._index[-1][0] + INDEX_EVERY:
                 self._index.append((seq, record.position))
             if seq < first:
-                if item.envelope.kind == "end":
+                if item.envelope.kind == Kind.END:
                     self._sequencer.ended = True  # the run ended before the resume point: nothing more comes
                 continue
             if seq > last or self._sequencer.next_seq != first:

@@ -13,6 +13,8 @@ import time
 from typing import Any, Callable, Optional
 
 from eventbus.bus import wire
+from eventbus.bus.protocol import Op
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.sequencer import Decoded
 from eventbus.bus.subscribe.snapshot import Snapshot
 from eventbus.bus.subscribe.stats import SubscriberStats
@@ -64,10 +66,10 @@ class RunView:
 
     def absorb(self, envelope: wire.Envelope) -> Optional[Snapshot]:
         """Update the header or the current snapshot from a message; returns the snapshot."""
-        if envelope.kind == "header":
+        if envelope.kind == Kind.HEADER:
             self.header = envelope.payload
             return self.state
-        if envelope.kind == "event":
+        if envelope.kind == Kind.EVENT:
             self.state = self._snapshot(envelope, envelope.event, envelope.payload)
         return self.state
 
@@ -77,7 +79,7 @@ class RunView:
         state = self.absorb(envelope)
         if state is None:
             state = self._snapshot(envelope, None, {})
-        event = Event(envelope.event) if envelope.kind == "event" else None
+        event = Event(envelope.event) if envelope.kind == Kind.EVENT else None
         if event is not None and self._events is not None and event not in self._events:
             return None
         self._stats.delivered += 1
@@ -85,7 +87,7 @@ class RunView:
         payload = envelope.payload
         return Message(
             kind=envelope.kind, event=event, state=state, seq=envelope.seq, run_id=envelope.run_id,
-            rank=envelope.rank, metrics=payload.get("metrics") if envelope.kind == "metrics" else None,
+            rank=envelope.rank, metrics=payload.get("metrics") if envelope.kind == Kind.METRICS else None,
             step=payload.get("step"), source=payload.get("source"), recovered=item.recovered,
         )
 
@@ -96,4 +98,5 @@ class RunView:
 
 
 def _no_trainer(op: str, fields: dict[str, Any]) -> None:
-    raise RuntimeError(f"{op}: there is no trainer to talk to when replaying a journal")
+    name = op.value if isinstance(op, Op) else op  # an Op formats as "Op.STOP"
+    raise RuntimeError(f"{name}: there is no trainer to talk to when replaying a journal")

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncIterator
 
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.messages import Message
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.bus.subscribe.subscriber import Subscriber
@@ -109,6 +110,6 @@ class AllRanks:
             if item is _DONE:
                 self._running -= 1
                 continue
-            if item.rank == 0 and item.kind == "header" and len(self.subscribers) < self.world_size:
+            if item.rank == 0 and item.kind == Kind.HEADER and len(self.subscribers) < self.world_size:
                 await self._open_other_ranks()
             return item

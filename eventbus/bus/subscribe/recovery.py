@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from eventbus.bus import wire
+from eventbus.bus.protocol import Op
 from eventbus.bus.subscribe.journal_source import JournalSource
 from eventbus.bus.subscribe.sequencer import Sequencer
 from eventbus.bus.subscribe.service_client import ServiceClient
@@ -49,7 +50,7 @@ class GapFiller:
             return
         loop = asyncio.get_running_loop()
         if self._sequencer.following or loop.time() >= self._service_down_until:  # a restart shows only here
-            frames = await self._service.request("ping")
+            frames = await self._service.request(Op.PING)
             if frames is not None:
                 self._service_down_until = 0.0  # it answers again
                 reply = wire.decode_request(frames[0])
@@ -79,7 +80,7 @@ class GapFiller:
         """Queue what the replay service returns from ``first`` on; returns the first seq still missing."""
         loop = asyncio.get_running_loop()
         while first <= last and loop.time() >= self._service_down_until:
-            frames = await self._service.request("replay", run_id=self._sequencer.run_id,
+            frames = await self._service.request(Op.REPLAY, run_id=self._sequencer.run_id,
                                                  **{"from": first, "to": last})
             if frames is None:  # no answer: go to the journal for a while instead of waiting each time
                 self._service_down_until = loop.time() + _SERVICE_BACKOFF

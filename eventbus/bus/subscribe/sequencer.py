@@ -13,6 +13,7 @@ import logging
 from typing import Callable, Optional
 
 from eventbus.bus import wire
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError
 
@@ -163,7 +164,7 @@ class Sequencer:
         if not self._ready:
             return None
         item = self._ready.popleft()
-        if item.envelope.kind == "end":
+        if item.envelope.kind == Kind.END:
             self.ended = True
         return item
 

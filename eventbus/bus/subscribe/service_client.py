@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from eventbus.bus import wire
+from eventbus.bus.protocol import Op
 from eventbus.bus.security import ClientKeys
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError, TransferError
@@ -67,12 +68,12 @@ class ServiceClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def request(self, op: str, **fields: Any) -> Optional[list[bytes]]:
+    async def request(self, op: Op, **fields: Any) -> Optional[list[bytes]]:
         """One request/reply: the reply's frames, or None on timeout (the socket is then replaced)."""
         async with self._turn:
             return await self._request(op, fields)
 
-    async def _request(self, op: str, fields: dict[str, Any]) -> Optional[list[bytes]]:
+    async def _request(self, op: Op, fields: dict[str, Any]) -> Optional[list[bytes]]:
         assert self._dealer is not None, "connect() first"
         request_id = next(self._ids)
         await self._dealer.send(wire.encode_request(op, id=request_id, **self._routed(fields)))
@@ -96,12 +97,12 @@ class ServiceClient:
 
     async def trainer_stats(self) -> Optional[dict[str, Any]]:
         """The publisher's counters and the subscribers it heard from recently; None if it does not answer."""
-        frames = await self.request("stats")
+        frames = await self.request(Op.STATS)
         return wire.decode_request(frames[0]) if frames else None
 
     # ------------------------------------------------------------------ control (one-way)
 
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, op: Op, **fields: Any) -> None:
         """Thread-safe: hosted callbacks call this from their own threads; the socket is the loop's."""
         assert self._loop is not None, "connect() first"
         data = wire.encode_request(op, **self._routed(fields))
@@ -109,15 +110,16 @@ class ServiceClient:
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer_to(rank).send(data)))
 
     def control(self, op: str, fields: dict[str, Any]) -> None:
-        """A snapshot's control hook (``stop_training()``, a checkpoint's ack): sent as this subscriber."""
-        self.send(op, **fields, source=self.identity)
+        """A snapshot's control hook (``stop_training()``, a checkpoint's ack): sent as this subscriber.
+        ``op`` names an :class:`Op` (ValueError if it does not): the hook's callers sit below the bus."""
+        self.send(Op(op), **fields, source=self.identity)
 
     def stop_training(self, reason: str) -> None:
-        self.control("stop", {"reason": reason})
+        self.control(Op.STOP, {"reason": reason})
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
-        self.send("metrics", metrics=plain, step=step, source=source or self.identity)
+        self.send(Op.METRICS, metrics=plain, step=step, source=source or self.identity)
 
     def hello(self, stats: dict[str, Any], callbacks: Sequence[str] = (), applied: Optional[int] = None,
               topics: Optional[Sequence[str]] = None, run_id: Optional[str] = None) -> None:
@@ -126,15 +128,15 @@ class ServiceClient:
             extra["run_id"] = run_id
         if topics is not None:
             extra["topics"] = list(topics)  # the trainer waits at the end only for what this one receives
-        self.send("hello", stats=stats, callbacks=list(callbacks), source=self.identity, **extra)
+        self.send(Op.HELLO, stats=stats, callbacks=list(callbacks), source=self.identity, **extra)
 
     def progress(self, applied: int, run_id: Optional[str] = None) -> None:
         extra = {"run_id": run_id} if run_id is not None else {}
-        self.send("progress", applied=applied, source=self.identity, **extra)
+        self.send(Op.PROGRESS, applied=applied, source=self.identity, **extra)
 
     def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
                         options: Optional[dict[str, Any]] = None) -> None:
-        self.send("capture", what=sorted(what), interval=interval, ttl=ttl, options=options or {},
+        self.send(Op.CAPTURE, what=sorted(what), interval=interval, ttl=ttl, options=options or {},
                   source=self.identity)
 
     # ------------------------------------------------------------------ checkpoint transfer
@@ -158,7 +160,7 @@ class ServiceClient:
             request = {"id": 1, "buffer": descriptor["buffer"], "source": self.identity}
             if rank is not None:
                 request["rank"] = rank
-            dealer.send(wire.encode_request("checkpoint_fetch", **self._routed(request)))
+            dealer.send(wire.encode_request(Op.CHECKPOINT_FETCH, **self._routed(request)))
             if not dealer.poll(int(timeout * 1000)):
                 raise TransferError(f"no checkpoint from {address} within {timeout:.0f}s")
             frames = dealer.recv_multipart(copy=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
+from eventbus.bus.protocol import Op
 from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.views import (
     DeviceView,
@@ -212,7 +213,7 @@ class Snapshot:
             raise RuntimeError("this snapshot has no control channel (replayed from a journal?)")
         if not reason:
             reason = f"stop_training() from {calling_callback.get() or 'a subscriber'} at {self.event}"
-        self._control("stop", {"reason": reason})
+        self._control(Op.STOP, {"reason": reason})
 
     def __repr__(self) -> str:
         return (f"Snapshot(run={self.run_name!r}, rank={self.rank}, seq={self.seq}, event={self.event}, "

@@ -38,6 +38,8 @@ import zmq.asyncio
 
 from eventbus.bus import wire
 from eventbus.bus.config import service_address_for
+from eventbus.bus.protocol import Op
+from eventbus.bus.schema import Kind
 from eventbus.bus.security import ClientKeys
 from eventbus.bus.subscribe.journal_source import JournalSource
 from eventbus.bus.subscribe.messages import Message, RunView
@@ -186,7 +188,7 @@ class Subscriber:
 
     async def _join(self) -> None:
         """Ask for the snapshot (header, latest message of each kind, current seq) and set the join point."""
-        frames = await self._service.request("snapshot")
+        frames = await self._service.request(Op.SNAPSHOT)
         if frames is None:
             # No publisher (not up yet, or the run is over): catch up from the journal if there is
             # one; otherwise the first live message establishes the join point.
@@ -306,5 +308,5 @@ class Subscriber:
 def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[str]]:
     """The topic names to subscribe to; None for all of them."""
     if events is None:
-        return None if metrics else [name for name in wire.TOPICS if name != "metrics"]
-    return ["header", "end", *(["metrics"] if metrics else []), *sorted(e.value for e in events)]
+        return None if metrics else [name for name in wire.TOPICS if name != Kind.METRICS]
+    return [Kind.HEADER, Kind.END, *([Kind.METRICS] if metrics else []), *sorted(e.value for e in events)]
