@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=OneLineErrorParser)
 
-    from eventbus.daemons.job import add_run_arguments
+    from eventbus.run.config import add_run_arguments
 
     run = commands.add_parser("run", help="train the bundled character-level model with the daemons (the main job)",
                               description="Train a small character-level Transformer on Python's bundled "
@@ -192,7 +192,7 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        from eventbus.daemons.job import run_job
+        from eventbus.run.job import run_job
 
         return run_job(args)
     if args.command == "keys":
