@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import pathlib
 import re
 import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from eventbus.daemons.runtime import OneLineErrorParser, serve, setup_logging
+from eventbus.daemons.runtime import OneLineErrorParser, seconds, serve, setup_logging
 from eventbus.errors import ConfigError, EventBusError
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=OneLineErrorParser)
 
-    from eventbus.daemons.job import add_run_arguments
+    from eventbus.run.config import add_run_arguments
 
     run = commands.add_parser("run", help="train the bundled character-level model with the daemons (the main job)",
                               description="Train a small character-level Transformer on Python's bundled "
@@ -71,23 +70,12 @@ def _add_worker_command(commands: Any) -> None:
     worker.add_argument("--events", nargs="+", metavar="EVENT", help="only these events (default: all)")
     worker.add_argument("--journal", help="journal to recover from if the trainer's replay service is gone")
     worker.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
-    worker.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+    worker.add_argument("--timeout", type=seconds, metavar="SECONDS",
                         help="give up (exit code 2) when no trainer serves ADDR within SECONDS (default: wait; "
                              "a local address nobody serves is reported at once)")
     worker.add_argument("--follow", action="store_true",
                         help="keep going when the run ends: follow the next run on the same address with fresh "
                              "callbacks (a restarted trainer)")
-
-
-def _seconds(text: str) -> float:
-    """A number of seconds, zero or more (argparse type: its error is the one-line message)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be zero or more seconds, got {text!r}")
-    return value
 
 
 def _key_name(text: str) -> str:
@@ -117,7 +105,7 @@ def _add_bus_commands(commands: Any) -> None:
     status.add_argument("address", help="the trainer's bus address")
     status.add_argument("--subscriber", action="append", default=[],
                         help="also require that this subscriber identity sent a heartbeat recently")
-    status.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for an answer (default: 3)")
+    status.add_argument("--timeout", type=seconds, default=3.0, help="seconds to wait for an answer (default: 3)")
 
     proxy = commands.add_parser(
         "proxy", help="one address for all ranks of a torchrun job",
@@ -129,7 +117,7 @@ def _add_bus_commands(commands: Any) -> None:
     proxy.add_argument("--connect", required=True, metavar="ADDR", help="rank 0's bus address")
     proxy.add_argument("--bind", required=True, metavar="ADDR",
                        help="the address subscribers connect to (its request service is the next port, or .ctl)")
-    proxy.add_argument("--wait", type=_seconds, default=300.0, metavar="SECONDS",
+    proxy.add_argument("--wait", type=seconds, default=300.0, metavar="SECONDS",
                        help="how long to wait for rank 0 to answer (default: 300)")
 
 
@@ -204,7 +192,7 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        from eventbus.daemons.job import run_job
+        from eventbus.run.job import run_job
 
         return run_job(args)
     if args.command == "keys":

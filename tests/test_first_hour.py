@@ -83,13 +83,14 @@ BAD = [
     (["run", "--seed", "-1"], "seed must be an integer"),
     (["keys", "generate", "/proc/x"], "cannot write keys into '/proc/x'"),
     (["keys", "generate", "keys", "--name", "../x"], "must be a plain file name"),
-    (["status", "ipc:///nowhere/bus", "--timeout", "-1"], "must be zero or more seconds"),
+    (["status", "ipc:///nowhere/bus", "--timeout", "-1"], "must be a positive number of seconds"),
+    (["status", "ipc:///nowhere/bus", "--timeout", "nan"], "must be a positive number of seconds"),
     (["monitor", "--once", "ipc:///nowhere/bus"], "no trainer serves ipc:///nowhere/bus"),
     (["monitor", "--timeout", "0.3", "ipc:///nowhere/bus"], "gave up after 0.3s"),
     (["monitor", "--refresh", "0", "ipc:///nowhere/bus"], "positive number of seconds"),
     (["monitor", "nope.journal"], "no such journal"),
     (["worker", "--connect", "ipc:///nowhere/bus", "--callback", "tests.worker_callbacks:EventCollector",
-      "--timeout", "0"], "no trainer serves ipc:///nowhere/bus"),
+      "--timeout", "0.1"], "no trainer serves ipc:///nowhere/bus"),
     (["replay", "nope.journal", "--callback", "json:JSONDecoder"], "does not exist"),
 ]
 

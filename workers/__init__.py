@@ -3,6 +3,7 @@
 * ``logger``     -- console progress, metrics.jsonl / metrics.csv, TensorBoard, MLflow.
 * ``timing``     -- SpeedMonitor, RuntimeEstimator, LRMonitor, OptimizerMonitor, MemoryMonitor.
 * ``checkpoint`` -- CheckpointSaver: writes the checkpoints the trainer staged.
+* ``health``     -- SystemMonitor, StallDetector, LossMonitor: the machine, hangs and the loss, from outside.
 * ``stoppers``   -- EarlyStopper, ThresholdStopper, stopping the trainer over the control channel.
 
 Every callback here is an ordinary ``eventbus.Callback``: it works in process

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from eventbus import Callback, Event, Time
 from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically, save_sharded_atomically, temp_name
 from eventbus.checkpoint.handle import TRANSFERS
+from eventbus.checkpoint.naming import FILENAME, FOLDER, LATEST_FILENAME
 from eventbus.checkpoint.remote import is_url, parse_storage_options
 from eventbus.checkpoint.retention import MODES, Retention, parse_monitor
 from eventbus.checkpoint.uploads import Uploader
@@ -70,9 +71,9 @@ class CheckpointSaver(Callback):
 
     def __init__(
         self,
-        folder: str = "{run_name}/checkpoints",
-        filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt",
-        latest_filename: Optional[str] = "latest-rank{rank}.pt",
+        folder: str = FOLDER,
+        filename: str = FILENAME,
+        latest_filename: Optional[str] = LATEST_FILENAME,
         save_interval: Union[str, int, Time, Callable[[Any, Event], bool]] = "1ep",
         num_checkpoints_to_keep: int = -1,
         overwrite: bool = False,
@@ -91,7 +92,7 @@ class CheckpointSaver(Callback):
             raise ConfigError("keep-best needs a monitor: the metric to rank checkpoints by")
         self._monitor = parse_monitor(monitor) if monitor else None
         self.remote_folder = folder if is_url(folder) else None
-        self.folder = "{run_name}/checkpoints" if self.remote_folder else folder
+        self.folder = FOLDER if self.remote_folder else folder
         self.filename = filename
         self.latest_filename = latest_filename
         self.save_interval = save_interval
@@ -300,12 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "run (after the final checkpoint) or on SIGTERM.")
     add_daemon_arguments(parser, identity="checkpoint")
     parser.add_argument("--save-interval", default="1ep", help="'1ep', '100ba', ... (default: 1ep)")
-    parser.add_argument("--folder", default="{run_name}/checkpoints",
-                        help="folder template under --runs-dir (default: {run_name}/checkpoints), or an fsspec URL "
+    parser.add_argument("--folder", default=FOLDER,
+                        help=f"folder template under --runs-dir (default: {FOLDER}), or an fsspec URL "
                              "(s3://bucket/{run_name}/checkpoints, gs://..., file://...) to upload each checkpoint "
                              "to after its local write in {run_name}/checkpoints (needs: pip install 'eventbus[s3]')")
-    parser.add_argument("--filename", default="ep{epoch}-ba{batch}-rank{rank}.pt")
-    parser.add_argument("--latest-filename", default="latest-rank{rank}.pt", help="'' for no link")
+    parser.add_argument("--filename", default=FILENAME, help=f"(default: {FILENAME})")
+    parser.add_argument("--latest-filename", default=LATEST_FILENAME,
+                        help=f"'' for no link (default: {LATEST_FILENAME})")
     parser.add_argument("--runs-dir", help="base folder (default: the parent of the trainer's run folder)")
     parser.add_argument("--keep", type=int, default=-1, help="checkpoints to keep (default: all)")
     parser.add_argument("--keep-best", type=int, default=0, metavar="K",

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import LoggerDestination
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.runtime import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.daemons.runtime import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon, seconds
 from eventbus.trackers.files import MetricsFileLogger
 from eventbus.trackers.mlflow import MLflowLogger
 from eventbus.trackers.tensorboard import TensorBoardLogger
@@ -187,16 +187,6 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m workers.logger",
@@ -210,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
     parser.add_argument("--mlflow", action="store_true", help="also log to MLflow")
     parser.add_argument("--mlflow-uri", help="MLflow tracking URI (default: a local store in the run folder)")
-    parser.add_argument("--retry-every", type=_seconds, default=30.0, metavar="SECONDS",
+    parser.add_argument("--retry-every", type=seconds, default=30.0, metavar="SECONDS",
                         help="while a tracker (MLflow, W&B) is down, how often to try it again; meanwhile its "
                              "points are kept, in order, and the other outputs go on (default: 30)")
     parser.add_argument("--wandb", action="store_true", help="also log to Weights & Biases (the wandb extra)")

@@ -85,13 +85,38 @@ def address_for_rank(address: str, rank: int) -> str:
     return f"{address}-rank{rank}"
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
 def advertised(address: str) -> str:
-    """The address others connect to: a wildcard host becomes EVENTBUS_ADVERTISE_HOST or the host name."""
-    parts = urlsplit(address)
-    host, _, port = parts.netloc.rpartition(":")
-    if parts.scheme == "tcp" and host in ("0.0.0.0", "*", "[::]"):
-        return f"tcp://{os.environ.get('EVENTBUS_ADVERTISE_HOST') or socket.gethostname()}:{port}"
+    """The address others connect to: a wildcard host becomes EVENTBUS_ADVERTISE_HOST, else this
+    machine's host name where it resolves, else its primary IP address."""
+    if not address.startswith("tcp://"):
+        return address
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if host in WILDCARD_HOSTS:
+        return f"tcp://{os.environ.get('EVENTBUS_ADVERTISE_HOST') or this_host()}:{port}"
     return address
+
+
+def this_host() -> str:
+    """This machine's host name when it resolves, else its primary IP address."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        return primary_ip()
+
+
+def primary_ip() -> str:
+    """The address of the interface that carries the default route (loopback when there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # a UDP connect sends nothing: it only picks the route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
 
 
 def check_bindable(address: str, secured: bool) -> None:

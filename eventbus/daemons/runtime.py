@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import pathlib
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -24,8 +25,8 @@ from eventbus.errors import EventBusError
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
 
-__all__ = ["OneLineErrorParser", "add_daemon_arguments", "setup_logging", "run_daemon", "serve", "server_problem",
-           "wait_for_server"]
+__all__ = ["OneLineErrorParser", "add_daemon_arguments", "check_positive", "seconds", "setup_logging", "run_daemon",
+           "serve", "server_problem", "wait_for_server"]
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
@@ -38,6 +39,26 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type`` for every duration option: a positive finite number of seconds.
+
+    Anything else is argparse's one-line error naming the option (exit code 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def check_positive(name: str, value: float, zero_ok: bool = False) -> None:
+    """``value`` is finite and above zero (or zero, where zero turns something off); ValueError naming
+    ``name`` otherwise, which :func:`serve` reports as a one-line error."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be {'zero or ' if zero_ok else ''}a positive finite number, got {value:g}")
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser, identity: str) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import pathlib
 import shutil
@@ -36,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 from urllib.parse import urlsplit
 
 from eventbus.bus.journal import JOURNAL_NAME
-from eventbus.daemons.runtime import OneLineErrorParser, wait_for_server
+from eventbus.daemons.runtime import OneLineErrorParser, seconds, wait_for_server
 from eventbus.errors import EventBusError
 from eventbus.monitor.fmt import BLOCKS
 from eventbus.monitor.model import DEFAULT_METRICS, Tracker, ViewModel
@@ -271,16 +270,6 @@ def _journal_path(target: str) -> pathlib.Path:
     return path
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The monitor's command line; it owns its arguments (``eventbus monitor`` hands it the rest)."""
     parser = OneLineErrorParser(
@@ -295,12 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics", nargs="+", action="extend", metavar="KEY",
                         help="metric keys (or patterns like 'throughput/*') to plot as sparklines "
                              f"(default: {' '.join(DEFAULT_METRICS)})")
-    parser.add_argument("--refresh", type=_seconds, default=0.5, metavar="SECONDS",
+    parser.add_argument("--refresh", type=seconds, default=0.5, metavar="SECONDS",
                         help="redraw at most this often (default: 0.5)")
     parser.add_argument("--once", action="store_true",
                         help="print one plain-text frame after joining, then exit (exit code 2 when no trainer "
                              "serves TARGET)")
-    parser.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+    parser.add_argument("--timeout", type=seconds, metavar="SECONDS",
                         help="give up (exit code 2) when no trainer serves TARGET within SECONDS "
                              "(default: wait for one, saying so)")
     return parser

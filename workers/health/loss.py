@@ -1,0 +1,94 @@
+"""LossMonitor: NaN/Inf and spikes in the training loss, optionally stopping the run."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import statistics
+from typing import Any, Optional
+
+from eventbus import Callback
+from eventbus.core.logger import Logger, to_number
+from eventbus.daemons.runtime import check_positive
+
+__all__ = ["LossMonitor"]
+
+log = logging.getLogger("workers.health")  # one logger name for the whole worker (not "__main__" under -m)
+
+
+def _loss(state: Any) -> Optional[float]:
+    """The batch's loss as a float; None when there is none or it is not one number (a dict of losses)."""
+    loss = state.loss
+    if loss is None:
+        return None
+    try:
+        return float(to_number(loss))
+    except (TypeError, ValueError):
+        return None
+
+
+class LossMonitor(Callback):
+    """NaN/Inf and spikes in the training loss, checked at every BATCH_END.
+
+    A non-finite loss: an ERROR at the first such batch (and a WARNING once it is finite again),
+    ``health/nonfinite_loss`` (1) at each, and with ``stop_on_nan`` the run stops. A spike: a finite
+    loss above ``spike_factor`` times the median of the last ``window`` finite losses, once ``warmup``
+    of them are known (and their median is positive): a WARNING, ``health/loss_spike`` (the ratio),
+    and with ``stop_on_spike`` the run stops. ``spike_factor`` 0 turns spike detection off.
+    """
+
+    def __init__(self, window: int = 50, spike_factor: float = 5.0, warmup: int = 10, stop_on_nan: bool = False,
+                 stop_on_spike: bool = False):
+        check_positive("window", window)
+        check_positive("spike factor", spike_factor, zero_ok=True)
+        check_positive("warmup", warmup)
+        if warmup > window:
+            raise ValueError(f"the spike warm-up ({warmup}) cannot exceed the window ({window})")
+        self.spike_factor, self.warmup = spike_factor, warmup
+        self.stop_on_nan, self.stop_on_spike = stop_on_nan, stop_on_spike
+        self._losses: collections.deque[float] = collections.deque(maxlen=window)
+        self._bad_since: Optional[int] = None  # first batch of the current run of non-finite losses
+        self._stopped = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self._losses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._losses.extend(float(v) for v in state.get("losses", ()))
+
+    def batch_end(self, state: Any, logger: Logger) -> None:
+        loss = _loss(state)
+        if loss is None:
+            return
+        batch = int(state.timestamp.batch)
+        if not math.isfinite(loss):
+            self._nonfinite(state, logger, loss, batch)
+            return
+        if self._bad_since is not None:
+            log.warning("loss is finite again at batch %d (%.6g), non-finite since batch %d", batch, loss,
+                        self._bad_since)
+            self._bad_since = None
+        median = statistics.median(self._losses) if len(self._losses) >= self.warmup else 0.0
+        self._losses.append(loss)
+        if self.spike_factor and median > 0 and loss > self.spike_factor * median:
+            log.warning("loss spike at batch %d: %.6g is %.1f x the median %.6g of the last %d batches", batch,
+                        loss, loss / median, median, len(self._losses) - 1)
+            logger.log_metrics({"health/loss_spike": loss / median}, step=batch)
+            if self.stop_on_spike:
+                self._stop(state, f"loss spike at batch {batch}: {loss:.6g} is {loss / median:.1f} x the median "
+                                  f"{median:.6g} (health --stop-on-spike)")
+
+    def _nonfinite(self, state: Any, logger: Logger, loss: float, batch: int) -> None:
+        if self._bad_since is None:
+            self._bad_since = batch
+            log.error("loss is %s at batch %d (in epoch %d)%s", loss, batch, int(state.timestamp.epoch) + 1,
+                      "; stopping the run" if self.stop_on_nan else "")
+        logger.log_metrics({"health/nonfinite_loss": 1.0}, step=batch)
+        if self.stop_on_nan:
+            self._stop(state, f"loss is {loss} at batch {batch} (health --stop-on-nan)")
+
+    def _stop(self, state: Any, reason: str) -> None:
+        if not self._stopped:  # one request: the trainer stops at its next BATCH_END
+            self._stopped = True
+            state.stop_training(reason)
