@@ -18,7 +18,7 @@ from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.subscribe.subscriber import Subscriber
-from tests.conftest import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, make_loader, make_model
 
 DOCS_CALLBACKS = textwrap.dedent("""
     from eventbus import Callback, Event, State, Logger
@@ -305,7 +305,7 @@ def test_a_following_subscriber_finds_a_restarted_run_none_of_whose_messages_arr
 TRAINER_SCRIPT = """
 import sys, time
 from eventbus import Callback, Trainer
-from tests.conftest import make_loader, make_model
+from tests.support import make_loader, make_model
 
 class Slow(Callback):
     def batch_end(self, state, logger):

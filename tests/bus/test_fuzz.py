@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from eventbus import BusConfig, ProtocolError, Subscriber, Trainer
 from eventbus.bus import wire
-from tests.conftest import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, make_loader, make_model
 
 RUN = "c" * 32
 VALID = wire.encode("event", RUN, 0, 1, "batch_end", 1.0, 2.0, {"loss": 0.5, "ts": {"batch": 1}})

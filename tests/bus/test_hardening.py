@@ -26,7 +26,7 @@ from eventbus.bus.subscribe.sequencer import Sequencer
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically
 from eventbus.checkpoint.staging import StagingBuffers
-from tests.conftest import REPO_ROOT, make_loader, make_model
+from tests.support import REPO_ROOT, make_loader, make_model
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
 

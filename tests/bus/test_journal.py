@@ -3,7 +3,7 @@ import pytest
 from eventbus import ConfigError, Trainer
 from eventbus.bus.journal import JournalWriter, read_journal
 from eventbus.bus.wire import decode
-from tests.conftest import EventRecorder, make_loader, make_model
+from tests.support import EventRecorder, make_loader, make_model
 
 
 def test_torn_tail_is_ignored_and_everything_before_it_reads_back(tmp_path):

@@ -12,7 +12,7 @@ from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.protocol import SCHEMAS, Op, parse_request
 from eventbus.errors import ProtocolError
-from tests.conftest import make_loader, make_model
+from tests.support import make_loader, make_model
 
 # One valid request per operation, as real clients send them.
 VALID = {

@@ -12,7 +12,7 @@ import pytest
 
 from eventbus import BusConfig, ConfigError, Subscriber, Trainer
 from eventbus.bus.security import ClientKeys, generate_keys
-from tests.conftest import (
+from tests.support import (
     REPO_ROOT,
     BackgroundTrainer,
     free_port,

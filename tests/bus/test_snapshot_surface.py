@@ -18,7 +18,7 @@ from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.subscribe.journal_stream import journal_messages
-from tests.conftest import make_loader, make_model
+from tests.support import make_loader, make_model
 
 
 class Reads(Callback):

@@ -11,7 +11,7 @@ from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.daemons.host import subscription
-from tests.conftest import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, make_loader, make_model
 
 
 def journal_events(trainer: Trainer, event: Event) -> list[int]:
@@ -95,7 +95,7 @@ def test_sigkill_inside_the_commit_window_applies_each_message_at_most_once_more
     trainer = Trainer(make_model(), make_loader(num_samples=4000, batch_size=4), max_duration="1ep",
                       run_name="window", bus=address)
     args = ["-m", "eventbus", "worker", "--connect", address, "--identity", "fast", "--state-dir",
-            str(tmp_path / "state"), "--callback", f'tests.test_topics:FastRecorder:{{"path": "{out}"}}']
+            str(tmp_path / "state"), "--callback", f'tests.bus.test_topics:FastRecorder:{{"path": "{out}"}}']
     first = spawn(*args)
     first.wait_for("following")
     background = BackgroundTrainer(trainer).start()

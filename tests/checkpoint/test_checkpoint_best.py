@@ -13,8 +13,8 @@ import torch
 from eventbus import Callback
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.conftest import make_loader
-from tests.test_checkpoint_worker import make_trainer, wait_for_lease
+from tests.checkpoint.test_checkpoint_worker import make_trainer, wait_for_lease
+from tests.support import make_loader
 
 MONITOR = "metrics/eval/MulticlassAccuracy"
 

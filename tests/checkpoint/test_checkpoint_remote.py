@@ -14,9 +14,9 @@ import urllib.request
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, free_port
-from tests.test_checkpoint_best import logged, start_worker
-from tests.test_checkpoint_worker import make_trainer, wait_for_lease
+from tests.checkpoint.test_checkpoint_best import logged, start_worker
+from tests.checkpoint.test_checkpoint_worker import make_trainer, wait_for_lease
+from tests.support import REPO_ROOT, free_port
 
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra: pip install 'eventbus[s3]'")
 moto_server = pytest.importorskip("moto.server", reason="test dependency: pip install 'moto[server]'")

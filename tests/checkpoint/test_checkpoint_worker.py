@@ -13,7 +13,7 @@ import torch
 from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.conftest import free_port, make_loader, make_model
+from tests.support import free_port, make_loader, make_model
 from workers.checkpoint import CheckpointSaver
 
 FSIZE_WRAPPER = (

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from eventbus import Algorithm, Callback, Event, LoggerDestination, Trainer
-from tests.conftest import make_loader, make_model
+from tests.support import REPO_ROOT, make_loader, make_model
 
 
 class Tagged(Callback):
@@ -107,7 +107,7 @@ def test_close_runs_at_interpreter_exit(tmp_path):
     marker = tmp_path / "closed.txt"
     script = textwrap.dedent(f"""
         from eventbus import Callback, Trainer
-        from tests.conftest import make_loader, make_model
+        from tests.support import make_loader, make_model
 
         class Mark(Callback):
             def close(self, state, logger):
@@ -119,10 +119,5 @@ def test_close_runs_at_interpreter_exit(tmp_path):
         trainer.fit()
         # no trainer.close(): the engine must close at exit
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=_repo_root())
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT)
     assert marker.read_text() == "close\npost_close\n"
-
-
-def _repo_root() -> str:
-    import pathlib
-    return str(pathlib.Path(__file__).resolve().parents[1])

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from eventbus import Trainer
-from tests.conftest import REPO_ROOT, make_loader, make_model
+from tests.support import REPO_ROOT, make_loader, make_model
 
 
 def eventbus(*args: str, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.core.logger import LoggerDestination
-from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 from workers.health import LossMonitor, SystemMonitor
 
 WAIT = 60.0  # seconds to wait for something that should come within a second: a busy machine is not a failure
@@ -151,7 +151,7 @@ def test_stall_alarm_and_recovery_but_not_during_evaluation(tmp_path, spawn):
 HUNG_TRAINER = textwrap.dedent("""
     import sys, threading, time
     from eventbus import Callback, Trainer
-    from tests.conftest import make_loader, make_model
+    from tests.support import make_loader, make_model
 
     class HangAt(Callback):
         def batch_end(self, state, logger):

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT
 
 SMALL = ["--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
 

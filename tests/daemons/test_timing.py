@@ -9,7 +9,7 @@ import pytest
 from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.conftest import make_loader, make_model
+from tests.support import make_loader, make_model
 from workers.stoppers import EarlyStopper, ThresholdStopper
 
 

@@ -17,8 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
-from tests.test_security import free_port
+from tests.support import REPO_ROOT, free_port
 
 SMALL = {"EVENTBUS_MAX_DURATION": "6ba", "EVENTBUS_BATCH_SIZE": "8", "EVENTBUS_SEQ_LEN": "16",
          "EVENTBUS_D_MODEL": "16", "EVENTBUS_LAYERS": "1", "EVENTBUS_EVAL_INTERVAL": "3ba",

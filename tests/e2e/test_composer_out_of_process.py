@@ -7,7 +7,7 @@ process: importing Composer costs a worker several seconds). The same jobs run u
 ``composer.Trainer`` with the same classes in process, and the tests compare what was logged: the
 monitors' metrics as they came back to the trainer, everything the hosted loggers received, and
 where the stoppers stopped. Wall-clock values are compared by key and count only (the seeded job
-and the comparison are tests/test_composer_fidelity.py's).
+and the comparison are tests/e2e/test_composer_fidelity.py's).
 
 The stoppers act only on their own evaluator's label ("threshold", "early"): in the monitors' run
 (evaluator "eval") they do nothing, and each stopper run is stopped by its stopper alone.
@@ -44,8 +44,7 @@ from composer.optim import CosineAnnealingScheduler  # noqa: E402
 import eventbus  # noqa: E402
 from eventbus.bus import wire  # noqa: E402
 from eventbus.bus.journal import read_journal  # noqa: E402
-from tests.conftest import Process  # noqa: E402
-from tests.test_composer_fidelity import (  # noqa: E402
+from tests.e2e.test_composer_fidelity import (  # noqa: E402
     COUNTERS,
     _compare_series,
     _data,
@@ -55,6 +54,7 @@ from tests.test_composer_fidelity import (  # noqa: E402
     _series,
     _tensorboard_tags,
 )
+from tests.support import Process  # noqa: E402
 
 MONITORS: dict[type, dict[str, Any]] = {  # the same keyword arguments in process (Composer) and in the worker
     LRMonitor: {}, SpeedMonitor: {"window_size": 2}, RuntimeEstimator: {},
@@ -106,7 +106,7 @@ class _AwaitStopRequest(eventbus.Callback):
 
 
 def _eventbus_trainer(folder: pathlib.Path, run_name: str, callbacks: list[Any], **kwargs: Any) -> eventbus.Trainer:
-    """The seeded job of tests/test_composer_fidelity.py, publishing on the worker's address."""
+    """The seeded job of tests/e2e/test_composer_fidelity.py, publishing on the worker's address."""
     import torch
 
     module = _module()
@@ -253,7 +253,7 @@ def test_hosted_loggers_receive_every_metric_composer_logs(runs):
         else:
             assert len(batches) == len(expected) and all(b >= e for b, e in zip(batches, expected)), key
     # The same metric at the same batch, line for line; Composer logs the counters once more after
-    # the last batch (see COUNTERS in tests/test_composer_fidelity.py).
+    # the last batch (see COUNTERS in tests/e2e/test_composer_fidelity.py).
     ours, theirs = _file_lines(folder / "monitors" / "log.txt"), runs["composer_file"]
     assert not ours - theirs and set(theirs - ours) <= {(8, key) for key in COUNTERS}
     assert _tensorboard_tags(folder / "tb" / "monitors") == runs["composer_tb"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from eventbus import AllRanks, Event
-from tests.conftest import REPO_ROOT, free_port
-from tests.test_trainer_events import fit_counts
+from tests.support import REPO_ROOT, free_port
+from tests.training.test_trainer_events import fit_counts
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 

@@ -12,8 +12,8 @@ import torch
 
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
-from tests.test_job import SMALL, leftover_daemons
+from tests.daemons.test_job import SMALL, leftover_daemons
+from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 
 
 def test_killed_trainer_leaves_a_readable_journal_and_a_loadable_latest_checkpoint(tmp_path):

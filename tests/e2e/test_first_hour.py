@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from eventbus.bus.subscribe.journal_stream import journal_messages
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
 ENV.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")

@@ -22,7 +22,7 @@ from eventbus import BusConfig, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.publish.service import SubscriberTable
-from tests.conftest import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, make_loader, make_model
 
 # The trainer's RSS may grow by at most this much while flooded. Measured here (2-core VM), with the
 # flood running from before fit to after close of this 64-batch run: bounded -- a small receive and

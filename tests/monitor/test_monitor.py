@@ -25,7 +25,7 @@ from eventbus.monitor.app import main
 from eventbus.monitor.fmt import sparkline
 from eventbus.monitor.model import DaemonView, SeriesView, Tracker, ViewModel
 from eventbus.monitor.render import render
-from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
 ENV.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", COLUMNS="160")

@@ -17,7 +17,7 @@ import pytest
 from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.conftest import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
 
 
 def export(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -220,7 +220,7 @@ def test_bad_usage_is_one_line_with_exit_code_2(tmp_path):
 
 
 def test_a_tracker_that_is_down_fails_the_export_with_exit_code_1(tmp_path):
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     run = finished_run(tmp_path)
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused

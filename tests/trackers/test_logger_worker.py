@@ -13,7 +13,7 @@ from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.subscribe.subscriber import Subscriber
-from tests.conftest import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, make_loader, make_model
 
 
 class SlowBatches(Callback):

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from eventbus import Callback, Trainer
-from tests.conftest import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, make_loader, make_model
 
 pytest.importorskip("mlflow.server", reason="the MLflow tracking server comes with the full mlflow package")
 

@@ -14,8 +14,8 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from eventbus import Callback, Trainer
-from tests.conftest import BackgroundTrainer, make_loader, make_model
-from tests.test_logger_worker import SlowBatches, published_metrics, train_sending_metrics_back
+from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.trackers.test_logger_worker import SlowBatches, published_metrics, train_sending_metrics_back
 
 
 def offline_env(tmp_path):

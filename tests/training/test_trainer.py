@@ -17,7 +17,7 @@ from eventbus import (
     InMemoryLogger,
     Trainer,
 )
-from tests.conftest import make_loader, make_model
+from tests.support import make_loader, make_model
 
 
 class LossRecorder(Callback):

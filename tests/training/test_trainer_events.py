@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eventbus import Callback, Evaluator, Event, Trainer
-from tests.conftest import EventRecorder, make_loader, make_model
+from tests.support import EventRecorder, make_loader, make_model
 
 E = Event
 MICROBATCH = [E.BEFORE_FORWARD, E.AFTER_FORWARD, E.BEFORE_LOSS, E.AFTER_LOSS, E.BEFORE_BACKWARD, E.AFTER_BACKWARD]
