@@ -14,11 +14,11 @@ import msgpack
 import pytest
 import zmq
 
-from eventbus import Callback, Event, Trainer
+from eventbus import Callback, Event
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.subscribe.subscriber import Subscriber
-from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_trainer
 
 DOCS_CALLBACKS = textwrap.dedent("""
     from eventbus import Callback, Event, State, Logger
@@ -44,12 +44,6 @@ class SlowBatches(Callback):
         time.sleep(self.seconds)
 
 
-def trainer(tmp_path, **kwargs):
-    kwargs.setdefault("bus", f"ipc://{tmp_path}/bus")
-    kwargs.setdefault("run_name", "bus-test")
-    return Trainer(make_model(), make_loader(), device="cpu", **kwargs)
-
-
 def test_docs_callbacks_print_the_same_in_a_worker_as_in_process(tmp_path, spawn, capsys):
     (tmp_path / "mycallbacks.py").write_text(DOCS_CALLBACKS)
     import importlib
@@ -59,8 +53,8 @@ def test_docs_callbacks_print_the_same_in_a_worker_as_in_process(tmp_path, spawn
         user_module = importlib.import_module("mycallbacks")
     finally:
         sys.path.remove(str(tmp_path))
-    in_process = trainer(tmp_path, max_duration="3ep", callbacks=[user_module.EpochMonitor()])
-    workers = [spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback", f"mycallbacks:{name}")
+    in_process = make_trainer(tmp_path, "3ep", run_name="bus-test", callbacks=[user_module.EpochMonitor()])
+    workers = [spawn("-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback", f"mycallbacks:{name}")
                for name in ("EpochMonitor", "RunEventMonitor")]
     for worker in workers:
         worker.wait_for("following")
@@ -76,14 +70,14 @@ def test_docs_callbacks_print_the_same_in_a_worker_as_in_process(tmp_path, spawn
 def test_a_slow_worker_does_not_slow_training_and_gets_every_event(tmp_path, spawn):
     counts_file = tmp_path / "counts.json"
     # Baseline in the same test: the same run with no worker attached.
-    baseline = trainer(tmp_path, max_duration="2ba", bus=f"ipc://{tmp_path}/baseline")
+    baseline = make_trainer(tmp_path, "2ba", run_name="bus-test", bus=bus_address(tmp_path, "baseline"))
     started = time.perf_counter()
     baseline.fit()
     baseline_seconds = time.perf_counter() - started
     baseline.close()
 
-    run = trainer(tmp_path, max_duration="2ba")
-    worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
+    run = make_trainer(tmp_path, "2ba", run_name="bus-test")
+    worker = spawn("-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback",
                    f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts_file}", "sleep": 0.2}}')
     worker.wait_for("following")
     started = time.perf_counter()
@@ -110,7 +104,7 @@ async def _collect(sub: Subscriber, into: list) -> None:
 
 
 async def test_late_joiner_sees_the_same_events_from_its_join_point(tmp_path):
-    run = trainer(tmp_path, max_duration="2ep", eval_dataloader=make_loader(16, 16), callbacks=[SlowBatches(0.03)])
+    run = make_trainer(tmp_path, "2ep", run_name="bus-test", eval_dataloader=make_loader(16, 16), callbacks=[SlowBatches(0.03)])
     address = run.publisher.address
     early, late = [], []
     async with Subscriber(address, start="beginning") as first:
@@ -135,7 +129,7 @@ async def test_late_joiner_sees_the_same_events_from_its_join_point(tmp_path):
 
 
 async def test_subscriber_api_snapshot_names(tmp_path):
-    run = trainer(tmp_path, max_duration="1ep", eval_dataloader=make_loader(16, 16))
+    run = make_trainer(tmp_path, "1ep", run_name="bus-test", eval_dataloader=make_loader(16, 16))
     seen = {}
     async with Subscriber(run.publisher.address, start="beginning", events=[Event.BATCH_END, Event.EVAL_END]) as sub:
         background = BackgroundTrainer(run).start()
@@ -158,8 +152,8 @@ async def test_subscriber_api_snapshot_names(tmp_path):
 
 def test_killed_worker_resumes_with_no_event_lost_or_applied_twice(tmp_path, spawn):
     out = tmp_path / "seqs.txt"
-    run = trainer(tmp_path, max_duration="2ep", callbacks=[SlowBatches(0.1)])
-    args = ["-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--identity", "recorder",
+    run = make_trainer(tmp_path, "2ep", run_name="bus-test", callbacks=[SlowBatches(0.1)])
+    args = ["-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--identity", "recorder",
             "--state-dir", str(tmp_path / "state"), "--callback",
             f'tests.worker_callbacks:SeqRecorder:{{"path": "{out}"}}']
     first = spawn(*args)
@@ -186,7 +180,7 @@ def test_killed_worker_resumes_with_no_event_lost_or_applied_twice(tmp_path, spa
 async def test_malformed_messages_are_counted_not_fatal(tmp_path):
     context = zmq.asyncio.Context.instance()
     pub = context.socket(zmq.PUB)
-    address = f"ipc://{tmp_path}/fake"
+    address = bus_address(tmp_path, "fake")
     pub.bind(address)
     run_id = "f" * 32
     garbage = [b"", b"\xc1", b"\x00" * 10, b"random bytes!", msgpack.packb([1, 2, 3]),
@@ -224,9 +218,9 @@ class HoldUntilStopRequested(Callback):
 
 def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spawn, caplog):
     hold = HoldUntilStopRequested(batch=3)
-    run = trainer(tmp_path, max_duration="50ep", callbacks=[SlowBatches(0.02), hold])
+    run = make_trainer(tmp_path, "50ep", run_name="bus-test", callbacks=[SlowBatches(0.02), hold])
     hold.trainer = run
-    worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
+    worker = spawn("-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback",
                    'tests.worker_callbacks:PlateauStopper:{"batch": 3}')
     worker.wait_for("following")
     with caplog.at_level(logging.WARNING):
@@ -244,7 +238,7 @@ def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spaw
 
 
 async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
-    run = trainer(tmp_path, max_duration="2ep", callbacks=[SlowBatches(0.02)])
+    run = make_trainer(tmp_path, "2ep", run_name="bus-test", callbacks=[SlowBatches(0.02)])
     norms = []
     async with Subscriber(run.publisher.address, start="beginning", events=[Event.AFTER_TRAIN_BATCH]) as sub:
         background = BackgroundTrainer(run).start()
@@ -274,16 +268,16 @@ def test_a_following_subscriber_finds_a_restarted_run_none_of_whose_messages_arr
     publishes on): its idle check asks the trainer's service, sees the new run, replays it."""
     from eventbus.bus.config import service_address_for
 
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
 
     def run(name, batches):
-        return BackgroundTrainer(trainer(tmp_path, max_duration=f"{batches}ba", callbacks=[SlowBatches(0.5)],
-                                         run_name=name, run_folder=tmp_path / name)).start()
+        return BackgroundTrainer(make_trainer(tmp_path, f"{batches}ba", callbacks=[SlowBatches(0.5)],
+                                              run_name=name, run_folder=tmp_path / name)).start()
 
     async def follow():
         runs: dict[str, list[str]] = {}
         first = run("first", 2)
-        async with Subscriber(f"ipc://{tmp_path}/nobody-publishes-here", service_address=service_address_for(address),
+        async with Subscriber(bus_address(tmp_path, "nobody-publishes-here"), service_address=service_address_for(address),
                               follow=True, start="beginning") as subscriber:
             async for message in subscriber:
                 runs.setdefault(message.run_id, []).append(message.event.value if message.event else message.kind)
@@ -318,7 +312,7 @@ Trainer(make_model(), make_loader(), max_duration="50ep", device="cpu", bus=sys.
 
 def test_worker_follows_a_trainer_restarted_on_the_same_address(tmp_path, spawn):
     out = tmp_path / "seqs.txt"
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     crashed = spawn("-c", TRAINER_SCRIPT, address)
     crashed.wait_for("publishing on")
     worker = spawn("-m", "eventbus", "worker", "--connect", address, "--follow", "--callback",
@@ -330,7 +324,7 @@ def test_worker_follows_a_trainer_restarted_on_the_same_address(tmp_path, spawn)
     os.kill(crashed.proc.pid, signal.SIGKILL)  # no end of run is ever published
     crashed.finish()
 
-    restarted = trainer(tmp_path, max_duration="1ep")
+    restarted = make_trainer(tmp_path, "1ep", run_name="bus-test")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not restarted.publisher.subscribers():
         time.sleep(0.05)  # the worker reconnects (ZeroMQ retries every 100 ms) and sends its heartbeat

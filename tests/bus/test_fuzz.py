@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from eventbus import BusConfig, ProtocolError, Subscriber, Trainer
 from eventbus.bus import wire
-from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
 RUN = "c" * 32
 VALID = wire.encode("event", RUN, 0, 1, "batch_end", 1.0, 2.0, {"loss": 0.5, "ts": {"batch": 1}})
@@ -101,7 +101,7 @@ class LiveSubscriber:
 
 
 def test_subscriber_survives_10000_malformed_messages(tmp_path):
-    live = LiveSubscriber(f"ipc://{tmp_path}/fuzz")
+    live = LiveSubscriber(bus_address(tmp_path, "fuzz"))
     counted = {"sent": 0}
     first = live.seq
 
@@ -127,7 +127,7 @@ def test_subscriber_survives_10000_malformed_messages(tmp_path):
 
 def test_control_channel_survives_10000_malformed_requests(tmp_path):
     trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu",
-                      bus=BusConfig(address=f"ipc://{tmp_path}/bus", max_message_bytes=LIMIT))
+                      bus=BusConfig(address=bus_address(tmp_path), max_message_bytes=LIMIT))
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(trainer.publisher.service_address)
     counted = {"sent": 0}

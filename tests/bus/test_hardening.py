@@ -26,7 +26,7 @@ from eventbus.bus.subscribe.sequencer import Sequencer
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically
 from eventbus.checkpoint.staging import StagingBuffers
-from tests.support import REPO_ROOT, make_loader, make_model
+from tests.support import REPO_ROOT, bus_address, make_loader, make_model
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
 
@@ -109,7 +109,7 @@ def test_late_subscriber_counts_the_seqs_the_journal_lost(run_journal, tmp_path)
 
 
 def test_a_restarted_run_writes_a_new_segment_and_readers_see_both_runs(tmp_path):
-    config = BusConfig(address=f"ipc://{tmp_path}/bus")
+    config = BusConfig(address=bus_address(tmp_path))
     run_ids = []
     for _ in range(2):
         trainer = Trainer(make_model(), make_loader(64, 16), max_duration="1ep", device="cpu", bus=config,
@@ -254,7 +254,7 @@ def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_jou
 
     from eventbus.bus.subscribe.subscriber import Subscriber
 
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="bounded",
                       run_folder=tmp_path / "run", bus=BusConfig(address=address, replay_cache_bytes=20_000))
     trainer.fit()

@@ -12,13 +12,7 @@ import pytest
 
 from eventbus import BusConfig, ConfigError, Subscriber, Trainer
 from eventbus.bus.security import ClientKeys, generate_keys
-from tests.support import (
-    REPO_ROOT,
-    BackgroundTrainer,
-    free_port,
-    make_loader,
-    make_model,
-)
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, free_port, make_loader, make_model
 
 
 @pytest.fixture
@@ -39,9 +33,9 @@ def test_non_loopback_bind_needs_keys(tmp_path):
 
 
 def test_ipc_endpoint_of_a_live_process_is_refused(tmp_path):
-    first = Trainer(make_model(), make_loader(), device="cpu", bus=f"ipc://{tmp_path}/bus")
+    first = Trainer(make_model(), make_loader(), device="cpu", bus=bus_address(tmp_path))
     with pytest.raises(ConfigError, match="already served by a live process"):
-        Trainer(make_model(), make_loader(), device="cpu", bus=f"ipc://{tmp_path}/bus")
+        Trainer(make_model(), make_loader(), device="cpu", bus=bus_address(tmp_path))
     first.close()
 
 

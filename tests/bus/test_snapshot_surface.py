@@ -18,7 +18,7 @@ from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.subscribe.journal_stream import journal_messages
-from tests.support import make_loader, make_model
+from tests.support import bus_address, make_loader, make_model
 
 
 class Reads(Callback):
@@ -70,7 +70,7 @@ def _train(tmp_path, callbacks: list[Any], **kwargs: Any) -> Trainer:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     trainer = Trainer(model, make_loader(), device="cpu", run_name="surface", max_duration="2ep",
                       optimizers=optimizer, schedulers=scheduler, eval_dataloader=make_loader(32, 16),
-                      callbacks=callbacks, bus=f"ipc://{tmp_path}/bus", **kwargs)
+                      callbacks=callbacks, bus=bus_address(tmp_path), **kwargs)
     trainer.fit()
     trainer.close()
     return trainer
@@ -122,8 +122,8 @@ def test_composer_optimizer_monitor_logs_the_same_norms_in_a_worker(tmp_path, sp
 
     model = make_model()
     trainer = Trainer(model, make_loader(), device="cpu", run_name="monitor", max_duration="2ep",
-                      callbacks=[OptimizerMonitor(batch_log_interval=2)], bus=f"ipc://{tmp_path}/bus")
-    worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
+                      callbacks=[OptimizerMonitor(batch_log_interval=2)], bus=bus_address(tmp_path))
+    worker = spawn("-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback",
                    'composer.callbacks:OptimizerMonitor:{"batch_log_interval": 2}')
     worker.wait_for("following")
     deadline = time.monotonic() + 60

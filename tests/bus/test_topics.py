@@ -11,7 +11,7 @@ from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.daemons.host import subscription
-from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
 
 def journal_events(trainer: Trainer, event: Event) -> list[int]:
@@ -35,7 +35,7 @@ async def batch_ends(address: str, trainer: Trainer, *, stall: float = 0.0, **op
 
 
 def test_a_batch_end_subscriber_receives_nothing_else_over_the_wire(tmp_path):
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", run_name="topics", bus=address)
     seqs, sub = asyncio.run(batch_ends(address, trainer))
     assert [s for s, _, _ in seqs] == journal_events(trainer, Event.BATCH_END)
@@ -49,7 +49,7 @@ def test_a_batch_end_subscriber_receives_nothing_else_over_the_wire(tmp_path):
 def test_dropped_messages_of_its_topics_are_recovered_in_order(tmp_path):
     """Tiny queues and a reader that stalls: ZeroMQ drops, and the links in the messages it does
     receive tell it exactly which of its own it missed; replay fills them in, in seq order."""
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(num_samples=2400, batch_size=4), max_duration="1ep",
                       run_name="drops", bus=BusConfig(address=address, send_hwm=2))
     seqs, sub = asyncio.run(batch_ends(address, trainer, stall=3.0, receive_hwm=2))
@@ -91,7 +91,7 @@ def test_workers_subscribe_to_what_their_callbacks_handle():
 
 def test_sigkill_inside_the_commit_window_applies_each_message_at_most_once_more(tmp_path, spawn):
     out = tmp_path / "seqs.txt"
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(num_samples=4000, batch_size=4), max_duration="1ep",
                       run_name="window", bus=address)
     args = ["-m", "eventbus", "worker", "--connect", address, "--identity", "fast", "--state-dir",

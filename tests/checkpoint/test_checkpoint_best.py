@@ -13,8 +13,8 @@ import torch
 from eventbus import Callback
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.checkpoint.test_checkpoint_worker import make_trainer, wait_for_lease
-from tests.support import make_loader
+from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
+from tests.support import bus_address, make_loader, make_trainer
 
 MONITOR = "metrics/eval/MulticlassAccuracy"
 
@@ -28,7 +28,7 @@ class Pace(Callback):
 
 
 def paced_trainer(tmp_path, duration, eval_interval):
-    return make_trainer(tmp_path, duration=duration, eval_dataloader=make_loader(64, 16, seed=1),
+    return make_trainer(tmp_path, duration, **CHECKPOINT_RUN, eval_dataloader=make_loader(64, 16, seed=1),
                         eval_interval=eval_interval, callbacks=[Pace()])
 
 
@@ -61,14 +61,14 @@ def on_disk(tmp_path):
 
 
 def start_worker(tmp_path, spawn, *args):
-    worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", "--state-dir",
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--state-dir",
                    str(tmp_path / "s"), *args)
     worker.wait_for("following")
     return worker
 
 
 def test_each_save_is_reported_on_the_bus_once_durable(tmp_path, spawn):
-    trainer = make_trainer(tmp_path, duration="2ep")
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN)
     worker = start_worker(tmp_path, spawn, "--save-interval", "3ba")
     wait_for_lease(trainer)
     trainer.fit()
@@ -132,6 +132,6 @@ def test_keep_best_state_survives_a_worker_restart(tmp_path, spawn):
     (["--keep-best", "2", "--monitor", "accuracy"], "monitor must name a metric as metrics/"),
 ])
 def test_bad_retention_options_are_one_line_errors(tmp_path, spawn, args, message):
-    worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", *args)
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), *args)
     assert worker.finish() == 2
     assert len(worker.stderr) == 1 and message in worker.stderr[0], worker.stderr

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.checkpoint.test_checkpoint_best import logged, start_worker
-from tests.checkpoint.test_checkpoint_worker import make_trainer, wait_for_lease
-from tests.support import REPO_ROOT, free_port
+from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
+from tests.support import REPO_ROOT, bus_address, free_port, make_trainer
 
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra: pip install 'eventbus[s3]'")
 moto_server = pytest.importorskip("moto.server", reason="test dependency: pip install 'moto[server]'")
@@ -46,7 +46,7 @@ def s3(monkeypatch):
 
 def test_worker_uploads_applies_retention_remotely_and_the_trainer_resumes_from_s3(tmp_path, spawn, s3):
     endpoint, fs = s3
-    trainer = make_trainer(tmp_path, duration="2ep")
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN)
     worker = start_worker(tmp_path, spawn, "--save-interval", "3ba", "--keep", "2",
                           "--folder", f"s3://{BUCKET}/{{run_name}}/checkpoints",
                           "--storage-option", f"endpoint_url={endpoint}")
@@ -69,7 +69,7 @@ def test_worker_uploads_applies_retention_remotely_and_the_trainer_resumes_from_
     assert fs.cat_file(f"{remote}/latest-rank0.pt.symlink") == b"ep2-ba8-rank0.pt"
 
     # Composer's load_path with a URL: the symlink object is followed to the newest checkpoint.
-    resumed = make_trainer(tmp_path, duration="3ep", bus=False,
+    resumed = make_trainer(tmp_path, "3ep", **CHECKPOINT_RUN, bus=False,
                            load_path=f"s3://{BUCKET}/ckpt/checkpoints/latest-rank0.pt.symlink")
     assert resumed.state.timestamp.batch.value == 8
     saved = torch.load(local / "ep2-ba8-rank0.pt", weights_only=True)["state"]["model"]
@@ -104,7 +104,7 @@ def test_failed_uploads_keep_the_local_files_and_are_reported(tmp_path, spawn, m
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries; ours are --upload-attempts
-    trainer = make_trainer(tmp_path, duration="1ep")
+    trainer = make_trainer(tmp_path, "1ep", **CHECKPOINT_RUN)
     worker = start_worker(tmp_path, spawn, "--save-interval", "2ba", "--keep", "1", "--upload-attempts", "2",
                           "--folder", f"s3://{BUCKET}/x", "--storage-option",
                           f"endpoint_url=http://127.0.0.1:{free_port()}")  # nothing listens there
@@ -134,7 +134,7 @@ NO_S3FS = ("import runpy, sys; sys.modules['s3fs'] = None; sys.argv = ['workers.
      "storage option must be KEY=VALUE"),
 ])
 def test_bad_remote_folders_are_one_line_errors(tmp_path, spawn, argv, message):
-    worker = spawn(*argv, "--connect", f"ipc://{tmp_path}/bus")
+    worker = spawn(*argv, "--connect", bus_address(tmp_path))
     assert worker.finish() == 2
     assert len(worker.stderr) == 1 and message in worker.stderr[0], worker.stderr
 
@@ -143,7 +143,7 @@ def test_missing_credentials_are_a_one_line_error(tmp_path, spawn, s3):
     endpoint, _ = s3
     env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
            "AWS_CONFIG_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
-    worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", "--folder",
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--folder",
                    f"s3://{BUCKET}/x", "--storage-option", f"endpoint_url={endpoint}", env=env)
     assert worker.finish() == 2
     assert len(worker.stderr) == 1 and "credentials" in worker.stderr[0], worker.stderr

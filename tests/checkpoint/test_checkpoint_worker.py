@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from eventbus import Callback, Trainer
+from eventbus import Callback
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.support import free_port, make_loader, make_model
+from tests.support import bus_address, free_port, make_trainer
 from workers.checkpoint import CheckpointSaver
 
 FSIZE_WRAPPER = (
@@ -43,12 +43,9 @@ class WeightsAt(Callback):
         time.sleep(0.05)
 
 
-def make_trainer(tmp_path, duration="3ep", **kwargs):
-    torch.manual_seed(0)
-    model = make_model(dropout=0.2)
-    kwargs.setdefault("bus", f"ipc://{tmp_path}/bus")
-    return Trainer(model, make_loader(64, 16, shuffle=True), max_duration=duration, device="cpu", seed=5,
-                   run_name="ckpt", optimizers=torch.optim.Adam(model.parameters(), lr=1e-2), **kwargs)
+# The checkpoint tests' run (also used by test_checkpoint_best and test_checkpoint_remote): seeded weights,
+# dropout and shuffled data, so a resume that restored anything less than everything would show.
+CHECKPOINT_RUN = dict(model_seed=0, dropout=0.2, shuffle=True, adam_lr=1e-2, seed=5, run_name="ckpt")
 
 
 def wait_for_lease(trainer, timeout=30.0):
@@ -66,8 +63,8 @@ def metrics_from(journal_path, key):
 
 def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn):
     watcher = WeightsAt()
-    trainer = make_trainer(tmp_path, callbacks=[watcher])
-    worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", "--save-interval", "3ba",
+    trainer = make_trainer(tmp_path, **CHECKPOINT_RUN, callbacks=[watcher])
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--save-interval", "3ba",
                    "--keep", "3", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     wait_for_lease(trainer)
@@ -96,7 +93,7 @@ def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn)
 
     # Resume from the mid-epoch checkpoint at batch 6: the losses continue bit for bit.
     resumed_watcher = WeightsAt()  # the same pacing, so the same callbacks run in both runs
-    resumed = make_trainer(tmp_path, load_path=folder / "ep1-ba6-rank0.pt", callbacks=[resumed_watcher],
+    resumed = make_trainer(tmp_path, **CHECKPOINT_RUN, load_path=folder / "ep1-ba6-rank0.pt", callbacks=[resumed_watcher],
                            bus=False)
     resumed.fit()
     assert resumed_watcher.losses == watcher.losses[6:]
@@ -109,10 +106,10 @@ def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path
     torch.save({"state": {"note": "an earlier checkpoint"}}, earlier)
     before = earlier.read_bytes()
 
-    trainer = make_trainer(tmp_path, duration="2ep")
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN)
     # A 4 KiB file-size limit (checkpoints here are larger; the cursor file is not) makes every
     # checkpoint write fail with EFBIG, as a full disk fails with ENOSPC.
-    worker = spawn("-c", FSIZE_WRAPPER, "--connect", f"ipc://{tmp_path}/bus", "--save-interval", "2ba",
+    worker = spawn("-c", FSIZE_WRAPPER, "--connect", bus_address(tmp_path), "--save-interval", "2ba",
                    "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     wait_for_lease(trainer)
@@ -129,8 +126,8 @@ def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path
 
 
 def test_unwritable_folder_is_reported(tmp_path, spawn):
-    trainer = make_trainer(tmp_path, duration="1ep")
-    worker = spawn("-m", "workers.checkpoint", "--connect", f"ipc://{tmp_path}/bus", "--runs-dir",
+    trainer = make_trainer(tmp_path, "1ep", **CHECKPOINT_RUN)
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--runs-dir",
                    "/proc/eventbus-cannot-write-here", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     wait_for_lease(trainer)
@@ -143,7 +140,7 @@ def test_unwritable_folder_is_reported(tmp_path, spawn):
 
 def test_in_process_saver_writes_on_the_training_thread(tmp_path):
     saver = CheckpointSaver(save_interval="2ba", weights_only=True, runs_dir=tmp_path / "runs")
-    trainer = make_trainer(tmp_path, duration="5ba", callbacks=[saver], bus=False)
+    trainer = make_trainer(tmp_path, "5ba", **CHECKPOINT_RUN, callbacks=[saver], bus=False)
     trainer.fit()
     folder = tmp_path / "runs" / "ckpt" / "checkpoints"
     names = sorted(p.name for p in folder.glob("ep*.pt"))
@@ -158,7 +155,7 @@ def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spa
     """--transfer fetch: the worker never maps the trainer's shared memory; bytes come over tcp."""
     watcher = WeightsAt()
     port = free_port()
-    trainer = make_trainer(tmp_path, duration="2ep", callbacks=[watcher], bus=f"tcp://127.0.0.1:{port}")
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[watcher], bus=f"tcp://127.0.0.1:{port}")
     worker = spawn("-m", "workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
                    "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from eventbus import Trainer
-from tests.support import REPO_ROOT, make_loader, make_model
+from tests.support import REPO_ROOT, bus_address, make_loader, make_model
 
 
 def eventbus(*args: str, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -33,7 +33,7 @@ def test_every_command_has_help(command):
     ("justaname", "expected module:Class"),
 ])
 def test_bad_callback_specs_are_one_line_errors_with_exit_code_2(tmp_path, spec, problem):
-    result = eventbus("worker", "--connect", f"ipc://{tmp_path}/nobody", "--callback", spec, cwd=REPO_ROOT)
+    result = eventbus("worker", "--connect", bus_address(tmp_path, "nobody"), "--callback", spec, cwd=REPO_ROOT)
     assert result.returncode == 2
     assert problem in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -56,8 +56,8 @@ def test_replay_runs_a_callback_over_a_finished_run(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_worker_stops_cleanly_on_signals_and_closes_its_callbacks(tmp_path, spawn, sig):
     counts = tmp_path / "counts.json"
-    trainer = Trainer(make_model(), make_loader(), max_duration="1ba", device="cpu", bus=f"ipc://{tmp_path}/bus")
-    worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus", "--callback",
+    trainer = Trainer(make_model(), make_loader(), max_duration="1ba", device="cpu", bus=bus_address(tmp_path))
+    worker = spawn("-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback",
                    f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}')
     worker.wait_for("following")
     time.sleep(0.3)

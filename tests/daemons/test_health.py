@@ -19,7 +19,7 @@ from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.core.logger import LoggerDestination
-from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 from workers.health import LossMonitor, SystemMonitor
 
 WAIT = 60.0  # seconds to wait for something that should come within a second: a busy machine is not a failure
@@ -95,7 +95,7 @@ class PoisonAt(Callback):
 
 
 def start_worker(spawn, tmp_path, *options):
-    worker = spawn("-m", "workers.health", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+    worker = spawn("-m", "workers.health", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    *options)
     worker.wait_for("following")
     return worker
@@ -104,7 +104,7 @@ def start_worker(spawn, tmp_path, *options):
 def test_health_worker_reports_trainer_system_and_disk_statistics(tmp_path, spawn):
     hold = HoldUntilJournaled(2, "health/trainer/rss_gb")
     trainer = Trainer(make_model(), make_loader(), max_duration="2ep", device="cpu", run_name="healthy",
-                      bus=f"ipc://{tmp_path}/bus", run_folder=tmp_path / "runs" / "healthy", callbacks=[hold])
+                      bus=bus_address(tmp_path), run_folder=tmp_path / "runs" / "healthy", callbacks=[hold])
     hold.journal = trainer.publisher.journal_path
     worker = start_worker(spawn, tmp_path, "--interval", "0.1")
     BackgroundTrainer(trainer).start().join()
@@ -127,7 +127,7 @@ def test_health_worker_reports_trainer_system_and_disk_statistics(tmp_path, spaw
 
 def test_stall_alarm_and_recovery_but_not_during_evaluation(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="stalled",
-                      eval_dataloader=make_loader(16, 16), eval_interval="2ep", bus=f"ipc://{tmp_path}/bus",
+                      eval_dataloader=make_loader(16, 16), eval_interval="2ep", bus=bus_address(tmp_path),
                       callbacks=[SleepAt(2.5, batch=5), SleepAt(2.0)])
     worker = start_worker(spawn, tmp_path, "--stall-factor", "2", "--stall-min-seconds", "1", "--interval", "0")
     BackgroundTrainer(trainer).start().join()
@@ -172,7 +172,7 @@ HUNG_TRAINER = textwrap.dedent("""
 def test_stall_alarm_for_a_hung_trainer_whose_process_is_alive_then_gone(tmp_path, spawn):
     script = tmp_path / "hung_trainer.py"
     script.write_text(HUNG_TRAINER)
-    trainer = spawn(str(script), f"ipc://{tmp_path}/bus")
+    trainer = spawn(str(script), bus_address(tmp_path))
     trainer.wait_for("bus ready")
     worker = start_worker(spawn, tmp_path, "--stall-min-seconds", "1", "--interval", "0.2")
     trainer.wait_for("hung at batch 3")
@@ -195,7 +195,7 @@ def test_stall_alarm_for_a_hung_trainer_whose_process_is_alive_then_gone(tmp_pat
 def test_nan_loss_stops_the_run_from_the_worker(tmp_path, spawn):
     poison = PoisonAt(6)
     trainer = Trainer(make_model(), make_loader(), max_duration="20ep", device="cpu", run_name="nan",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[poison])
+                      bus=bus_address(tmp_path), callbacks=[poison])
     poison.journal = trainer.publisher.journal_path
     worker = start_worker(spawn, tmp_path, "--stop-on-nan", "--interval", "0")
     BackgroundTrainer(trainer).start().join()

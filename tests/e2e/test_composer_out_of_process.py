@@ -54,7 +54,7 @@ from tests.e2e.test_composer_fidelity import (  # noqa: E402
     _series,
     _tensorboard_tags,
 )
-from tests.support import Process  # noqa: E402
+from tests.support import Process, bus_address  # noqa: E402
 
 MONITORS: dict[type, dict[str, Any]] = {  # the same keyword arguments in process (Composer) and in the worker
     LRMonitor: {}, SpeedMonitor: {"window_size": 2}, RuntimeEstimator: {},
@@ -115,7 +115,7 @@ def _eventbus_trainer(folder: pathlib.Path, run_name: str, callbacks: list[Any],
         return eventbus.Trainer(eventbus.ComposerClassifier(module, num_classes=2), _data(),
                                 optimizers=torch.optim.SGD(module.parameters(), lr=0.1),
                                 schedulers=CosineAnnealingScheduler(t_max="1dur"), callbacks=callbacks, device="cpu",
-                                seed=7, run_name=run_name, bus=f"ipc://{folder}/bus",
+                                seed=7, run_name=run_name, bus=bus_address(folder),
                                 run_folder=folder / "runs" / run_name, **kwargs)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eventbus import AllRanks, Event
-from tests.support import REPO_ROOT, free_port
+from tests.support import REPO_ROOT, bus_address, free_port
 from tests.training.test_trainer_events import fit_counts
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
@@ -48,7 +48,7 @@ async def count_all_ranks(address: str) -> tuple[dict[int, collections.Counter],
 
 
 def test_two_ranks_with_the_three_daemons_and_a_monitor(tmp_path, spawn):
-    bus = f"ipc://{tmp_path}/bus"
+    bus = bus_address(tmp_path)
     trainer = torchrun(tmp_path, tmp_path / "out", bus, wait_for="logger,timing,checkpoint")
     state = ["--state-dir", str(tmp_path / "state")]
     daemons = [spawn("-m", "workers.logger", "--connect", bus, *state),
@@ -136,7 +136,7 @@ def test_a_proxy_gives_one_address_for_all_ranks(tmp_path, spawn):
 def test_sharded_fsdp_checkpoints_are_written_in_pytorch_format_and_resume_exactly(tmp_path, spawn):
     """FSDP2: each rank stages its shards; the worker (fetching every rank's buffer over the bus)
     writes one torch.distributed.checkpoint folder; two ranks resume from it bit for bit."""
-    bus = f"ipc://{tmp_path}/bus"
+    bus = bus_address(tmp_path)
     trainer = torchrun(tmp_path, tmp_path / "out", bus, wait_for="checkpoint", shard=True)
     worker = spawn("-m", "workers.checkpoint", "--connect", bus, "--save-interval", "5ba", "--transfer", "fetch",
                    "--state-dir", str(tmp_path / "state"))

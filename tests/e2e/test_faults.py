@@ -13,7 +13,7 @@ import torch
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from tests.daemons.test_job import SMALL, leftover_daemons
-from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 
 
 def test_killed_trainer_leaves_a_readable_journal_and_a_loadable_latest_checkpoint(tmp_path):
@@ -73,7 +73,7 @@ def test_a_subscriber_that_stops_reading_slows_nothing_and_recovers(tmp_path):
     from eventbus import BusConfig, Trainer
 
     trainer = Trainer(make_model(), make_loader(512, 16), max_duration="6ep", device="cpu",
-                      bus=BusConfig(address=f"ipc://{tmp_path}/bus", send_hwm=1000))
+                      bus=BusConfig(address=bus_address(tmp_path), send_hwm=1000))
     reader = subprocess.Popen([sys.executable, "-c", STALLED_SUBSCRIBER, trainer.publisher.address], text=True,
                               stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert reader.stdout.readline().strip() == "ready"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from eventbus.bus.subscribe.journal_stream import journal_messages
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, bus_address
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
 ENV.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
@@ -54,7 +54,7 @@ def test_every_command_has_help(tmp_path, args, flag):
 
 def test_monitor_help_after_the_target_and_options_in_any_order(tmp_path):
     assert eventbus("monitor", "ipc:///nowhere/bus", "--help", cwd=tmp_path).returncode == 0
-    result = eventbus("monitor", "--once", "--refresh", "1", f"ipc://{tmp_path}/bus", cwd=tmp_path)
+    result = eventbus("monitor", "--once", "--refresh", "1", bus_address(tmp_path), cwd=tmp_path)
     assert result.returncode == 2 and "does not exist" in result.stderr  # parsed: the target was checked
 
 

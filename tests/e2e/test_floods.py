@@ -22,7 +22,7 @@ from eventbus import BusConfig, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.publish.service import SubscriberTable
-from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
 # The trainer's RSS may grow by at most this much while flooded. Measured here (2-core VM), with the
 # flood running from before fit to after close of this 64-batch run: bounded -- a small receive and
@@ -87,7 +87,7 @@ def stats_reply(dealer: zmq.Socket, timeout: float) -> tuple[int, dict]:
 @pytest.mark.parametrize("kind", FLOODS)
 def test_a_flood_neither_stops_the_record_nor_grows_the_trainer(kind, tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(num_samples=512, batch_size=8), max_duration="1ep", device="cpu",
-                      run_name=kind, bus=BusConfig(address=f"ipc://{tmp_path}/bus", checkpoint_close_timeout=1.0))
+                      run_name=kind, bus=BusConfig(address=bus_address(tmp_path), checkpoint_close_timeout=1.0))
     publisher = trainer.publisher
     rss, warnings = PeakRss(), RecentWarnings()
     attacker = spawn("-m", "bench.flooder", kind, publisher.address, publisher.service_address, publisher.run_id)
@@ -119,7 +119,7 @@ def test_a_flood_neither_stops_the_record_nor_grows_the_trainer(kind, tmp_path, 
 
 def test_after_a_hello_flood_the_status_request_still_gets_a_bounded_answer(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(num_samples=64, batch_size=8), max_duration="1ep", device="cpu",
-                      run_name="status", bus=BusConfig(address=f"ipc://{tmp_path}/bus"))
+                      run_name="status", bus=BusConfig(address=bus_address(tmp_path)))
     publisher = trainer.publisher
     context = zmq.Context()
     forger, asker = (context.socket(zmq.DEALER) for _ in range(2))

@@ -25,7 +25,7 @@ from eventbus.monitor.app import main
 from eventbus.monitor.fmt import sparkline
 from eventbus.monitor.model import DaemonView, SeriesView, Tracker, ViewModel
 from eventbus.monitor.render import render
-from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
 ENV.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", COLUMNS="160")
@@ -249,7 +249,7 @@ def last_frame(lines: list[str]) -> list[str]:
 
 def test_piped_monitors_follow_a_live_run(tmp_path, spawn):
     """Off a terminal: plain frames; --once prints one and exits; SIGTERM detaches; the run's end exits 0."""
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     pace = Pace(0.02, hold_at=40)
     trainer = Trainer(make_model(), make_loader(), max_duration="20ep", device="cpu", run_name="piped",
                       bus=address, callbacks=[pace])
@@ -283,7 +283,7 @@ def test_piped_monitors_follow_a_live_run(tmp_path, spawn):
                                                           "apt-get install tmux)")
 def test_monitor_in_a_real_terminal(tmp_path):
     """As a person would: monitors in terminals (tmux panes) attached to a live run, then its end."""
-    address = f"ipc://{tmp_path}/bus"
+    address = bus_address(tmp_path)
     pace = Pace(0.05, hold_at=150)  # ~10 s of training; held at batch 150 until both monitors are checked
     trainer = Trainer(make_model(), make_loader(), max_duration="50ep", device="cpu", run_name="watched",
                       bus=address, callbacks=[pace], eval_dataloader=make_loader(16, 16))

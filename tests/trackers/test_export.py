@@ -17,7 +17,7 @@ import pytest
 from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_model
+from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_trainer
 
 
 def export(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -27,9 +27,8 @@ def export(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def trainer_for(tmp_path, callbacks=()) -> Trainer:
-    return Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="exported",
-                   eval_dataloader=make_loader(32, 16), bus=f"ipc://{tmp_path}/bus", run_folder=tmp_path / "run",
-                   callbacks=list(callbacks))
+    return make_trainer(tmp_path, "3ep", run_name="exported", eval_dataloader=make_loader(32, 16),
+                        run_folder=tmp_path / "run", callbacks=list(callbacks))
 
 
 def finished_run(tmp_path):

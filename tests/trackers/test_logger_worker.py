@@ -13,7 +13,7 @@ from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 from eventbus.bus.subscribe.subscriber import Subscriber
-from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
 
 class SlowBatches(Callback):
@@ -61,8 +61,8 @@ def train_sending_metrics_back(trainer) -> list[int]:
 
 def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_and_mlflow(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="logged",
-                      eval_dataloader=make_loader(32, 16), bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.01)])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                      eval_dataloader=make_loader(32, 16), bus=bus_address(tmp_path), callbacks=[SlowBatches(0.01)])
+    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    "--tensorboard", "--mlflow", "--log-interval", "2")
     worker.wait_for("following")
     train_sending_metrics_back(trainer)
@@ -129,8 +129,8 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
                 time.sleep(0.05)
 
     trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="restarted",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.08), WaitForTrackers()])
-    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                      bus=bus_address(tmp_path), callbacks=[SlowBatches(0.08), WaitForTrackers()])
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--tensorboard", "--mlflow"]
     first = spawn(*args)
     first.wait_for("following")
@@ -179,8 +179,8 @@ def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, 
     """Killed between applying the run's end and exiting, a worker started again with the same
     cursor finds the end in the journal, behind its resume point: it exits instead of waiting forever."""
     trainer = Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", run_name="ended",
-                      bus=f"ipc://{tmp_path}/bus")
-    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                      bus=bus_address(tmp_path))
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--tensorboard"]
     first = spawn(*args)
     first.wait_for("following")
@@ -196,11 +196,11 @@ def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, 
 def test_one_logger_cursor_across_two_runs_keeps_each_run_in_its_own_folder(tmp_path, spawn):
     """A daemon's cursor outlives a run (one --state-dir, or the default one, for run after run):
     what it restores from the first run must not send the second run's metrics to the first's folder."""
-    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--tensorboard"]
     for name in ("first", "second"):
         trainer = Trainer(make_model(), make_loader(), max_duration="3ba", device="cpu", run_name=name,
-                          bus=f"ipc://{tmp_path}/bus")
+                          bus=bus_address(tmp_path))
         worker = spawn(*args)
         worker.wait_for("following")
         trainer.fit()

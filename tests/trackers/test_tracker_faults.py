@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
-from eventbus import Callback, Trainer
-from tests.support import BackgroundTrainer, make_loader, make_model
+from eventbus import Callback
+from tests.support import BackgroundTrainer, bus_address, make_trainer
 
 pytest.importorskip("mlflow.server", reason="the MLflow tracking server comes with the full mlflow package")
 
@@ -68,9 +68,8 @@ class MLflowServer:
 
 def _trainer_and_logger(tmp_path, spawn, server, run_name: str, duration: str, callback: Callback):
     """A trainer with ``callback`` and a logging worker writing to ``server``, retrying every 0.5 s."""
-    trainer = Trainer(make_model(), make_loader(), max_duration=duration, device="cpu", run_name=run_name,
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[callback])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+    trainer = make_trainer(tmp_path, duration, run_name=run_name, callbacks=[callback])
+    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    "--no-console", "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
     worker.wait_for("following")
     return trainer, worker

@@ -14,7 +14,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from eventbus import Callback, Trainer
-from tests.support import BackgroundTrainer, make_loader, make_model
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 from tests.trackers.test_logger_worker import SlowBatches, published_metrics, train_sending_metrics_back
 
 
@@ -70,8 +70,8 @@ def read_runs(wandb_dir, run_id):
 
 def test_logger_worker_logs_every_step_once_and_the_hyperparameters_to_wandb(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="wandb-run",
-                      eval_dataloader=make_loader(32, 16), bus=f"ipc://{tmp_path}/bus", callbacks=[SlowBatches(0.01)])
-    worker = spawn("-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                      eval_dataloader=make_loader(32, 16), bus=bus_address(tmp_path), callbacks=[SlowBatches(0.01)])
+    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    "--no-console", "--wandb", "--wandb-mode", "offline", "--wandb-project", "eventbus-tests",
                    "--wandb-tags", "a,b", "--wandb-group", "g", env=offline_env(tmp_path))
     worker.wait_for("following")
@@ -110,8 +110,8 @@ class WaitForWandB(Callback):
 def test_restarted_logger_worker_logs_no_wandb_step_twice_or_never(tmp_path, spawn):
     wandb_dir = tmp_path / "runs" / "wandb-restart" / "wandb"
     trainer = Trainer(make_model(), make_loader(256, 8), max_duration="3ep", device="cpu", run_name="wandb-restart",
-                      bus=f"ipc://{tmp_path}/bus", callbacks=[WaitForWandB(wandb_dir), SlowBatches(0.05)])
-    args = ["-m", "workers.logger", "--connect", f"ipc://{tmp_path}/bus", "--state-dir", str(tmp_path / "s"),
+                      bus=bus_address(tmp_path), callbacks=[WaitForWandB(wandb_dir), SlowBatches(0.05)])
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--wandb"]
     first = spawn(*args, env=offline_env(tmp_path))
     first.wait_for("following")

@@ -17,7 +17,7 @@ from eventbus import (
     InMemoryLogger,
     Trainer,
 )
-from tests.support import make_loader, make_model
+from tests.support import make_loader, make_model, make_trainer
 
 
 class LossRecorder(Callback):
@@ -98,12 +98,9 @@ def test_microbatching_accumulates_the_full_batch_gradient(microbatch_size):
 
 def _split_run(tmp_path, total: str, first: str, **kwargs):
     def trainer(duration, seed_model):
-        torch.manual_seed(seed_model)
         recorder = LossRecorder()
-        model = make_model(dropout=0.3)
-        return Trainer(model, make_loader(64, 16, shuffle=True), max_duration=duration, seed=7, device="cpu",
-                       optimizers=torch.optim.Adam(model.parameters(), lr=1e-2), callbacks=[recorder],
-                       **kwargs), recorder
+        return make_trainer(tmp_path, duration, model_seed=seed_model, dropout=0.3, shuffle=True, adam_lr=1e-2,
+                            seed=7, bus=None, callbacks=[recorder], **kwargs), recorder
 
     whole, whole_losses = trainer(total, 0)
     whole.fit()
