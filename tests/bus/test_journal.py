@@ -5,6 +5,8 @@ from eventbus.bus.journal import JournalWriter, read_journal
 from eventbus.bus.wire import decode
 from tests.support import EventRecorder, make_loader, make_model
 
+pytestmark = pytest.mark.fast
+
 
 def test_torn_tail_is_ignored_and_everything_before_it_reads_back(tmp_path):
     path = tmp_path / "events.journal"

@@ -14,6 +14,8 @@ from eventbus.bus.protocol import SCHEMAS, Op, parse_request
 from eventbus.errors import ProtocolError
 from tests.support import make_loader, make_model
 
+pytestmark = pytest.mark.fast
+
 # One valid request per operation, as real clients send them.
 VALID = {
     Op.HELLO: {"stats": {"received": 3, "lag_seconds": 0.5}, "callbacks": ["SpeedMonitor"], "applied": 7,

@@ -14,6 +14,7 @@ def valid(**overrides):
     return fields
 
 
+@pytest.mark.fast
 def test_round_trip_is_one_frame_of_plain_msgpack():
     data = wire.encode(**valid())
     assert isinstance(data, bytes)
@@ -29,6 +30,7 @@ def test_round_trip_is_one_frame_of_plain_msgpack():
     (lambda f: f.__setitem__(8, [1, 2]), "payload must be a map"),
     (lambda f: f.pop(), "9-field envelope"),
 ])
+@pytest.mark.fast
 def test_bad_envelopes_say_what_is_wrong(mutate, message):
     fields = [wire.PROTOCOL_VERSION, "event", "ab" * 16, 0, 7, "batch_end", 1.0, 2.0, {}]
     mutate(fields)
@@ -36,6 +38,7 @@ def test_bad_envelopes_say_what_is_wrong(mutate, message):
         wire.decode(msgpack.packb(fields))
 
 
+@pytest.mark.fast
 def test_decoding_is_bounded():
     deep: dict = {}
     node = deep
@@ -61,6 +64,7 @@ def test_random_bytes_raise_protocol_error_or_decode(data):
         pass
 
 
+@pytest.mark.fast
 def test_requests_round_trip_and_reject_garbage():
     assert wire.decode_request(wire.encode_request("stop", reason="plateau")) == {
         "v": wire.PROTOCOL_VERSION, "op": "stop", "reason": "plateau"}

@@ -43,6 +43,7 @@ class TaggedAlgorithm(Algorithm):
         self.log.append((event.value, self.name))
 
 
+@pytest.mark.fast
 def test_loggers_first_on_init_last_otherwise_and_close_then_post_close():
     log: list = []
     trainer = Trainer(make_model(), make_loader(16, 16), max_duration="1ba", device="cpu",
@@ -58,6 +59,7 @@ def test_loggers_first_on_init_last_otherwise_and_close_then_post_close():
     ]
 
 
+@pytest.mark.fast
 def test_algorithms_run_before_callbacks_and_in_reverse_on_after_events():
     log: list = []
 
@@ -76,6 +78,7 @@ def test_algorithms_run_before_callbacks_and_in_reverse_on_after_events():
     ]
 
 
+@pytest.mark.fast
 def test_callback_exception_propagates_and_everything_is_still_closed(caplog):
     log: list = []
 

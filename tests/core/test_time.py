@@ -5,6 +5,8 @@ import pytest
 from eventbus import ConfigError, Time, Timestamp, TimeUnit
 from eventbus.core.time import ensure_time
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("text, value, unit", [
     ("2ep", 2, TimeUnit.EPOCH), ("10ba", 10, TimeUnit.BATCH), ("640sp", 640, TimeUnit.SAMPLE),

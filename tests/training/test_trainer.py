@@ -43,17 +43,20 @@ class LossRecorder(Callback):
     (dict(max_duration=1, eval_dataloader=make_loader(8, 16, shuffle=False).__class__([], batch_size=1)),
      "eval_dataloader"),
 ])
+@pytest.mark.fast
 def test_bad_configuration_names_the_argument(kwargs, argument):
     with pytest.raises(ConfigError, match=argument):
         Trainer(make_model(), make_loader(), device="cpu", **kwargs)
 
 
+@pytest.mark.fast
 def test_empty_train_dataloader_is_rejected():
     empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 8)), batch_size=4)
     with pytest.raises(ConfigError, match="train_dataloader is empty"):
         Trainer(make_model(), empty, max_duration=1, device="cpu")
 
 
+@pytest.mark.fast
 def test_missing_duration_and_loader_are_explained():
     with pytest.raises(ConfigError, match="max_duration is not set"):
         Trainer(make_model(), make_loader(), device="cpu").fit()
@@ -61,6 +64,7 @@ def test_missing_duration_and_loader_are_explained():
         Trainer(make_model(), max_duration=1, device="cpu").fit()
 
 
+@pytest.mark.fast
 def test_plain_module_is_rejected_with_a_hint():
     with pytest.raises(ConfigError, match="ComposerClassifier"):
         Trainer(torch.nn.Linear(8, 2), make_loader(), max_duration=1)  # type: ignore[arg-type]
@@ -87,6 +91,7 @@ def _reference_weights():
     return make_model().state_dict()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("microbatch_size", [16, 20, 1])
 def test_microbatching_accumulates_the_full_batch_gradient(microbatch_size):
     full, full_loss = _gradients_after_one_batch(None)
@@ -114,6 +119,7 @@ def _split_run(tmp_path, total: str, first: str, **kwargs):
     return whole_losses.losses, losses1.losses + losses2.losses, part2
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("total, first", [("10ba", "6ba"), ("3ep", "1ep"), ("3ep", "4ba")])
 def test_save_and_load_gives_bit_identical_losses(tmp_path, total, first):
     whole, split, resumed = _split_run(tmp_path, total, first)
@@ -121,6 +127,7 @@ def test_save_and_load_gives_bit_identical_losses(tmp_path, total, first):
     assert resumed.state.timestamp.batch.value == len(whole)
 
 
+@pytest.mark.fast
 def test_load_path_resumes_from_a_file(tmp_path):
     torch.manual_seed(0)
     trainer = Trainer(make_model(), make_loader(), max_duration="3ba", seed=3, device="cpu")
@@ -138,6 +145,7 @@ def test_load_path_resumes_from_a_file(tmp_path):
         Trainer(make_model(), make_loader(), device="cpu", load_path=tmp_path / "garbage.pt")
 
 
+@pytest.mark.fast
 def test_checkpoint_layout_matches_composer_and_loads_weights_only(tmp_path):
     class Counter(Callback):
         def __init__(self):
@@ -166,6 +174,7 @@ def test_checkpoint_layout_matches_composer_and_loads_weights_only(tmp_path):
     assert counter.n == 2
 
 
+@pytest.mark.fast
 def test_logs_composer_keys_and_eval_metrics():
     memory = InMemoryLogger()
     trainer = Trainer(make_model(), make_loader(), max_duration="1ep", device="cpu", loggers=[memory],
@@ -196,6 +205,7 @@ def test_eval_time_is_not_training_time():
     assert trainer.state.timestamp.batch_wct < datetime.timedelta(seconds=0.3)
 
 
+@pytest.mark.fast
 def test_schedulers_step_per_epoch_by_default_and_per_batch_on_request():
     def lrs(every_batch):
         model = make_model()
@@ -210,6 +220,7 @@ def test_schedulers_step_per_epoch_by_default_and_per_batch_on_request():
     assert lrs(True) == 0.5 ** 8   # 8 batches
 
 
+@pytest.mark.fast
 def test_gradient_clipping_bounds_the_gradient_norm():
     norms = []
 
@@ -235,6 +246,7 @@ def test_gradient_clipping_bounds_the_gradient_norm():
     assert norms and all(n <= 0.5 + 1e-4 for n in norms)
 
 
+@pytest.mark.fast
 def test_amp_bf16_trains_on_cpu():
     memory = InMemoryLogger()
     Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", precision="amp_bf16",
@@ -242,6 +254,7 @@ def test_amp_bf16_trains_on_cpu():
     assert len(memory.data["loss/train/total"]) == 2
 
 
+@pytest.mark.fast
 def test_composer_docs_callbacks_work_unchanged(capsys):
     from eventbus import Event, Logger, State  # the documented import line
 

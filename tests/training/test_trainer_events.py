@@ -7,6 +7,8 @@ import pytest
 from eventbus import Callback, Evaluator, Event, Trainer
 from tests.support import EventRecorder, make_loader, make_model
 
+pytestmark = pytest.mark.fast
+
 E = Event
 MICROBATCH = [E.BEFORE_FORWARD, E.AFTER_FORWARD, E.BEFORE_LOSS, E.AFTER_LOSS, E.BEFORE_BACKWARD, E.AFTER_BACKWARD]
 FORWARD_BACKWARD = set(MICROBATCH)
