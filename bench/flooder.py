@@ -1,4 +1,4 @@
-"""The attacker of ``bench.flood`` and ``tests/test_floods.py``: hammers a trainer's real sockets.
+"""The attacker of ``bench.flood`` and ``tests/e2e/test_floods.py``: hammers a trainer's real sockets.
 
 ``python -m bench.flooder KIND PUB_ADDRESS SERVICE_ADDRESS RUN_ID`` floods until killed, printing
 ``flooding`` once its first hostile message is out and ``round done`` once its first round is. It imports

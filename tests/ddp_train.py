@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from eventbus import Callback, Trainer  # noqa: E402
-from tests.conftest import EventRecorder, make_model  # noqa: E402
+from tests.support import EventRecorder, make_model  # noqa: E402
 
 
 class Losses(Callback):

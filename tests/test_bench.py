@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT
 
 
 def test_quick_benchmarks_print_tables_and_json(tmp_path):

@@ -10,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT, make_loader, make_model
+from tests.support import REPO_ROOT, make_loader, make_model
 
 # Run Python as if torch were not installed: any import of it fails like a missing package.
 NO_TORCH = """

@@ -1,0 +1,141 @@
+"""Requests are validated against their operation's schema before anything acts on them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from eventbus import Trainer
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
+from eventbus.bus.protocol import SCHEMAS, Op, parse_request
+from eventbus.errors import ProtocolError
+from tests.support import make_loader, make_model
+
+pytestmark = pytest.mark.fast
+
+# One valid request per operation, as real clients send them.
+VALID = {
+    Op.HELLO: {"stats": {"received": 3, "lag_seconds": 0.5}, "callbacks": ["SpeedMonitor"], "applied": 7,
+               "run_id": "cd" * 16},
+    Op.PROGRESS: {"applied": 12, "run_id": "cd" * 16},
+    Op.STATS: {"id": 1},
+    Op.SNAPSHOT: {"id": 2},
+    Op.PING: {"id": 3},
+    Op.REPLAY: {"id": 4, "run_id": "ab" * 16, "from": 1, "to": 50},
+    Op.STOP: {"reason": "plateau"},
+    Op.METRICS: {"metrics": {"throughput/samples_per_sec": 812.5, "note": "ok"}, "step": 4},
+    Op.CAPTURE: {"what": ["grad_norms", "checkpoint"], "interval": 2, "ttl": 9.0,
+                 "options": {"save_interval": "3ba"}},
+    Op.CHECKPOINT_ACK: {"buffer": "/dev/shm/x", "path": "ep0-ba3.pt", "error": None, "batch": 3},
+    Op.CHECKPOINT_FETCH: {"id": 5, "buffer": "/dev/shm/x"},
+}
+
+WRONG_VALUES = [[1], {"a": 1}, "text", -1, 1.5, True, b"\x00" * 10, "x" * 5000, [[[[1]]]], None]
+
+
+def request(op: Op, **fields) -> bytes:
+    return wire.encode_request(op.value, source="tester", rank=0, **fields)
+
+
+def test_every_operation_has_a_schema_and_accepts_what_clients_send():
+    assert set(SCHEMAS) == set(Op)
+    for op, fields in VALID.items():
+        parsed = parse_request(request(op, **fields))
+        assert parsed.op is op and parsed.source == "tester" and parsed.rank == 0
+
+
+@pytest.mark.parametrize("op", list(Op))
+def test_wrong_types_sizes_and_nesting_are_refused_for_every_field(op):
+    refused = 0
+    for name in [*SCHEMAS[op], "id", "rank", "source"]:
+        for wrong in WRONG_VALUES:
+            fields = dict(VALID[op], **{name: wrong})
+            try:
+                parsed = parse_request(request(op, **fields) if name not in ("rank", "source")
+                                       else wire.encode_request(op.value, **fields))
+            except ProtocolError as err:
+                assert op.value in str(err) and repr(name) in str(err)
+                refused += 1
+                continue
+            # Accepted: it must be a value that field really allows.
+            value = parsed.fields.get(name, getattr(parsed, name, None))
+            assert value == wrong or (wrong is None and value is None), (op, name, wrong)
+    assert refused >= len(SCHEMAS[op])  # each field refuses something
+
+
+def test_unknown_ops_fields_and_missing_fields_are_refused():
+    with pytest.raises(ProtocolError, match="unknown op"):
+        parse_request(wire.encode_request("format_disk"))
+    with pytest.raises(ProtocolError, match="unknown field 'extra'"):
+        parse_request(request(Op.STOP, extra=1))
+    with pytest.raises(ProtocolError, match="missing 'to'"):
+        parse_request(request(Op.REPLAY, run_id="r", **{"from": 1}))
+
+
+@pytest.mark.parametrize("interval", ["garbage", "2.0dur", "-1ep", "3it"])
+def test_a_bad_checkpoint_interval_is_refused_before_it_reaches_the_trainer(interval):
+    with pytest.raises(ProtocolError, match="save_interval"):
+        parse_request(request(Op.CAPTURE, what=["checkpoint"], options={"save_interval": interval}))
+
+
+def test_hostile_requests_neither_crash_the_trainer_nor_stop_its_record(tmp_path):
+    """The requests that once killed the run (a bad interval on the training thread) or the bus
+    thread (a nested list) are counted as protocol errors; the run ends with its full record."""
+    trainer = Trainer(make_model(), make_loader(num_samples=256, batch_size=8), max_duration="3ep",
+                      run_name="hostile")
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(trainer.publisher.service_address)
+    hostile = [
+        wire.encode_request("capture", what=["checkpoint"], options={"save_interval": "garbage"}, ttl=60),
+        wire.encode_request("capture", what=["checkpoint"], options={"save_interval": "2.0dur"}, ttl=60),
+        wire.encode_request("capture", what=[[1]], ttl=60),
+        wire.encode_request("metrics", metrics={"x": {"nested": [1, 2]}}),
+        wire.encode_request("replay", run_id=trainer.publisher.run_id, **{"from": 1, "to": "all"}),
+        wire.encode_request("hello", source="s" * 10_000),
+    ]
+    for body in hostile:
+        dealer.send(body)
+    dealer.send_multipart([b"frame"] * 20 + [wire.encode_request("ping")])  # 21 frames
+    hostile.append(b"")
+    # Larger than any request: ZeroMQ drops the client before the bus holds any of it.
+    oversize = context.socket(zmq.DEALER)
+    oversize.connect(trainer.publisher.service_address)
+    oversize.send(wire.encode_request("metrics", metrics={f"k{i}": "x" * 900 for i in range(500)}))  # 460 KB
+    deadline = time.monotonic() + 10
+    while (trainer.publisher.stats().protocol_errors < len(hostile) or trainer.publisher.stats().disconnects < 1) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    trainer.fit()
+    trainer.close()
+    dealer.close(linger=0)
+    oversize.close(linger=0)
+    context.term()
+    stats = trainer.publisher.stats()
+    assert stats.protocol_errors == len(hostile) and stats.disconnects >= 1
+    assert stats.refused == {"bad request": len(hostile) - 1, "too many frames": 1}
+    assert not trainer.publisher.holds_checkpoint_lease()
+    kinds = [wire.decode(record).kind for record in read_journal(trainer.publisher.journal_path)]
+    assert kinds[0] == "header" and kinds[-1] == "end"
+    assert kinds.count("event") > 3 * 32  # every batch of every epoch made it to the journal
+
+
+def test_the_run_waits_for_a_following_worker_still_on_a_crashed_run():
+    """A worker that follows restarts reports which run it applied; until it has switched to this
+    run (it replays it from the start) the trainer counts it behind, so the run does not end first."""
+    from eventbus.bus.publish.history import History
+    from eventbus.bus.publish.service import SubscriberTable
+
+    history = History("new" * 8, 0, None, 100)
+    for _ in range(5):
+        history.append("event", "batch_end", 0.0, 0.0, {})
+    table = SubscriberTable()
+    table.seen(parse_request(request(Op.PROGRESS, applied=90, run_id="old" * 8)))  # further, in the old run
+    assert table.behind(history) == ["tester"]
+    table.seen(parse_request(request(Op.PROGRESS, applied=5, run_id="new" * 8)))
+    assert table.behind(history) == []
+    table.seen(parse_request(request(Op.PROGRESS, applied=4)))  # not following: its seq is all there is
+    assert table.behind(history) == ["tester"]

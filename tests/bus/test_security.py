@@ -1,0 +1,95 @@
+"""CURVE on non-loopback endpoints: the right key gets the stream; anyone else gets nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from eventbus import BusConfig, ConfigError, Subscriber, Trainer
+from eventbus.bus.security import ClientKeys, generate_keys
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, free_port, make_loader, make_model
+
+
+@pytest.fixture
+def keys(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "eventbus", "keys", "generate", str(tmp_path / "keys")],
+                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "keys"
+    assert stat.S_IMODE((folder / "server.key_secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE((folder / "client.key_secret").stat().st_mode) == 0o600
+    generate_keys(tmp_path / "stranger", name="stranger")  # a valid pair that is not on the allow-list
+    return folder
+
+
+def test_non_loopback_bind_needs_keys(tmp_path):
+    with pytest.raises(ConfigError, match="without CURVE keys"):
+        Trainer(make_model(), make_loader(), device="cpu", bus=f"tcp://0.0.0.0:{free_port()}")
+
+
+def test_ipc_endpoint_of_a_live_process_is_refused(tmp_path):
+    first = Trainer(make_model(), make_loader(), device="cpu", bus=bus_address(tmp_path))
+    with pytest.raises(ConfigError, match="already served by a live process"):
+        Trainer(make_model(), make_loader(), device="cpu", bus=bus_address(tmp_path))
+    first.close()
+
+
+async def _receive(address: str, keys, seconds: float) -> tuple[int, object]:
+    received = 0
+    async with Subscriber(address, keys=keys, request_timeout=1.0, start="beginning") as sub:
+        try:
+            async with asyncio.timeout(seconds):
+                async for _ in sub:
+                    received += 1
+        except TimeoutError:
+            pass
+        return received, sub.stats()
+
+
+async def test_only_an_authorized_client_gets_anything(tmp_path, keys):
+    port = free_port()
+    config = BusConfig(address=f"tcp://0.0.0.0:{port}", server_key=str(keys / "server.key_secret"),
+                       authorized_keys=str(keys / "authorized"))
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", bus=config)
+    address = f"tcp://127.0.0.1:{port}"
+    background = BackgroundTrainer(trainer).start()
+    good = ClientKeys(keys / "client.key_secret", keys / "server.key")
+    stranger = ClientKeys(tmp_path / "stranger" / "stranger.key_secret", keys / "server.key")
+    impostor = ClientKeys(tmp_path / "stranger" / "stranger.key_secret", tmp_path / "stranger" / "stranger.key")
+
+    class NoKeys(ClientKeys):  # a plain client: no CURVE at all
+        def __init__(self):
+            pass
+
+        def apply(self, socket):
+            pass
+
+    results = await asyncio.gather(
+        _receive(address, good, 8), _receive(address, stranger, 3), _receive(address, NoKeys(), 3),
+        _receive(address, impostor, 3))
+    await asyncio.to_thread(background.join)
+    (good_count, _), *refused = results
+    assert good_count > 50
+    for count, stats in refused:
+        assert count == 0 and stats.received == 0
+
+
+async def test_a_key_added_to_the_allow_list_works_without_a_restart(tmp_path, keys):
+    import shutil
+
+    port = free_port()
+    config = BusConfig(address=f"tcp://0.0.0.0:{port}", server_key=str(keys / "server.key_secret"),
+                       authorized_keys=str(keys / "authorized"))
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", device="cpu", bus=config)
+    laptop = ClientKeys(tmp_path / "stranger" / "stranger.key_secret", keys / "server.key")
+    count, _ = await _receive(f"tcp://127.0.0.1:{port}", laptop, 2)
+    assert count == 0
+    shutil.copy(tmp_path / "stranger" / "stranger.key", keys / "authorized" / "laptop.key")
+    count, _ = await _receive(f"tcp://127.0.0.1:{port}", laptop, 2)
+    assert count >= 3  # the run header, INIT, ... as a late joiner from the beginning
+    trainer.close()

@@ -1,0 +1,117 @@
+"""A subscriber pays only for what it uses: the publisher filters by topic, and nothing is missed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
+from eventbus.daemons.host import subscription
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
+
+
+def journal_events(trainer: Trainer, event: Event) -> list[int]:
+    return [m.seq for m in map(wire.decode, read_journal(trainer.publisher.journal_path))
+            if m.kind == "event" and m.event == event.value]
+
+
+async def batch_ends(address: str, trainer: Trainer, *, stall: float = 0.0, **options) -> tuple[list, Subscriber]:
+    """Follow the run for BATCH_END only; with ``stall``, stop reading that long once it starts."""
+    seqs = []
+    async with Subscriber(address, events=[Event.BATCH_END], metrics=False, start="beginning",
+                          **options) as sub:
+        background = BackgroundTrainer(trainer).start()
+        if stall:
+            time.sleep(stall)  # blocks this loop: ZeroMQ's queues fill and it drops live messages
+        async for message in sub:
+            if message.kind == "event":
+                seqs.append((message.seq, message.event, message.recovered))
+        background.join()
+    return seqs, sub
+
+
+def test_a_batch_end_subscriber_receives_nothing_else_over_the_wire(tmp_path):
+    address = bus_address(tmp_path)
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", run_name="topics", bus=address)
+    seqs, sub = asyncio.run(batch_ends(address, trainer))
+    assert [s for s, _, _ in seqs] == journal_events(trainer, Event.BATCH_END)
+    assert {e for _, e, _ in seqs} == {Event.BATCH_END}
+    arrived = sub.received_topics()
+    assert set(arrived) <= {"batch_end", "end", "header"}, arrived  # nothing else was sent to it
+    assert arrived["batch_end"] == len(seqs) - sum(recovered for _, _, recovered in seqs)
+    assert sub.stats().lost == 0
+
+
+def test_dropped_messages_of_its_topics_are_recovered_in_order(tmp_path):
+    """Tiny queues and a reader that stalls: ZeroMQ drops, and the links in the messages it does
+    receive tell it exactly which of its own it missed; replay fills them in, in seq order."""
+    address = bus_address(tmp_path)
+    trainer = Trainer(make_model(), make_loader(num_samples=2400, batch_size=4), max_duration="1ep",
+                      run_name="drops", bus=BusConfig(address=address, send_hwm=2))
+    seqs, sub = asyncio.run(batch_ends(address, trainer, stall=3.0, receive_hwm=2))
+    expected = journal_events(trainer, Event.BATCH_END)
+    assert [s for s, _, _ in seqs] == expected  # every one, once, in order
+    stats = sub.stats()
+    assert stats.recovered > 0 and stats.gaps > 0, stats  # drops really happened
+    assert stats.lost == 0
+    assert set(sub.received_topics()) <= {"batch_end", "end", "header"}
+
+
+class FastRecorder(Callback):
+    """Appends 'seq' per BATCH_END right away: many messages per group commit."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def batch_end(self, state, logger):
+        with open(self.path, "a") as file:
+            file.write(f"{state.seq}\n")
+
+
+def test_workers_subscribe_to_what_their_callbacks_handle():
+    from workers.checkpoint import CheckpointSaver
+    from workers.logger import MetricsFileLogger
+
+    assert subscription([FastRecorder("x")]) == (frozenset({Event.BATCH_END}), False)
+    events, metrics = subscription([MetricsFileLogger.__new__(MetricsFileLogger)])
+    assert metrics is True
+    events, _ = subscription([CheckpointSaver.__new__(CheckpointSaver)])
+    assert events is not None and Event.BATCH_CHECKPOINT in events and Event.BEFORE_FORWARD not in events
+
+    class Everything(Callback):
+        def run_event(self, event, state, logger):
+            pass
+
+    assert subscription([FastRecorder("x"), Everything()]) == (None, True)
+
+
+def test_sigkill_inside_the_commit_window_applies_each_message_at_most_once_more(tmp_path, spawn):
+    out = tmp_path / "seqs.txt"
+    address = bus_address(tmp_path)
+    trainer = Trainer(make_model(), make_loader(num_samples=4000, batch_size=4), max_duration="1ep",
+                      run_name="window", bus=address)
+    args = ["-m", "eventbus", "worker", "--connect", address, "--identity", "fast", "--state-dir",
+            str(tmp_path / "state"), "--callback", f'tests.bus.test_topics:FastRecorder:{{"path": "{out}"}}']
+    first = spawn(*args)
+    first.wait_for("following")
+    background = BackgroundTrainer(trainer).start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 100):
+        time.sleep(0.01)
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.finish()
+    second = spawn(*args)
+    background.join()
+    assert second.finish() == 0
+    seqs = [int(line) for line in out.read_text().splitlines()]
+    expected = journal_events(trainer, Event.BATCH_END)
+    assert sorted(set(seqs)) == expected  # nothing lost
+    assert max(seqs.count(s) for s in set(seqs)) <= 2  # at most once more
+    repeated = sorted(s for s in set(seqs) if seqs.count(s) == 2)
+    if repeated:  # only the uncommitted tail before the kill, contiguous among the worker's seqs
+        window = expected[expected.index(repeated[0]):expected.index(repeated[-1]) + 1]
+        assert repeated == window

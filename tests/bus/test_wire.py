@@ -1,0 +1,73 @@
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eventbus import ProtocolError
+from eventbus.bus import wire
+
+
+def valid(**overrides):
+    fields = dict(kind="event", run_id="ab" * 16, rank=0, seq=7, event="batch_end", wall_time=1.5,
+                  mono_time=2.5, payload={"loss": 0.25, "ts": {"batch": 3}, "label": "train"})
+    fields.update(overrides)
+    return fields
+
+
+@pytest.mark.fast
+def test_round_trip_is_one_frame_of_plain_msgpack():
+    data = wire.encode(**valid())
+    assert isinstance(data, bytes)
+    envelope = wire.decode(data)
+    assert envelope == wire.Envelope(**valid())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda f: f.__setitem__(0, 2), "protocol version 2 is not supported"),
+    (lambda f: f.__setitem__(1, "gossip"), "unknown kind"),
+    (lambda f: f.__setitem__(4, 0), "seq"),
+    (lambda f: f.__setitem__(4, "7"), "seq"),
+    (lambda f: f.__setitem__(8, [1, 2]), "payload must be a map"),
+    (lambda f: f.pop(), "9-field envelope"),
+])
+@pytest.mark.fast
+def test_bad_envelopes_say_what_is_wrong(mutate, message):
+    fields = [wire.PROTOCOL_VERSION, "event", "ab" * 16, 0, 7, "batch_end", 1.0, 2.0, {}]
+    mutate(fields)
+    with pytest.raises(ProtocolError, match=message):
+        wire.decode(msgpack.packb(fields))
+
+
+@pytest.mark.fast
+def test_decoding_is_bounded():
+    deep: dict = {}
+    node = deep
+    for _ in range(20):
+        node["x"] = {}
+        node = node["x"]
+    with pytest.raises(ProtocolError, match="nested deeper"):
+        wire.decode(wire.encode(**valid(payload=deep)))
+    with pytest.raises(ProtocolError, match="extension type"):
+        wire.decode(msgpack.packb([1, "event", "ab", 0, 1, None, 0.0, 0.0, {"x": msgpack.ExtType(1, b"p")}]))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.decode(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        wire.decode(wire.encode(**valid())[:-3])
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_protocol_error_or_decode(data):
+    try:
+        wire.decode(data)
+    except ProtocolError:
+        pass
+
+
+@pytest.mark.fast
+def test_requests_round_trip_and_reject_garbage():
+    assert wire.decode_request(wire.encode_request("stop", reason="plateau")) == {
+        "v": wire.PROTOCOL_VERSION, "op": "stop", "reason": "plateau"}
+    for bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"op": "stop"}), msgpack.packb({"v": 1})):
+        with pytest.raises(ProtocolError):
+            wire.decode_request(bad)

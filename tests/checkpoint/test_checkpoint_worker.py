@@ -1,0 +1,233 @@
+"""The checkpoint worker with a real trainer: templates, intervals, retention, latest link, exact resume, failures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+
+import pytest
+import torch
+
+from eventbus import Callback
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
+from tests.support import bus_address, free_port, make_trainer
+from workers.checkpoint import CheckpointSaver
+
+FSIZE_WRAPPER = (
+    "import resource, runpy, signal, sys; "
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+    "sys.argv = ['workers.checkpoint'] + sys.argv[1:]; "
+    "runpy.run_module('workers.checkpoint', run_name='__main__')"
+)
+
+
+class WeightsAt(Callback):
+    """Clones the weights at every BATCH_CHECKPOINT, to compare with what was written later.
+
+    It also paces the trainer a little, as a real model's steps would (the worker's fsyncs
+    take longer than this toy model's steps)."""
+
+    def __init__(self):
+        self.weights = {}
+        self.losses = []
+
+    def after_train_batch(self, state, logger):
+        self.losses.append(state.loss.item())
+
+    def batch_checkpoint(self, state, logger):
+        self.weights[int(state.timestamp.batch)] = {k: v.clone() for k, v in state.model.state_dict().items()}
+        time.sleep(0.05)
+
+
+# The checkpoint tests' run (also used by test_checkpoint_best and test_checkpoint_remote): seeded weights,
+# dropout and shuffled data, so a resume that restored anything less than everything would show.
+CHECKPOINT_RUN = dict(model_seed=0, dropout=0.2, shuffle=True, adam_lr=1e-2, seed=5, run_name="ckpt")
+
+
+def wait_for_lease(trainer, timeout=30.0):
+    """Until the worker's checkpoint lease reached the trainer: a toy run can end before it does."""
+    deadline = time.monotonic() + timeout
+    while not trainer.publisher.holds_checkpoint_lease():
+        assert time.monotonic() < deadline, "the checkpoint worker never asked for checkpoints"
+        time.sleep(0.01)
+
+
+def metrics_from(journal_path, key):
+    return [m.payload["metrics"][key] for m in map(wire.decode, read_journal(journal_path))
+            if m.kind == "metrics" and key in m.payload["metrics"]]
+
+
+def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn):
+    watcher = WeightsAt()
+    trainer = make_trainer(tmp_path, **CHECKPOINT_RUN, callbacks=[watcher])
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--save-interval", "3ba",
+                   "--keep", "3", "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    wait_for_lease(trainer)
+    trainer.fit()  # the worker's capture lease arrives within the first batches
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    folder = tmp_path / "runs" / "ckpt" / "checkpoints"
+    saved = metrics_from(trainer.publisher.journal_path, "checkpoint/saved")
+    # BATCH_CHECKPOINT of batch 12 comes before EPOCH_END, so its epoch is still 2; the
+    # EPOCH_CHECKPOINT and the end of training at that batch are not saved again.
+    names = ["ep0-ba3-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba9-rank0.pt", "ep2-ba12-rank0.pt"]
+    assert [pathlib.Path(p).name for p in saved] == names
+    assert sorted(p.name for p in folder.glob("*.pt") if not p.is_symlink()) == sorted(names[1:])  # keep 3
+    latest = folder / "latest-rank0.pt"
+    assert latest.is_symlink() and os.readlink(latest) == "ep2-ba12-rank0.pt"
+    assert not list(folder.glob(".*tmp*")), "a temporary file was left behind"
+
+    # Written after the trainer moved on, yet equal to the weights at the checkpoint's own batch.
+    for batch in (6, 9):
+        checkpoint = torch.load(folder / f"ep{(batch - 1) // 4}-ba{batch}-rank0.pt", weights_only=True)
+        assert set(checkpoint) == {"state", "rng"}
+        for name, value in watcher.weights[batch].items():
+            assert torch.equal(checkpoint["state"]["model"][name], value)
+        assert checkpoint["state"]["timestamp"]["batch"] == batch
+
+    # Resume from the mid-epoch checkpoint at batch 6: the losses continue bit for bit.
+    resumed_watcher = WeightsAt()  # the same pacing, so the same callbacks run in both runs
+    resumed = make_trainer(tmp_path, **CHECKPOINT_RUN, load_path=folder / "ep1-ba6-rank0.pt", callbacks=[resumed_watcher],
+                           bus=False)
+    resumed.fit()
+    assert resumed_watcher.losses == watcher.losses[6:]
+
+
+def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path, spawn, caplog):
+    folder = tmp_path / "runs" / "ckpt" / "checkpoints"
+    folder.mkdir(parents=True)
+    earlier = folder / "ep0-ba0-rank0.pt"
+    torch.save({"state": {"note": "an earlier checkpoint"}}, earlier)
+    before = earlier.read_bytes()
+
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN)
+    # A 4 KiB file-size limit (checkpoints here are larger; the cursor file is not) makes every
+    # checkpoint write fail with EFBIG, as a full disk fails with ENOSPC.
+    worker = spawn("-c", FSIZE_WRAPPER, "--connect", bus_address(tmp_path), "--save-interval", "2ba",
+                   "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    wait_for_lease(trainer)
+    with caplog.at_level(logging.WARNING):
+        trainer.fit()
+        trainer.close()
+    assert worker.finish() == 0
+    assert trainer.state.timestamp.batch.value == 8  # training went on
+    errors = metrics_from(trainer.publisher.journal_path, "checkpoint/error")
+    assert errors and all("File too large" in e for e in errors)
+    assert "failed in the checkpoint worker" in caplog.text and "File too large" in caplog.text
+    assert earlier.read_bytes() == before
+    assert [p.name for p in folder.iterdir()] == ["ep0-ba0-rank0.pt"]  # no partial file under any name
+
+
+def test_unwritable_folder_is_reported(tmp_path, spawn):
+    trainer = make_trainer(tmp_path, "1ep", **CHECKPOINT_RUN)
+    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--runs-dir",
+                   "/proc/eventbus-cannot-write-here", "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    wait_for_lease(trainer)
+    trainer.fit()
+    trainer.close()
+    assert worker.finish() == 0
+    errors = metrics_from(trainer.publisher.journal_path, "checkpoint/error")
+    assert errors and all("/proc/eventbus-cannot-write-here" in e for e in errors)
+
+
+def test_in_process_saver_writes_on_the_training_thread(tmp_path):
+    saver = CheckpointSaver(save_interval="2ba", weights_only=True, runs_dir=tmp_path / "runs")
+    trainer = make_trainer(tmp_path, "5ba", **CHECKPOINT_RUN, callbacks=[saver], bus=False)
+    trainer.fit()
+    folder = tmp_path / "runs" / "ckpt" / "checkpoints"
+    names = sorted(p.name for p in folder.glob("ep*.pt"))
+    assert names == ["ep0-ba2-rank0.pt", "ep0-ba4-rank0.pt", "ep1-ba5-rank0.pt"]  # + end of training
+    checkpoint = torch.load(folder / "ep1-ba5-rank0.pt", weights_only=True)
+    assert set(checkpoint["state"]) == {"model"}
+    with pytest.raises(FileExistsError):
+        CheckpointSaver(runs_dir=tmp_path / "runs")._write(trainer.state, trainer.state_dict(), trainer.logger)
+
+
+def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spawn):
+    """--transfer fetch: the worker never maps the trainer's shared memory; bytes come over tcp."""
+    watcher = WeightsAt()
+    port = free_port()
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[watcher], bus=f"tcp://127.0.0.1:{port}")
+    worker = spawn("-m", "workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
+                   "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    wait_for_lease(trainer)
+    trainer.fit()
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    saved = [pathlib.Path(p).name for p in metrics_from(trainer.publisher.journal_path, "checkpoint/saved")]
+    assert saved == ["ep0-ba3-rank0.pt", "ep1-ba6-rank0.pt", "ep2-ba8-rank0.pt"]  # 8: after EPOCH_END
+    assert trainer.publisher.stats().checkpoint_fetches == len(saved)
+    folder = tmp_path / "runs" / "ckpt" / "checkpoints"
+    for batch in (3, 6):
+        checkpoint = torch.load(folder / f"ep{(batch - 1) // 4}-ba{batch}-rank0.pt", weights_only=True)
+        for name, value in watcher.weights[batch].items():
+            assert torch.equal(checkpoint["state"]["model"][name], value)
+
+
+FETCH = """
+import sys, zlib, zmq
+from eventbus.bus import wire
+dealer = zmq.Context().socket(zmq.DEALER)
+dealer.setsockopt(zmq.RCVHWM, 1)
+dealer.setsockopt(zmq.RCVBUF, 64 * 1024)
+dealer.connect(sys.argv[1])
+dealer.send(wire.encode_request("checkpoint_fetch", id=1, buffer=sys.argv[2]))
+frames = dealer.recv_multipart()
+print("crc", zlib.crc32(frames[1]), flush=True)
+"""
+
+
+def test_a_buffer_zeromq_still_sends_is_not_reused_even_after_the_ack(tmp_path, spawn):
+    """The trainer may acknowledge-and-reuse only when ZeroMQ has let go of the zero-copy frame."""
+    import signal
+    import zlib
+
+    import zmq
+
+    from eventbus.checkpoint.staging import StagingBuffers
+
+    staging = StagingBuffers("fetch-test", max_buffers=2, directory=tmp_path)
+    weights = {"w": torch.arange(16 * 2**20, dtype=torch.float32)}  # 64 MiB: more than any socket buffer
+    first = staging.stage(weights, {"batch": 1}).descriptor
+    expected = zlib.crc32(pathlib.Path(first["buffer"]).read_bytes())
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDBUF, 64 * 1024)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    reader = spawn("-c", FETCH, f"tcp://127.0.0.1:{port}", first["buffer"])
+    try:
+        assert router.poll(30_000), "no request from the reader"
+        identity, request = router.recv_multipart()
+        assert wire.decode_request(request)["op"] == "checkpoint_fetch"
+        reader.proc.send_signal(signal.SIGSTOP)  # a reader on a slow link: the frame cannot leave
+        assert staging.send(router, [identity, b"reply"], first["buffer"])
+        time.sleep(0.5)
+        assert staging.release(first["buffer"])  # the worker's ack arrives while the frame is in flight
+        assert staging.busy()
+        second = staging.stage(weights, {"batch": 2}).descriptor
+        assert second["buffer"] != first["buffer"], "a buffer still being sent was overwritten"
+        assert staging.stage(weights, {"batch": 3}) is None and staging.skipped == 1  # skipped, not overwritten
+        reader.proc.send_signal(signal.SIGCONT)
+        reader.wait_for("crc")
+        assert f"crc {expected}" in reader.stdout
+        assert staging.release(second["buffer"])
+        deadline = time.monotonic() + 10
+        while staging.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not staging.busy()
+        assert staging.stage(weights, {"batch": 4}).descriptor["buffer"] in (first["buffer"], second["buffer"])
+    finally:
+        reader.kill()
+        router.close(linger=0)
+        context.term()
+        staging.close()

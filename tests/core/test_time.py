@@ -1,0 +1,70 @@
+import datetime
+
+import pytest
+
+from eventbus import ConfigError, Time, Timestamp, TimeUnit
+from eventbus.core.time import ensure_time
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.mark.parametrize("text, value, unit", [
+    ("2ep", 2, TimeUnit.EPOCH), ("10ba", 10, TimeUnit.BATCH), ("640sp", 640, TimeUnit.SAMPLE),
+    ("1000tok", 1000, TimeUnit.TOKEN), ("0.5dur", 0.5, TimeUnit.DURATION), ("3iter", 3, TimeUnit.ITERATION),
+    (" 7ba ", 7, TimeUnit.BATCH), ("1e3tok", 1000, TimeUnit.TOKEN),
+])
+def test_parse_timestrings(text, value, unit):
+    time = Time.from_timestring(text)
+    assert time.value == value and time.unit is unit
+    assert type(time.value) is (float if unit is TimeUnit.DURATION else int)
+
+
+@pytest.mark.parametrize("bad", ["2", "ba", "2xx", "1.5ba", "-1ep", ""])
+def test_bad_timestrings_name_the_problem(bad):
+    with pytest.raises(ConfigError):
+        Time.from_timestring(bad)
+
+
+def test_bare_int_is_epochs_and_errors_name_the_argument():
+    assert ensure_time(3, TimeUnit.EPOCH) == Time(3, "ep")
+    with pytest.raises(ConfigError, match="max_duration"):
+        ensure_time(2.5, TimeUnit.EPOCH, name="max_duration")
+    with pytest.raises(ConfigError, match="max_duration.*unknown time unit"):
+        ensure_time("3weeks", TimeUnit.EPOCH, name="max_duration")
+
+
+def test_time_arithmetic_and_comparison():
+    assert Time(3, "ba") + Time(2, "ba") == Time(5, "ba")
+    assert Time(3, "ba") < Time(4, "ba") and Time(4, "ba") >= 4
+    assert int(Time(3, "ep")) == 3 and f"{Time(3, 'ep')}" == "3ep"
+    assert Time(1, "ep") != Time(1, "ba")
+    with pytest.raises(TypeError):
+        Time(1, "ep") < Time(1, "ba")
+
+
+def test_timestamp_is_immutable_and_advances():
+    ts = Timestamp()
+    with pytest.raises(AttributeError):
+        ts.batch = 3  # type: ignore[misc]
+    step = datetime.timedelta(seconds=0.5)
+    one = ts.to_next_batch(samples=16, tokens=100, duration=step)
+    assert ts.batch == 0 and one.batch == 1  # the original did not change
+    two = one.to_next_batch(samples=16, tokens=100, duration=step)
+    assert (two.batch.value, two.sample.value, two.token.value) == (2, 32, 200)
+    assert (two.batch_in_epoch.value, two.sample_in_epoch.value, two.token_in_epoch.value) == (2, 32, 200)
+    assert two.total_wct == two.epoch_wct == datetime.timedelta(seconds=1) and two.batch_wct == step
+    epoch = two.to_next_epoch()
+    assert int(epoch.epoch) == 1 and epoch.batch_in_epoch == 0 and epoch.sample_in_epoch == 0
+    assert epoch.batch.value == 2 and epoch.epoch_wct == datetime.timedelta(0)
+    assert epoch.total_wct == datetime.timedelta(seconds=1)
+
+
+def test_timestamp_has_every_composer_field():
+    fields = ["iteration", "epoch", "batch", "sample", "token", "epoch_in_iteration", "token_in_iteration",
+              "batch_in_epoch", "sample_in_epoch", "token_in_epoch", "total_wct", "iteration_wct",
+              "epoch_wct", "batch_wct"]
+    ts = Timestamp(epoch=2, batch=7)
+    for field in fields:
+        getattr(ts, field)
+    assert ts >= Time(7, "ba") and ts < Time(3, "ep")
+    assert Timestamp.from_state_dict(ts.state_dict()) == ts

@@ -1,0 +1,145 @@
+"""The CallbackHost in-process, on a real run's journal: dispatch order, a failing callback, fail_fast,
+cursor commits and an exactly-once resume on a real cursor file, plain and async callbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator
+
+import pytest
+
+from eventbus import Callback, Event
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.bus.subscribe.messages import Message
+from eventbus.daemons.host import CallbackHost, Cursor
+from tests.support import bus_address, make_trainer
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory) -> str:
+    """A finished two-epoch run's journal, written by a real trainer (once for the module)."""
+    folder = tmp_path_factory.mktemp("host")
+    trainer = make_trainer(folder, "2ep", run_name="hosted", run_folder=folder / "run", bus=bus_address(folder))
+    trainer.fit()
+    trainer.close()
+    return str(folder / "run" / "events.journal")
+
+
+async def messages_of(journal: str) -> list[Message]:
+    return [message async for message in journal_messages(journal)]
+
+
+async def first(journal: str, count: int) -> AsyncIterator[Message]:
+    """The first ``count`` messages of the run, then the stream stops (a worker killed mid-run)."""
+    async for message in journal_messages(journal):
+        if count == 0:
+            return
+        count -= 1
+        yield message
+
+
+class Everything(Callback):
+    """Every event it is given, with its seq and the thread it ran on."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Event, int]] = []
+        self.threads: set[str] = set()
+        self.closed = False
+
+    def run_event(self, event: Event, state: Any, logger: Any) -> None:
+        self.seen.append((event, state.seq))
+        self.threads.add(threading.current_thread().name)
+
+    def close(self, state: Any, logger: Any) -> None:
+        self.closed = True
+
+
+class BatchEnds(Callback):
+    """The batches it applied; its count is its state, committed with the cursor."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.batches: list[int] = []
+        self.fail_at = fail_at
+        self.calls = 0
+        self.threads: set[str] = set()
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        batch = state.timestamp.batch.value
+        if batch == self.fail_at:
+            raise ValueError(f"broken at batch {batch}")
+        self.batches.append(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": list(self.batches)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches = list(state["batches"])
+
+
+class AsyncBatchEnds(Callback):
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.threads: set[str] = set()
+
+    async def batch_end(self, state: Any, logger: Any) -> None:
+        await asyncio.sleep(0)
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(state.timestamp.batch.value)
+
+
+async def test_each_callback_gets_the_runs_events_in_order_and_only_those_it_handles(journal):
+    messages = await messages_of(journal)
+    everything, batch_ends = Everything(), BatchEnds()
+    await CallbackHost([everything, batch_ends]).run(journal_messages(journal))
+    expected = [(m.event, m.seq) for m in messages if m.kind == "event"]
+    assert everything.seen == expected and expected[0][0] is Event.INIT and (Event.FIT_END, messages[-2].seq) in expected
+    assert batch_ends.batches == list(range(1, 9))  # 64 samples in batches of 16, two epochs
+    assert everything.closed
+
+
+async def test_one_callbacks_exception_does_not_stop_it_or_the_others(journal):
+    failing, other = BatchEnds(fail_at=3), Everything()
+    host = CallbackHost([failing, other])
+    await host.run(journal_messages(journal))  # not raised: logged and counted
+    assert failing.batches == [1, 2, 4, 5, 6, 7, 8] and host.slots[0].errors == 1
+    assert [event for event, _ in other.seen].count(Event.BATCH_END) == 8 and other.closed
+
+
+async def test_under_fail_fast_the_first_exception_stops_the_host_and_is_raised(journal):
+    failing, other = BatchEnds(fail_at=3), Everything()
+    host = CallbackHost([failing, other], fail_fast=True)
+    with pytest.raises(ValueError, match="broken at batch 3"):
+        await host.run(journal_messages(journal))
+    assert failing.calls == 3 and failing.batches == [1, 2]  # nothing applied after the failure
+    assert other.closed  # every callback is still closed
+
+
+async def test_a_restarted_host_resumes_from_its_cursor_applying_each_message_exactly_once(journal, tmp_path):
+    messages = await messages_of(journal)
+    cut = next(i for i, m in enumerate(messages) if m.event is Event.BATCH_END and m.state.timestamp.batch.value == 5)
+    before = BatchEnds()
+    await CallbackHost([before], cursor=Cursor(tmp_path / "cursor.json")).run(first(journal, cut + 1))
+    assert before.batches == [1, 2, 3, 4, 5]
+
+    cursor = Cursor(tmp_path / "cursor.json")  # read back from the file, as a restarted worker does
+    assert cursor.run_id == messages[0].run_id and cursor.seqs["BatchEnds"] == messages[cut].seq
+    assert cursor.states["BatchEnds"] == {"batches": [1, 2, 3, 4, 5]}
+    after = BatchEnds()
+    await CallbackHost([after], cursor=cursor).run(journal_messages(journal))
+    assert after.batches == list(range(1, 9))  # its committed state, then 6..8: each batch once
+    assert after.calls == 3
+    assert Cursor(tmp_path / "cursor.json").seqs["BatchEnds"] == messages[-1].seq
+
+
+async def test_plain_callbacks_run_on_their_own_thread_and_async_ones_are_awaited_on_the_loop(journal):
+    plain, awaited = BatchEnds(), AsyncBatchEnds()
+    host = CallbackHost([plain, awaited])
+    await host.run(journal_messages(journal))
+    assert plain.batches == awaited.batches == list(range(1, 9))
+    assert plain.threads == {"cb-BatchEnds"}
+    assert awaited.threads == {threading.current_thread().name}

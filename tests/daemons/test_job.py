@@ -1,0 +1,85 @@
+"""`eventbus run`, the README's first command, as a newcomer runs it (small sizes to stay fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests.support import REPO_ROOT
+
+SMALL = ["--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
+
+
+def eventbus_run(tmp_path, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "eventbus", "run", *SMALL, *args], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+
+
+def leftover_daemons(tmp_path):
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "workers." in line and str(tmp_path) in line]
+
+
+def test_run_trains_with_daemons_then_resumes(tmp_path):
+    first = eventbus_run(tmp_path, "--max-duration", "12ba", "--eval-interval", "6ba", "--save-interval", "6ba",
+                         "--run-name", "newcomer")
+    assert first.returncode == 0, first.stderr[-3000:]
+    folder = tmp_path / "runs" / "newcomer"
+    assert "Finished newcomer: 12 batches" in first.stdout
+    for where in ("metrics.jsonl", "events.journal", "checkpoints/latest-rank0.pt", "eventbus monitor",
+                  "--run-name newcomer --resume"):
+        assert where in first.stdout
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and 11 in steps
+    assert (folder / "metrics.csv").exists() and "eval eval:" in first.stderr  # the logger daemon's progress
+    latest = folder / "checkpoints" / "latest-rank0.pt"
+    assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 12
+    assert not leftover_daemons(tmp_path)
+
+    resumed = eventbus_run(tmp_path, "--max-duration", "18ba", "--eval-interval", "6ba", "--save-interval",
+                           "6ba", "--run-name", "newcomer", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming newcomer" in resumed.stderr and "Finished newcomer: 18 batches" in resumed.stdout
+    assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 18
+
+
+def test_ctrl_c_stops_the_trainer_and_every_daemon_cleanly(tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "50ep",
+                            "--run-name", "interrupted"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    try:
+        journal = tmp_path / "runs" / "interrupted" / "events.journal"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not journal.exists() or journal.stat().st_size < 200_000):
+            time.sleep(0.2)  # well into training, daemons attached
+        assert len(leftover_daemons(tmp_path)) >= 2  # logger and checkpoint (and timing)
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    assert "interrupted; stopping the trainer and the daemons cleanly" in err
+    assert "Stopped interrupted" in out
+    assert not leftover_daemons(tmp_path)
+    assert (tmp_path / "runs" / "interrupted" / "metrics.jsonl").stat().st_size > 0
+
+
+def test_config_file_and_bad_options(tmp_path):
+    (tmp_path / "job.toml").write_text('max-duration = "4ba"\neval_interval = "2ba"\ndaemons = "logger"\n'
+                                       'run_name = "configured"\n')
+    good = eventbus_run(tmp_path, "--config", "job.toml")
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert "Finished configured: 4 batches" in good.stdout and "starting daemons: logger" in good.stderr
+    (tmp_path / "bad.toml").write_text('max_duration = "4ba"\nwarp_speed = 9\n')
+    bad = eventbus_run(tmp_path, "--config", "bad.toml")
+    assert bad.returncode == 2 and "unknown option(s) warp_speed" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    missing = eventbus_run(tmp_path, "--run-name", "nothing-here", "--resume")
+    assert missing.returncode == 2 and "no checkpoint found for run 'nothing-here'" in missing.stderr

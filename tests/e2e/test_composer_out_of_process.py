@@ -1,0 +1,277 @@
+"""Composer's own callbacks and loggers hosted by ``eventbus worker``, against real Composer 0.32.1.
+
+One ``eventbus worker --follow`` process hosts Composer's LRMonitor, SpeedMonitor, RuntimeEstimator,
+OptimizerMonitor, MemoryMonitor, EarlyStopper, ThresholdStopper and the loggers InMemoryLogger,
+FileLogger and TensorboardLogger, unchanged, for three seeded eventbus runs on one address (one
+process: importing Composer costs a worker several seconds). The same jobs run under
+``composer.Trainer`` with the same classes in process, and the tests compare what was logged: the
+monitors' metrics as they came back to the trainer, everything the hosted loggers received, and
+where the stoppers stopped. Wall-clock values are compared by key and count only (the seeded job
+and the comparison are tests/e2e/test_composer_fidelity.py's).
+
+The stoppers act only on their own evaluator's label ("threshold", "early"): in the monitors' run
+(evaluator "eval") they do nothing, and each stopper run is stopped by its stopper alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import re
+import time
+import warnings
+from typing import Any, Iterator
+
+import pytest
+from composer.callbacks import (  # noqa: E402
+    EarlyStopper,
+    LRMonitor,
+    MemoryMonitor,
+    OptimizerMonitor,
+    RuntimeEstimator,
+    SpeedMonitor,
+    ThresholdStopper,
+)
+from composer.core import Evaluator as ComposerEvaluator  # noqa: E402
+from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger  # noqa: E402
+from composer.optim import CosineAnnealingScheduler  # noqa: E402
+
+import eventbus  # noqa: E402
+from eventbus.bus import wire  # noqa: E402
+from eventbus.bus.journal import read_journal  # noqa: E402
+from tests.e2e.test_composer_fidelity import (  # noqa: E402
+    COUNTERS,
+    _compare_series,
+    _data,
+    _file_keys,
+    _module,
+    _run,
+    _series,
+    _tensorboard_tags,
+)
+from tests.support import Process, bus_address  # noqa: E402
+
+MONITORS: dict[type, dict[str, Any]] = {  # the same keyword arguments in process (Composer) and in the worker
+    LRMonitor: {}, SpeedMonitor: {"window_size": 2}, RuntimeEstimator: {},
+    OptimizerMonitor: {"batch_log_interval": 1}, MemoryMonitor: {},
+}
+STOPPERS: dict[str, tuple[type, dict[str, Any]]] = {  # evaluator label -> the stopper watching it
+    "threshold": (ThresholdStopper, {"monitor": "MulticlassAccuracy", "dataloader_label": "threshold",
+                                     "threshold": 0.0}),
+    "early": (EarlyStopper, {"monitor": "MulticlassAccuracy", "dataloader_label": "early", "patience": "1ba",
+                             "min_delta": 10.0}),
+}
+MONITORS_RUN = dict(max_duration="2ep", eval_interval="1ep")  # 8 batches
+STOPPER_RUN = dict(max_duration="4ep", eval_interval="1ba")  # 16 batches unless stopped
+DEADLINE = 60.0  # seconds any wait below may take before the test fails
+
+
+def _spec(cls: type, kwargs: dict[str, Any]) -> list[str]:
+    module = cls.__module__.rsplit(".", 1)[0]  # composer.callbacks, composer.loggers
+    return ["--callback", f"{module}:{cls.__name__}" + (f":{json.dumps(kwargs)}" if kwargs else "")]
+
+
+def _worker_args(address: str) -> list[str]:
+    args = ["-m", "eventbus", "worker", "--connect", address, "--follow"]
+    for cls, kwargs in [*MONITORS.items(), *STOPPERS.values()]:
+        args += _spec(cls, kwargs)
+    return [*args, "--callback", 'tests.worker_callbacks:DumpingInMemoryLogger:{"path": "{run_name}.memory.json"}',
+            *_spec(FileLogger, {"filename": "{run_name}/log.txt", "capture_stdout": False, "capture_stderr": False}),
+            *_spec(TensorboardLogger, {"log_dir": "tb", "flush_interval": 1})]
+
+
+class _AwaitStopRequest(eventbus.Callback):
+    """Holds the training thread at BATCH_END of ``batch`` until a subscriber's stop request has reached
+    the trainer, which applies it at this same BATCH_END (the engine runs callbacks before the bus).
+
+    A hosted stopper acts on events published a moment earlier: without this, a tiny run can finish
+    before the worker's request arrives. With it, the batch the run stops at is deterministic."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.trainer: Any = None
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        if int(state.timestamp.batch) != self.batch:
+            return
+        deadline = time.monotonic() + DEADLINE
+        while not self.trainer.publisher.wants_stop():
+            assert time.monotonic() < deadline, f"no stop request from the worker by batch {self.batch}"
+            time.sleep(0.01)
+
+
+def _eventbus_trainer(folder: pathlib.Path, run_name: str, callbacks: list[Any], **kwargs: Any) -> eventbus.Trainer:
+    """The seeded job of tests/e2e/test_composer_fidelity.py, publishing on the worker's address."""
+    import torch
+
+    module = _module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return eventbus.Trainer(eventbus.ComposerClassifier(module, num_classes=2), _data(),
+                                optimizers=torch.optim.SGD(module.parameters(), lr=0.1),
+                                schedulers=CosineAnnealingScheduler(t_max="1dur"), callbacks=callbacks, device="cpu",
+                                seed=7, run_name=run_name, bus=bus_address(folder),
+                                run_folder=folder / "runs" / run_name, **kwargs)
+
+
+def _fit(trainer: eventbus.Trainer) -> eventbus.Trainer:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def _composer_stop_batch(label: str) -> int:
+    cls, kwargs = STOPPERS[label]
+    trainer = _run("composer", [cls(**kwargs)], [InMemoryLogger()],
+                   eval_dataloader=ComposerEvaluator(label=label, dataloader=_data(32, seed=1)), **STOPPER_RUN)
+    return int(trainer.state.timestamp.batch)
+
+
+def _stopper_run(folder: pathlib.Path, label: str, composer_stop: int) -> eventbus.Trainer:
+    # The stopper acts on the evaluation that follows BATCH_END of Composer's stop batch; the
+    # trainer applies a request at a BATCH_END, so the first it can apply it at is the next one.
+    waiter = _AwaitStopRequest(composer_stop + 1)
+    trainer = _eventbus_trainer(folder, label, [waiter], eval_dataloader=eventbus.Evaluator(label, _data(32, seed=1)),
+                                **STOPPER_RUN)
+    waiter.trainer = trainer
+    return _fit(trainer)
+
+
+def _wait_for(condition: Any, what: str, worker: Process) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}; worker stderr:\n" + "\n".join(worker.stderr[-40:])
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """The Composer runs, then the three eventbus runs that one worker follows."""
+    folder = tmp_path_factory.mktemp("out_of_process")
+    results: dict[str, Any] = {"folder": folder}
+    cwd = os.getcwd()
+    os.chdir(folder)  # whatever either trainer writes relative to the working directory goes here
+    worker = None
+    try:
+        monitors = _eventbus_trainer(folder, "monitors", [], eval_dataloader=_data(32, seed=1), **MONITORS_RUN)
+        worker = Process(_worker_args(monitors.publisher.address), cwd=folder)  # imports Composer meanwhile
+
+        memory = InMemoryLogger()
+        file_logger = FileLogger(filename=str(folder / "composer" / "log.txt"), capture_stdout=False,
+                                 capture_stderr=False)
+        board = TensorboardLogger(log_dir=str(folder / "composer" / "tb"), flush_interval=1)
+        _run("composer", [cls(**kwargs) for cls, kwargs in MONITORS.items()], [memory, file_logger, board],
+             **MONITORS_RUN)
+        results["composer"] = _series(memory)
+        results["composer_batches"] = {key: [int(ts.batch) for ts, _ in values] for key, values in memory.data.items()}
+        results["composer_file"] = _file_lines(folder / "composer" / "log.txt")
+        results["composer_tb"] = _tensorboard_tags(folder / "composer" / "tb")
+        results["composer_stop"] = {label: _composer_stop_batch(label) for label in STOPPERS}
+
+        worker.wait_for("following", timeout=DEADLINE)
+        # OptimizerMonitor reads p.grad: the worker's heartbeat leases the gradient norms it needs.
+        _wait_for(lambda: monitors.publisher.leases.holds("grad_norms"), "no grad_norms lease", worker)
+        results["monitors"] = _fit(monitors)
+        for label in STOPPERS:
+            results[label] = _stopper_run(folder, label, results["composer_stop"][label])
+        worker.proc.terminate()  # --follow waits for a next run: SIGTERM closes the callbacks (exit 0)
+        results["exit"] = worker.finish()
+        results["stderr"] = worker.stderr
+    finally:
+        if worker is not None:
+            worker.kill()
+        os.chdir(cwd)
+    yield results
+
+
+def _journal(trainer: eventbus.Trainer) -> list[Any]:
+    return [wire.decode(record) for record in read_journal(trainer.publisher.journal_path)]
+
+
+def _logged(trainer: eventbus.Trainer) -> dict[str, dict[str, list[Any]]]:
+    """What each source logged, as the trainer journaled it: {source: {key: [values]}}."""
+    logged: dict[str, dict[str, list[Any]]] = {}
+    for message in _journal(trainer):
+        if message.kind == "metrics":
+            by_key = logged.setdefault(message.payload["source"], {})
+            for key, value in message.payload["metrics"].items():
+                by_key.setdefault(key, []).append(value)
+    return logged
+
+
+def test_worker_hosts_every_composer_class_without_an_error(runs):
+    assert runs["exit"] == 0, "\n".join(runs["stderr"])
+    # Composer's MemoryMonitor reads next(model.parameters()).device, SpeedMonitor model.module, and
+    # FileLogger/TensorboardLogger upload through the logger: each failed on the snapshot once.
+    failures = [line for line in runs["stderr"] if " failed on " in line or "Traceback" in line]
+    assert not failures, "\n".join(runs["stderr"])
+
+
+def test_hosted_monitors_log_what_composer_logs(runs):
+    logged, theirs = _logged(runs["monitors"]), runs["composer"]
+    assert runs["monitors"].state.stop_reason is None  # the stoppers ignored this run's evaluator
+    hosted = {}
+    for cls in MONITORS:
+        hosted[cls.__name__] = mine = logged.pop(cls.__name__, {})
+        assert set(mine) <= set(theirs), cls.__name__
+        _compare_series(mine, {key: theirs[key] for key in mine})  # values to rel 1e-4; wall clock by count
+    assert set(logged) == {"trainer"}
+    everything = {key for series in [logged["trainer"], *hosted.values()] for key in series}
+    assert everything == set(theirs)  # every key Composer logged, each from the same place
+    assert set(hosted["LRMonitor"]) == {"lr-SGD/group0"} and "l2_norm/grad/global" in hosted["OptimizerMonitor"]
+    assert {"throughput/batches_per_sec", "time/train"} <= set(hosted["SpeedMonitor"])
+    assert set(hosted["RuntimeEstimator"]) == {"time/remaining_estimate"}
+    assert hosted["MemoryMonitor"] == {} and not any(key.startswith("memory/") for key in theirs)  # CUDA only
+
+
+def _file_lines(path: pathlib.Path) -> collections.Counter[tuple[int, str]]:
+    """FileLogger's metric lines as (batch, key) pairs, counted."""
+    lines = re.findall(r"^\[metric\]\[batch=(\d+)\]: (\S+): ", path.read_text(), flags=re.MULTILINE)
+    assert set(lines) and {key for _, key in lines} == _file_keys(path)
+    return collections.Counter((int(batch), key) for batch, key in lines)
+
+
+def test_hosted_loggers_receive_every_metric_composer_logs(runs):
+    folder: pathlib.Path = runs["folder"]
+    received = json.loads((folder / "monitors.memory.json").read_text())
+    _compare_series({key: [value for _, value in series] for key, series in received.items()}, runs["composer"])
+    # The logger keeps the state it got at INIT, which reads as the current one: what the trainer
+    # logged is stamped with Composer's batches; what other workers sent back arrives later in the
+    # stream, and is stamped with a batch at or after the one it was logged at.
+    from_trainer = _logged(runs["monitors"])["trainer"]
+    for key, series in received.items():
+        batches, expected = [batch for batch, _ in series], runs["composer_batches"][key]
+        if key in from_trainer:
+            assert batches == expected[:len(batches)] and len(expected) - len(batches) <= 1, key
+        else:
+            assert len(batches) == len(expected) and all(b >= e for b, e in zip(batches, expected)), key
+    # The same metric at the same batch, line for line; Composer logs the counters once more after
+    # the last batch (see COUNTERS in tests/e2e/test_composer_fidelity.py).
+    ours, theirs = _file_lines(folder / "monitors" / "log.txt"), runs["composer_file"]
+    assert not ours - theirs and set(theirs - ours) <= {(8, key) for key in COUNTERS}
+    assert _tensorboard_tags(folder / "tb" / "monitors") == runs["composer_tb"]
+    # What they upload (FileLogger its log, under its filename) lands in the run folder, as in process.
+    uploaded = runs["monitors"].run_folder / "artifacts" / "monitors" / "log.txt"
+    assert uploaded.is_file() and {key for _, key in _file_lines(uploaded)} >= {"loss/train/total", "time/batch"}
+    assert {"loss/train/total", "lr-SGD/group0", "l2_norm/grad/global"} <= {key for _, key in theirs} \
+        & runs["composer_tb"]
+
+
+@pytest.mark.parametrize("label, stopper", [("threshold", "ThresholdStopper"), ("early", "EarlyStopper")])
+def test_hosted_stoppers_stop_the_run(runs, label, stopper):
+    trainer, composer_stop = runs[label], runs["composer_stop"][label]
+    stopped = int(trainer.state.timestamp.batch)
+    assert composer_stop < 16 and stopped < 16  # both stopped before max_duration (16 batches)
+    assert stopped == composer_stop + 1  # see _stopper_run
+    assert stopper in trainer.state.stop_reason  # Composer's stoppers give no reason: the host names them
+    # The trainer waited for the worker before ending the run: what the hosted monitors sent back for
+    # every batch is journaled before END. (A --follow worker that had not reported to this trainer
+    # yet was not waited for, and its last metrics came after END.)
+    journal = _journal(trainer)
+    assert [message.kind for message in journal].index("end") == len(journal) - 1
+    lr_steps = [m.payload["step"] for m in journal if m.kind == "metrics" and m.payload["source"] == "LRMonitor"]
+    assert lr_steps == list(range(1, stopped + 1))

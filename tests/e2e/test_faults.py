@@ -1,0 +1,93 @@
+"""Faults real clusters have, with real processes: a killed trainer, a subscriber that stops reading."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
+from tests.daemons.test_job import SMALL, leftover_daemons
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
+
+
+def test_killed_trainer_leaves_a_readable_journal_and_a_loadable_latest_checkpoint(tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "100ep",
+                            "--save-interval", "5ba", "--run-name", "killed"], cwd=tmp_path, text=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    folder = tmp_path / "runs" / "killed"
+    latest = folder / "checkpoints" / "latest-rank0.pt"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (latest.exists() and len(list(latest.parent.glob("ep*"))) >= 2):
+            time.sleep(0.1)
+        assert latest.exists(), "no checkpoint was written"
+        os.kill(job.pid, signal.SIGKILL)  # no close, no end of run, possibly mid-write of anything
+        job.wait(timeout=30)
+    finally:
+        job.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and leftover_daemons(tmp_path):
+        time.sleep(0.1)  # the daemons get SIGTERM when their parent dies, finish, and exit
+    assert not leftover_daemons(tmp_path)
+
+    messages = [wire.decode(record) for record in read_journal(folder / "events.journal")]
+    assert [m.seq for m in messages] == list(range(1, len(messages) + 1))  # complete up to the last record
+    assert messages and messages[-1].kind != "end"
+    checkpoint = torch.load(latest, weights_only=True)  # complete and loadable
+    assert checkpoint["state"]["timestamp"]["batch"] % 5 == 0
+    assert not list(folder.glob("checkpoints/.*")), "a partial file is visible"
+
+    resumed = subprocess.run([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration",
+                              f"{checkpoint['state']['timestamp']['batch'] + 3}ba", "--run-name", "killed", "--resume",
+                              "--daemons", "logger"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Finished killed: {checkpoint['state']['timestamp']['batch'] + 3} batches" in resumed.stdout
+
+
+STALLED_SUBSCRIBER = """
+import asyncio, json, sys
+from eventbus import Subscriber
+
+async def main():
+    async with Subscriber(sys.argv[1], start="beginning") as sub:
+        print("ready", flush=True)
+        count = 0
+        async for message in sub:
+            count += 1
+        stats = sub.stats()
+        print(json.dumps({"count": count, "recovered": stats.recovered, "lost": stats.lost}), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_subscriber_that_stops_reading_slows_nothing_and_recovers(tmp_path):
+    from eventbus import BusConfig, Trainer
+
+    trainer = Trainer(make_model(), make_loader(512, 16), max_duration="6ep", device="cpu",
+                      bus=BusConfig(address=bus_address(tmp_path), send_hwm=1000))
+    reader = subprocess.Popen([sys.executable, "-c", STALLED_SUBSCRIBER, trainer.publisher.address], text=True,
+                              stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert reader.stdout.readline().strip() == "ready"
+    os.kill(reader.pid, signal.SIGSTOP)  # stops reading (as a hung process would), for the whole run
+    background = BackgroundTrainer(trainer).start()
+    depths = []
+    while background._thread.is_alive():
+        depths.append(trainer.publisher.stats().queue_depth)
+        time.sleep(0.01)
+    background.join()
+    os.kill(reader.pid, signal.SIGCONT)
+    import json
+    result = json.loads(reader.communicate(timeout=120)[0].strip().splitlines()[-1])
+    published = sum(1 for _ in read_journal(trainer.publisher.journal_path))
+    assert result["count"] == published and result["lost"] == 0
+    assert result["recovered"] > 0  # live messages were dropped for it at the high-water mark ...
+    assert max(depths) < 10_000  # ... while the trainer's own queue stayed small: memory bounded

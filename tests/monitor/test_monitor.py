@@ -1,0 +1,368 @@
+"""``eventbus monitor``: render() on view models, a finished run's journal, and live runs watched
+the way a person does (piped, and in a real terminal under tmux)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+import pytest
+
+from eventbus import Callback, Trainer
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.monitor.app import main
+from eventbus.monitor.fmt import sparkline
+from eventbus.monitor.model import DaemonView, SeriesView, Tracker, ViewModel
+from eventbus.monitor.render import render
+from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
+
+ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
+ENV.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", COLUMNS="160")
+BATCH = re.compile(r"total batch (\d+)(?:/(\d+))?")
+
+
+class Pace(Callback):
+    """Slows the trainer (sleeps per batch); from batch ``hold_at`` on it waits until released (60 s at
+    most), so a run is still going while the test attaches its monitors, however slow the machine."""
+
+    def __init__(self, seconds: float, hold_at: Optional[int] = None):
+        self.seconds, self.hold_at = seconds, hold_at
+        self.release = threading.Event()
+
+    def batch_end(self, state, logger):
+        time.sleep(self.seconds)
+        if self.hold_at is not None and int(state.timestamp.batch) >= self.hold_at:
+            self.release.wait(60)
+
+
+def shown_batch(text: str) -> tuple[Optional[int], Optional[int]]:
+    found = BATCH.findall(text)
+    if not found:
+        return None, None
+    batch, total = found[-1]
+    return int(batch), int(total) if total else None
+
+
+def wait_until(condition: Callable[[], bool], what: str, limit: float = 90.0) -> None:
+    deadline = time.monotonic() + limit  # only bounds a failure; nothing is asserted about time
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def current_batch(trainer: Trainer) -> int:
+    return int(trainer.state.timestamp.batch)
+
+
+def monitor_command(*args: str, cwd, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eventbus", "monitor", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------ render() on view models
+
+
+def full_view(**changes) -> ViewModel:
+    view = ViewModel(
+        target="ipc:///tmp/somewhere/bus", run_name="demo-run", status="live", has_state=True, fraction=0.35,
+        max_duration="50ep", train_seconds=70.0, eta_seconds=130.0, eta_source="estimate", epoch=17,
+        epochs_total=50, batch_in_epoch=2, batches_per_epoch=4, batch=70, batches_total=200, sample=1120,
+        event="batch_end",
+        series=[SeriesView("loss/train/total", 0.123456, [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]),
+                SeriesView("metrics/eval/MulticlassAccuracy", 0.75, [0.5, 0.75])],
+        throughput=[("samples/s", 2345.6), ("batches/s", 146.6)], throughput_source="timing worker",
+        learning_rates=[("SGD", [0.1, 0.01])],
+        evals=[("eval", [("CrossEntropy", 0.5), ("MulticlassAccuracy", 0.75)], 68)],
+        checkpoint="runs/demo-run/checkpoints/ep16-ba68-rank0.pt", checkpoint_kind="saved", checkpoint_batch=68,
+        events_per_second=1234.5, seq=4321, messages=999, last_message_age=0.2,
+        monitor={"lag_seconds": 0.012, "recovered": 3, "lost": 1, "protocol_errors": 2},
+        trainer={"published": 4321, "dropped_queue_full": 0, "replayed_messages": 3, "protocol_errors": 0},
+        trainer_answering=True, trainer_reply_age=1.0,
+        daemons=[DaemonView("logger", 1.5, True, delivered=4300, recovered=2, callbacks=["ConsoleLogger"]),
+                 DaemonView("timing", 42.0, False, delivered=100, recovered=0)],
+    )
+    for name, value in changes.items():
+        setattr(view, name, value)
+    return view
+
+
+def line_with(frame: list[str], text: str) -> str:
+    matches = [line for line in frame if text in line]
+    assert matches, f"{text!r} not on the screen:\n" + "\n".join(frame)
+    return matches[0]
+
+
+def test_render_shows_every_panel_of_a_live_run():
+    view = full_view()
+    before = copy.deepcopy(view)
+    frame = render(view, 120, 40)
+    assert render(view, 120, 40) == frame and view == before  # pure: same input, same lines, input untouched
+    assert len(frame) <= 40 and all(len(line) <= 120 for line in frame)
+    assert frame[0].startswith("eventbus monitor · run demo-run · live")
+    progress = line_with(frame, "progress")
+    assert "35.0%" in progress and "train 0:01:10" in progress and "ETA 0:02:10 (estimate)" in progress
+    assert "of 50ep" in progress and "█" in progress and "░" in progress
+    position = line_with(frame, "position")
+    assert "epoch 17/50" in position and "batch 2/4 in epoch" in position and "total batch 70/200" in position
+    loss = line_with(frame, "loss/train/total")
+    assert "0.1235" in loss and "█▇▆▅▄▃▂▁" in loss and "min 1 max 8" in loss
+    assert "0.75" in line_with(frame, "metrics/eval/MulticlassAccuracy")
+    assert "2,346 samples/s" in line_with(frame, "throughput") and "146.6 batches/s" in line_with(frame, "throughput")
+    assert "SGD 0.1, 0.01" in line_with(frame, "learning rate")
+    evaluation = line_with(frame, "eval eval")
+    assert "CrossEntropy 0.5" in evaluation and "MulticlassAccuracy 0.75" in evaluation and "(at batch 68)" in evaluation
+    assert "ep16-ba68-rank0.pt" in line_with(frame, "last checkpoint")
+    bus = line_with(frame, "events/s")
+    assert "1234.5 events/s" in bus and "seq 4321" in bus
+    monitor = line_with(frame, "this monitor")
+    assert "lag 12 ms" in monitor and "recovered 3" in monitor and "lost 1" in monitor and "protocol errors 2" in monitor
+    logger = line_with(frame, "  logger")
+    assert " ok " in logger and "heartbeat 1.5s ago" in logger and "delivered 4300" in logger and "recovered 2" in logger
+    timing = line_with(frame, "  timing")
+    assert "STALE" in timing and "heartbeat 42.0s ago" in timing
+
+
+def test_render_states_of_a_run():
+    waiting = render(ViewModel(target="ipc:///tmp/x/bus"), 80, 24)
+    assert "waiting for the trainer" in waiting[0] and any("first event at ipc:///tmp/x/bus" in l for l in waiting)
+    finished = render(full_view(status="finished", eta_seconds=None, fraction=1.0), 120, 40)
+    assert "· finished" in finished[0] and "100.0%" in line_with(finished, "progress")
+    assert "done" in line_with(finished, "progress") and "ETA" not in line_with(finished, "progress")
+    detached = render(full_view(status="detached"), 120, 40)
+    assert "· detached" in detached[0]
+    failed = render(full_view(checkpoint="disk full", checkpoint_kind="error"), 120, 40)
+    assert "FAILED: disk full" in line_with(failed, "last checkpoint")
+    stopped = render(full_view(stop_reason="loss below 0.1"), 120, 40)
+    assert "loss below 0.1" in line_with(stopped, "stopped early")
+    silent = render(full_view(trainer_answering=False, trainer=None, daemons=[]), 120, 40)
+    assert "not answering" in line_with(silent, "trainer")
+    empty = render(full_view(throughput=[], evals=[], checkpoint=None, learning_rates=[]), 120, 40)
+    assert line_with(empty, "throughput").split()[-1] == "-" and line_with(empty, "last checkpoint").split()[-1] == "-"
+
+
+def test_render_fits_any_terminal():
+    many = [DaemonView(f"worker-{i}", 1.0, True, delivered=i) for i in range(30)]
+    for width, height in ((120, 40), (60, 20), (20, 5), (300, 100), (5, 1)):
+        frame = render(full_view(daemons=many), width, height)
+        assert len(frame) <= height and all(len(line) <= max(width, 20) for line in frame)
+    frame = render(full_view(daemons=many), 120, 30)
+    assert len(frame) == 30 and "more daemons" in frame[-1]
+    plain = render(full_view(ascii_only=True), 120, 40)
+    assert all(line.isascii() for line in plain) and "total batch 70/200" in "\n".join(plain)
+
+
+def test_sparkline():
+    assert sparkline([1, 2, 3, 4, 5, 6, 7, 8], 20) == "▁▂▃▄▅▆▇█"
+    assert sparkline([8, 1], 20) == "█▁"
+    assert sparkline(list(range(1000)), 10) == "▁▂▃▃▄▅▆▆▇█"  # the whole history, averaged into 10 columns
+    assert len(sparkline(list(range(1000)), 37)) == 37
+    assert sparkline([], 10) == "" and sparkline([1.0, 2.0], 0) == ""
+    assert sparkline([float("nan"), 1.0, float("inf"), 2.0], 10) == "▁█"
+    assert len(set(sparkline([3.0] * 5, 10))) == 1
+    assert sparkline([1, 2, 3], 10, ascii_only=True).isascii()
+
+
+# ------------------------------------------------------------------ a finished run's journal
+
+
+def finished_run(name: str) -> Trainer:
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name=name,
+                      eval_dataloader=make_loader(16, 16))
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def test_tracker_follows_a_real_runs_messages():
+    trainer = finished_run("tracked")
+
+    async def read() -> Tracker:
+        tracker = Tracker(["loss/train/total", "metrics/eval/*"])
+        async for message in journal_messages("runs/tracked/events.journal"):
+            tracker.feed(message)
+        return tracker
+
+    view = asyncio.run(read()).view()
+    assert view.run_name == "tracked" and view.status == "finished"
+    assert (view.batch, view.batches_total, view.epoch, view.epochs_total) == (12, 12, 3, 3)
+    assert view.fraction == 1.0 and view.batches_per_epoch == 4
+    loss = view.series[0]
+    assert loss.key == "loss/train/total" and loss.latest == pytest.approx(trainer.state.loss.item())
+    assert len(loss.values) == 12
+    assert {s.key for s in view.series[1:]} == {"metrics/eval/CrossEntropy", "metrics/eval/MulticlassAccuracy"}
+    assert [label for label, _, _ in view.evals] == ["eval"] and view.evals[0][2] == 12
+    assert dict(view.learning_rates) and view.throughput_source == "from batch_wct"
+
+
+def test_journal_mode_shows_the_final_state_of_a_finished_run(tmp_path):
+    trainer = finished_run("looked-at")
+    result = monitor_command("runs/looked-at/events.journal", "--once", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    screen = result.stdout
+    assert "\x1b" not in screen
+    lines = screen.splitlines()
+    assert lines[0].startswith("eventbus monitor · run looked-at · finished")
+    assert shown_batch(screen) == (12, 12) == (current_batch(trainer), 12)
+    assert f"{trainer.state.loss.item():.4g}" in line_with(lines, "loss/train/total")
+    assert "100.0%" in line_with(lines, "progress") and "epoch 3/3" in line_with(lines, "position")
+    # The run folder works as well, and without --once it is the same single frame.
+    again = monitor_command("runs/looked-at", cwd=tmp_path)
+    assert again.returncode == 0 and shown_batch(again.stdout) == (12, 12)
+
+
+def test_bad_targets_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a journal")
+    for argv in (["nope.journal"], ["tcp://localhost"], ["http://example.com:80"], ["ipc://"], ["notes.txt"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("eventbus monitor: error:") and len(err.strip().splitlines()) == 1, err
+    for argv in (["x", "--refresh", "0"], []):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "usage: eventbus monitor" in capsys.readouterr().out
+    missing = monitor_command("runs/nothing/events.journal", cwd=tmp_path)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+
+# ------------------------------------------------------------------ live runs
+
+
+def last_frame(lines: list[str]) -> list[str]:
+    starts = [i for i, line in enumerate(lines) if line.startswith("eventbus monitor · run ")]
+    assert starts, "no frame printed"
+    return lines[starts[-1]:]
+
+
+def test_piped_monitors_follow_a_live_run(tmp_path, spawn):
+    """Off a terminal: plain frames; --once prints one and exits; SIGTERM detaches; the run's end exits 0."""
+    address = bus_address(tmp_path)
+    pace = Pace(0.02, hold_at=40)
+    trainer = Trainer(make_model(), make_loader(), max_duration="20ep", device="cpu", run_name="piped",
+                      bus=address, callbacks=[pace])
+    background = BackgroundTrainer(trainer).start()
+    try:
+        wait_until(lambda: current_batch(trainer) >= 2, "the first batches")
+        follower = spawn("-m", "eventbus", "monitor", address, "--refresh", "0.2", env={"COLUMNS": "160"})
+        leaver = spawn("-m", "eventbus", "monitor", address, env={"COLUMNS": "160"})
+        once = monitor_command(address, "--once", cwd=tmp_path)
+        assert once.returncode == 0, once.stderr
+        assert "\x1b" not in once.stdout and once.stdout.startswith("eventbus monitor · run piped · live")
+        batch, total = shown_batch(once.stdout)
+        assert total == 80 and 2 <= batch <= current_batch(trainer)
+        for monitor in (follower, leaver):
+            monitor.wait_for("eventbus monitor · run piped · live")
+        leaver.proc.send_signal(signal.SIGTERM)  # detach: the run goes on
+        assert leaver.finish() == 0
+        assert "· detached" in last_frame(leaver.stdout)[0]
+    finally:
+        pace.release.set()
+    background.join()
+    assert current_batch(trainer) == 80
+    assert follower.finish() == 0, "\n".join(follower.stderr[-20:])
+    assert not any("\x1b" in line for line in follower.stdout)
+    final = last_frame(follower.stdout)
+    assert "· finished" in final[0] and shown_batch("\n".join(final)) == (80, 80)
+    assert f"{trainer.state.loss.item():.4g}" in line_with(final, "loss/train/total")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it; "
+                                                          "apt-get install tmux)")
+def test_monitor_in_a_real_terminal(tmp_path):
+    """As a person would: monitors in terminals (tmux panes) attached to a live run, then its end."""
+    address = bus_address(tmp_path)
+    pace = Pace(0.05, hold_at=150)  # ~10 s of training; held at batch 150 until both monitors are checked
+    trainer = Trainer(make_model(), make_loader(), max_duration="50ep", device="cpu", run_name="watched",
+                      bus=address, callbacks=[pace], eval_dataloader=make_loader(16, 16))
+    server = f"eventbus-test-{uuid.uuid4().hex[:12]}"  # a private tmux server: nobody else's sessions touched
+    config = tmp_path / "tmux.conf"
+    config.write_text("set -g remain-on-exit on\nset -g status off\n")  # keep the final screen readable
+    sessions: list[str] = []
+
+    def tmux(*args: str, check: bool = True) -> str:
+        return subprocess.run(["tmux", "-L", server, "-f", str(config), *args], capture_output=True, text=True,
+                              check=check, env=ENV, timeout=30).stdout
+
+    def open_monitor(session: str) -> None:
+        command = f"{shlex.quote(sys.executable)} -m eventbus monitor {shlex.quote(address)} --refresh 0.2"
+        tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", "-c", str(REPO_ROOT),
+             "-e", f"PYTHONPATH={REPO_ROOT}", command)
+        sessions.append(session)
+
+    def screen(session: str) -> str:
+        return tmux("capture-pane", "-p", "-t", session)
+
+    def final_screen(session: str) -> str:
+        """The last frame drawn: tmux's "Pane is dead" line scrolls its top line into the history."""
+        lines = tmux("capture-pane", "-p", "-S", "-", "-t", session).splitlines()
+        return "\n".join(last_frame(lines))
+
+    def wait_for_screen(session: str, condition: Callable[[str], bool], what: str) -> str:
+        seen = [""]
+
+        def check() -> bool:
+            seen[0] = screen(session)
+            return condition(seen[0])
+
+        try:
+            wait_until(check, what)
+        except AssertionError:
+            raise AssertionError(f"{what}; the screen:\n{seen[0]}") from None
+        return seen[0]
+
+    def exit_status(session: str) -> Optional[str]:
+        dead, _, status = tmux("display-message", "-p", "-t", session, "#{pane_dead} #{pane_dead_status}").strip().partition(" ")
+        return (status or "0") if dead == "1" else None
+
+    background = BackgroundTrainer(trainer).start()
+    try:
+        first, second = f"{server}-first", f"{server}-second"
+        open_monitor(first)
+        reached = max(1, current_batch(trainer))  # the monitor must get at least this far: it is live
+        text = wait_for_screen(first, lambda s: "run watched · live" in s and (shown_batch(s)[0] or 0) >= reached,
+                               f"the first monitor showing the run at batch >= {reached}")
+        batch, total = shown_batch(text)
+        assert total == 200 and reached <= batch <= current_batch(trainer)  # a batch the trainer really reached
+        assert "loss/train/total" in text and "SGD" in text and "events/s" in text
+
+        open_monitor(second)  # a second monitor at the same time
+        text2 = wait_for_screen(second, lambda s: "run watched · live" in s and shown_batch(s)[0] is not None,
+                                "the second monitor showing the run")
+        batch2, total2 = shown_batch(text2)
+        assert total2 == 200 and batch <= batch2 <= current_batch(trainer)
+        pace.release.set()
+        for session, since in ((first, batch2), (second, batch2)):  # both keep following the run
+            wait_for_screen(session, lambda s, since=since: (shown_batch(s)[0] or 0) > since,
+                            f"{session} following the run past batch {since}")
+
+        tmux("send-keys", "-t", second, "C-c")  # detach the second: the run does not notice
+        wait_until(lambda: exit_status(second) is not None, "the second monitor exiting on Ctrl-C")
+        assert exit_status(second) == "0" and "run watched · detached" in final_screen(second)
+
+        background.join()
+        final = current_batch(trainer)
+        assert final == 200
+        wait_until(lambda: exit_status(first) is not None, "the first monitor exiting at the end of the run")
+        assert exit_status(first) == "0"
+        text = final_screen(first)
+        assert "run watched · finished" in text and shown_batch(text) == (final, 200), text
+        assert f"{trainer.state.loss.item():.4g}" in text and "100.0%" in text
+    finally:
+        pace.release.set()
+        for session in sessions:
+            tmux("kill-session", "-t", session, check=False)
+        tmux("kill-server", check=False)
+    background.join()

@@ -1,0 +1,161 @@
+"""EventCapture in-process: what it puts on a real publisher's queue at each event, that it captures
+the costly values only under a lease, that it takes references and never reads a tensor, and that
+the published run carries the state's values."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from eventbus import Event
+from eventbus.bus.config import BusConfig
+from eventbus.bus.publish.publisher import Publisher
+from eventbus.bus.publish.records import EventRecord
+from eventbus.bus.schema import Key
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.checkpoint.staging import StagingBuffers
+from eventbus.core.time import Timestamp
+from eventbus.publishing.capture import EventCapture
+from tests.support import bus_address, make_loader, make_model
+
+pytestmark = pytest.mark.fast
+
+
+@dataclasses.dataclass
+class ToySource:
+    """A trainer's state as an adapter keeps it for capture (the CaptureSource attributes)."""
+
+    model: Any
+    optimizers: list[Any]
+    timestamp: Timestamp = dataclasses.field(default_factory=Timestamp)
+    previous_timestamp: Optional[Timestamp] = None
+    eval_timestamp: Timestamp = dataclasses.field(default_factory=Timestamp)
+    loss: Any = None
+    total_loss_dict: dict[str, Any] = dataclasses.field(default_factory=dict)
+    train_metric_values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval_metric_values: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    schedulers: list[Any] = dataclasses.field(default_factory=list)
+    max_duration: Any = "2ba"
+    stop_reason: Optional[str] = None
+    dataloader_label: Optional[str] = "train"
+    dataloader_len: Any = None
+    batch_num_samples: int = 16
+    batch_num_tokens: int = 0
+    batch: Any = None
+    run_name: str = "captured"
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    def stop_training(self, reason: str) -> None:
+        self.stop_reason = reason
+
+
+def toy_source() -> ToySource:
+    model = make_model()
+    return ToySource(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+
+
+def one_batch(source: ToySource) -> None:
+    """A real forward and backward step: the loss is a tensor, the model has gradients."""
+    x, y = next(iter(make_loader(16, 16)))
+    source.previous_timestamp = source.timestamp
+    source.timestamp = source.timestamp.to_next_batch(samples=16)
+    source.model.zero_grad()
+    loss = torch.nn.functional.cross_entropy(source.model((x, y)), y)
+    loss.backward()
+    source.loss = loss.detach()
+
+
+def capture_for(tmp_path) -> tuple[EventCapture, Publisher]:
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path)), tmp_path / "run")
+    (tmp_path / "shm").mkdir()
+    return EventCapture(publisher, StagingBuffers(publisher.run_id, directory=tmp_path / "shm"), dict), publisher
+
+
+def queued(publisher: Publisher) -> list[Any]:
+    """What the capture handed to the publisher (its bus thread is not started: nothing is taken)."""
+    records = []
+    while True:
+        try:
+            records.append(publisher._queue.get_nowait())
+        except queue.Empty:
+            return records
+
+
+def test_each_event_is_one_record_holding_the_states_values_by_reference(tmp_path):
+    capture, publisher = capture_for(tmp_path)
+    source = toy_source()
+    capture.publish(Event.INIT, source)
+    one_batch(source)
+    for event in (Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.EPOCH_END):
+        capture.publish(event, source)
+    records = queued(publisher)
+    assert all(isinstance(record, EventRecord) for record in records)
+    assert [record.event for record in records] == ["init", "after_train_batch", "batch_end", "epoch_end"]
+    after_batch = records[1]
+    assert after_batch.timestamp is source.timestamp and after_batch.previous_timestamp is source.previous_timestamp
+    assert after_batch.changes[Key.LOSS] is source.loss  # the tensor itself: never read, never copied
+    assert after_batch.batch_num_samples == 16 and after_batch.dataloader_label == "train"
+    assert records[3].changes is None  # nothing changed since the previous event: nothing captured again
+    assert Key.OPTIMIZERS in records[0].changes and Key.OPTIMIZERS in records[2].changes  # lr may change there
+    assert publisher.stats().captured == 4
+
+
+def test_gradient_norms_are_computed_only_while_a_subscriber_holds_a_lease(tmp_path):
+    capture, publisher = capture_for(tmp_path)
+    source = toy_source()
+    one_batch(source)
+    capture.publish(Event.AFTER_TRAIN_BATCH, source)
+    assert Key.GRAD_NORMS not in (queued(publisher)[0].changes or {})
+
+    publisher.leases.grant(["grad_norms"], ttl=60, interval=2)  # what a worker's heartbeat asks for
+    one_batch(source)  # batch 2: due
+    capture.publish(Event.AFTER_TRAIN_BATCH, source)
+    grads = [p.grad.norm() for p in source.model.parameters()]
+    one_batch(source)  # batch 3: not one of the lease's batches
+    capture.publish(Event.AFTER_TRAIN_BATCH, source)
+    due, not_due = queued(publisher)
+    names, norms = due.changes[Key.GRAD_NORMS]
+    assert names == [*(name for name, _ in source.model.named_parameters()), "global"]
+    torch.testing.assert_close(norms[:-1], torch.stack(grads))
+    torch.testing.assert_close(norms[-1], torch.linalg.vector_norm(torch.stack(grads)))
+    assert Key.GRAD_NORMS not in (not_due.changes or {})
+
+
+def test_a_stop_request_stops_the_source_at_batch_end(tmp_path):
+    capture, publisher = capture_for(tmp_path)
+    source = toy_source()
+    publisher.leases.request_stop("plateau")
+    one_batch(source)
+    capture.publish(Event.AFTER_TRAIN_BATCH, source)
+    assert source.stop_reason is None  # only at BATCH_END
+    capture.publish(Event.BATCH_END, source)
+    assert source.stop_reason == "plateau"
+    assert queued(publisher)[-1].changes[Key.STOP_REASON] == "plateau"
+
+
+def test_the_published_run_carries_the_states_values(tmp_path):
+    capture, publisher = capture_for(tmp_path)
+    publisher.start({"run_name": "captured"})
+    source = toy_source()
+    capture.publish(Event.INIT, source)
+    one_batch(source)
+    capture.publish(Event.BATCH_END, source)
+    capture.close()  # ends the run: drains and journals everything
+
+    async def read() -> list[Any]:
+        assert publisher.journal_path is not None
+        return [m async for m in journal_messages(publisher.journal_path)]
+
+    messages = asyncio.run(read())
+    events = [m for m in messages if m.kind == "event"]
+    assert [m.event for m in events] == [Event.INIT, Event.BATCH_END] and messages[-1].kind == "end"
+    state = events[-1].state
+    assert state.timestamp.batch.value == 1 and state.timestamp.sample.value == 16
+    assert state.loss == pytest.approx(source.loss.item())

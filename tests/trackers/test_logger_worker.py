@@ -1,0 +1,213 @@
+"""The logging worker as users run it: a real process beside a real trainer; files read back."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import signal
+import time
+
+from eventbus import Callback, Event, Trainer
+from eventbus.bus import wire
+from eventbus.bus.journal import read_journal
+from eventbus.bus.subscribe.subscriber import Subscriber
+from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
+
+
+class SlowBatches(Callback):
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def batch_end(self, state, logger):
+        time.sleep(self.seconds)
+
+
+def published_metrics(journal_path):
+    """step -> every key logged for it, straight from the journal."""
+    by_step: dict[int, dict] = {}
+    for record in read_journal(journal_path):
+        message = wire.decode(record)
+        if message.kind == "metrics":
+            by_step.setdefault(message.payload["step"], {}).update(message.payload["metrics"])
+    return by_step
+
+
+async def send_metrics_back(address, into_steps):
+    """Another subscriber that logs a metric per batch, as a timing worker would."""
+    async with Subscriber(address, start="beginning", events=[Event.BATCH_END]) as sub:
+        async for message in sub:
+            if message.event is Event.BATCH_END:
+                step = int(message.state.timestamp.batch)
+                sub.log_metrics({"custom/batches_seen": step}, step=step, source="test-sender")
+                into_steps.append(step)
+
+
+def train_sending_metrics_back(trainer) -> list[int]:
+    """Train to the end while a second subscriber sends a metric back for each batch, as other
+    workers do (it arrives after the trainer's own metrics for that step); the steps it sent."""
+    sent: list[int] = []
+
+    async def scenario():
+        sender = asyncio.create_task(send_metrics_back(trainer.publisher.address, sent))
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(lambda: BackgroundTrainer(trainer).start().join())
+        await sender
+
+    asyncio.run(scenario())
+    return sent
+
+
+def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_and_mlflow(tmp_path, spawn):
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="logged",
+                      eval_dataloader=make_loader(32, 16), bus=bus_address(tmp_path), callbacks=[SlowBatches(0.01)])
+    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+                   "--tensorboard", "--mlflow", "--log-interval", "2")
+    worker.wait_for("following")
+    train_sending_metrics_back(trainer)
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+    folder = tmp_path / "runs" / "logged"
+    expected = published_metrics(trainer.publisher.journal_path)
+    assert any("custom/batches_seen" in m for m in expected.values())  # re-published by the trainer
+
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = [line.pop("step") for line in lines]
+    assert len(steps) == len(set(steps)), "a step was written twice"
+    assert dict(zip(steps, lines)) == expected
+    keys = set().union(*lines)
+    assert {"loss/train/total", "time/batch", "metrics/eval/MulticlassAccuracy", "custom/batches_seen"} <= keys
+
+    with open(folder / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [int(r["step"]) for r in rows] == sorted(steps)
+    by_step = {int(r["step"]): r for r in rows}
+    for step, metrics in expected.items():
+        if "loss/train/total" in metrics:
+            assert float(by_step[step]["loss/train/total"]) == metrics["loss/train/total"]
+    assert json.loads((folder / "hyperparameters.json").read_text())["max_duration"] == "3ep"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder / "tensorboard"))
+    accumulator.Reload()
+    losses = {e.step: e.value for e in accumulator.Scalars("loss/train/total")}
+    published = {s: m["loss/train/total"] for s, m in expected.items() if "loss/train/total" in m}
+    assert set(losses) == set(published) and len(losses) == 12
+    assert all(abs(losses[s] - published[s]) < 1e-6 for s in published)  # TensorBoard stores float32
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+    run = client.search_runs([client.get_experiment_by_name("eventbus").experiment_id])[0]
+    assert run.info.run_name == "logged" and run.data.params["max_duration"] == "3ep"
+    history = client.get_metric_history(run.info.run_id, "metrics/eval/MulticlassAccuracy")
+    assert sorted(m.step for m in history) == sorted(
+        s for s, m in expected.items() if "metrics/eval/MulticlassAccuracy" in m)
+
+    progress = "\n".join(worker.stderr)
+    assert "epoch 1 [" in progress and "eval eval:" in progress and "done: 3 epochs, 12 batches" in progress
+
+
+def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
+    """SIGKILLed mid-run and started again: every step exactly once in metrics.jsonl, in
+    TensorBoard's own reader (its writer buffers for minutes; the host flushes it before each commit)
+    and in the MLflow store (the restarted logger skips the points the run already holds)."""
+    folder = tmp_path / "runs" / "restarted"
+    board = folder / "tensorboard"
+
+    class WaitForTrackers(Callback):
+        """Holds the first batch until the worker's TensorBoard file and MLflow run exist (their
+        imports take seconds on a busy machine), so the kill below lands mid-run for every destination."""
+
+        def batch_end(self, state, logger):
+            deadline = time.monotonic() + 60
+            while int(state.timestamp.batch) == 1 and not (list(board.glob("events.out.tfevents.*"))
+                                                           and list(folder.glob("mlruns/*/*/meta.yaml"))):
+                assert time.monotonic() < deadline, "the logger never opened its trackers"
+                time.sleep(0.05)
+
+    trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="restarted",
+                      bus=bus_address(tmp_path), callbacks=[SlowBatches(0.08), WaitForTrackers()])
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+            "--no-console", "--tensorboard", "--mlflow"]
+    first = spawn(*args)
+    first.wait_for("following")
+    background = BackgroundTrainer(trainer).start()
+    cursor = tmp_path / "s" / "logger.cursor.json"
+
+    def committed() -> dict:
+        return json.loads(cursor.read_text())["seqs"] if cursor.exists() else {}
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(committed().get(name, 0) > 60
+                                                  for name in ("MetricsFileLogger", "TensorBoardLogger", "MLflowLogger")):
+        time.sleep(0.05)  # kill it mid-run, once both have applied some metrics
+    assert first.proc.poll() is None, "the worker finished before the kill"
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.finish()
+    second = spawn(*args)
+    background.join()
+    assert second.finish() == 0, "\n".join(second.stderr)
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "restarted" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines]
+    assert len(steps) == len(set(steps)), "a step was written twice"
+    published = published_metrics(trainer.publisher.journal_path)
+    assert set(steps) == set(published)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list(board.glob("events.out.tfevents.*"))) == 2  # one file per worker process
+    accumulator = EventAccumulator(str(board))
+    accumulator.Reload()
+    for tag in ("loss/train/total", "time/batch"):
+        points = [e.step for e in accumulator.Scalars(tag)]
+        assert sorted(points) == sorted(s for s, m in published.items() if tag in m), tag
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(folder / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("eventbus").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", "\n".join(second.stderr)  # the restarted logger reopened the same run
+    history = client.get_metric_history(runs[0].info.run_id, "loss/train/total")
+    assert sorted(m.step for m in history) == sorted(s for s, m in published.items() if "loss/train/total" in m)
+
+
+def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, spawn):
+    """Killed between applying the run's end and exiting, a worker started again with the same
+    cursor finds the end in the journal, behind its resume point: it exits instead of waiting forever."""
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", run_name="ended",
+                      bus=bus_address(tmp_path))
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+            "--no-console", "--tensorboard"]
+    first = spawn(*args)
+    first.wait_for("following")
+    trainer.fit()
+    trainer.close()
+    assert first.finish() == 0
+    last = max(wire.decode(record).seq for record in read_journal(trainer.publisher.journal_path))
+    assert set(json.loads((tmp_path / "s" / "logger.cursor.json").read_text())["seqs"].values()) == {last}
+    again = spawn(*args)
+    assert again.finish() == 0, "\n".join(again.stderr)
+
+
+def test_one_logger_cursor_across_two_runs_keeps_each_run_in_its_own_folder(tmp_path, spawn):
+    """A daemon's cursor outlives a run (one --state-dir, or the default one, for run after run):
+    what it restores from the first run must not send the second run's metrics to the first's folder."""
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+            "--no-console", "--tensorboard"]
+    for name in ("first", "second"):
+        trainer = Trainer(make_model(), make_loader(), max_duration="3ba", device="cpu", run_name=name,
+                          bus=bus_address(tmp_path))
+        worker = spawn(*args)
+        worker.wait_for("following")
+        trainer.fit()
+        trainer.close()
+        assert worker.finish() == 0, "\n".join(worker.stderr)
+        published = published_metrics(trainer.publisher.journal_path)
+        folder = tmp_path / "runs" / name
+        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert sorted(line["step"] for line in lines) == sorted(published), name
+        assert list((folder / "tensorboard").glob("events.out.tfevents.*")), name
