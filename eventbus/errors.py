@@ -5,7 +5,7 @@ Every message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError"]
+__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError", "ArtifactPathError"]
 
 
 class EventBusError(Exception):
@@ -22,3 +22,7 @@ class ProtocolError(EventBusError):
 
 class TransferError(EventBusError):
     """Data the trainer was asked for (a staged checkpoint) did not arrive."""
+
+
+class ArtifactPathError(EventBusError, ValueError):
+    """An uploaded file's name that would leave the run's ``artifacts/`` folder (``..``, a link)."""

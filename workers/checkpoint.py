@@ -185,8 +185,8 @@ class CheckpointSaver(Callback):
         staged = getattr(state, "checkpoint", None)
         if staged is not None:
             self._write_staged(state, staged, logger)
-        elif hasattr(state, "state_dict") and self._due(state, event):
-            self._write(state, state.state_dict(), logger)  # in process: the live State
+        elif hasattr(state, "checkpoint_dict") and self._due(state, event):
+            self._write(state, state.checkpoint_dict(), logger)  # in process: the live State
 
     def _write_staged(self, state: Any, staged: Any, logger: Logger) -> None:
         started = time.perf_counter()

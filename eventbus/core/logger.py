@@ -8,18 +8,22 @@ reads a device value; that is why heavy logging belongs in a subscriber.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
-import shutil
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TextIO, Union
 
+from eventbus.core.artifacts import copy_artifact
 from eventbus.core.callback import Callback
 from eventbus.core.state import StateView
 from eventbus.core.time import Time, TimeUnit, ensure_time
+from eventbus.errors import ArtifactPathError
 
 if TYPE_CHECKING:
     from eventbus.core.time import Timestamp
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Logger", "LoggerDestination", "InMemoryLogger", "ConsoleLogger", "to_number", "format_name",
            "is_logger_destination"]
@@ -152,7 +156,9 @@ class Logger:
 
         Both names may use Composer's placeholders (``{run_name}``, ``{rank}``). The copy runs on
         the calling thread, like Composer's upload hand-off; an existing copy is kept unless
-        ``overwrite``.
+        ``overwrite``. The copy never leaves ``artifacts/`` (:mod:`eventbus.core.artifacts`): an
+        absolute name lands under it; a name with ``..`` or through a link is refused with an error
+        in the log, and training goes on.
         """
         path = pathlib.Path(format_name(str(file_path), self._state))
         remote = format_name(remote_file_name, self._state)
@@ -160,10 +166,10 @@ class Logger:
             _call_if_present(destination, "upload_file", state=self._state, remote_file_name=remote,
                              file_path=path, overwrite=overwrite)
         if self.artifacts_folder is not None:
-            target = self.artifacts_folder / remote
-            if overwrite or not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, target)
+            try:
+                copy_artifact(self.artifacts_folder, remote, path, overwrite=overwrite)
+            except ArtifactPathError as err:  # the callback's name, not the run's fault: training goes on
+                log.error("%s", err)
 
     def has_file_upload_destination(self) -> bool:
         """Whether uploaded files go somewhere: a destination that uploads, or the artifacts folder."""

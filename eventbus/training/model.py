@@ -45,9 +45,11 @@ class ComposerClassifier(ComposerModel):
         self.module = module
         self.num_classes = num_classes
         self._train_metrics: dict[str, Metric] = {"MulticlassAccuracy": MulticlassAccuracy()}
+        # Composer's order (its ComposerClassifier's MetricCollection): what users see iterating
+        # state.eval_metrics, in logs and CSV columns.
         self._eval_metrics: dict[str, Metric] = {
-            "MulticlassAccuracy": MulticlassAccuracy(),
             "CrossEntropy": CrossEntropy(),
+            "MulticlassAccuracy": MulticlassAccuracy(),
         }
 
     def forward(self, batch: Any) -> torch.Tensor:  # type: ignore[override]

@@ -148,7 +148,9 @@ class TrainerCheckpoint:
             rng["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
         return rng
 
-    def _restore_rng(self, rng: dict[str, Any]) -> None:
+    def _restore_rng(self, rng: Any) -> None:
+        if isinstance(rng, list):  # written by Composer's CheckpointSaver: one entry per rank
+            rng = rng[min(self._state.rank, len(rng) - 1)]
         device = self._state.device
         python = rng["python"]
         random.setstate((python[0], tuple(python[1]), python[2]))
@@ -158,8 +160,19 @@ class TrainerCheckpoint:
         if "numpy" in rng:
             import numpy as np
 
-            kind, keys, pos, has_gauss, cached = rng["numpy"]
-            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+            kind, keys, pos, has_gauss, cached = rng["numpy"]  # a list (eventbus) or numpy's tuple (Composer)
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What a pickled numpy array is made of, allowed in a weights-only load: Composer's CheckpointSaver
+    keeps numpy's RNG state as an array. Plain data still; no other code runs."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    multiarray = getattr(np, "_core", None) or np.core
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def load_checkpoint_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
@@ -167,6 +180,7 @@ def load_checkpoint_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
     if not os.path.exists(path):
         raise ConfigError(f"load_path {os.fspath(path)!r} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err

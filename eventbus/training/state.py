@@ -88,13 +88,24 @@ class State:
         # when FSDP is on): eventbus trains a user-sharded (fully_shard) model as it is.
         self.fsdp_enabled = False
         self.fsdp_config: Optional[dict[str, Any]] = None
+        # Read by Composer's CheckpointSaver (composer.utils.checkpoint): eventbus has no Composer
+        # FSDP config, so Composer's saver writes monolithic files (rank 0's state_dict()).
+        self.fsdp_sharded_state_dict_enabled = False
+        self.device_mesh: Any = None
         self.profiler: Any = None
         self.scaler: Any = None
         self.auto_microbatching = False
         self._state_dict = state_dict_source  # the Trainer's state_dict
 
     def state_dict(self) -> dict[str, Any]:
-        """The full checkpoint (Composer's layout), as ``Trainer.state_dict()`` builds it."""
+        """The training state as Composer's ``State.state_dict()`` returns it: the ``"state"`` part of
+        ``Trainer.state_dict()`` (model, optimizers, schedulers, timestamp, callbacks...), without the
+        RNG states. Composer's CheckpointSaver saves ``{"state": this, "rng": ...}``, which
+        ``Trainer(load_path=...)`` resumes from."""
+        return self.checkpoint_dict()["state"]
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        """The full checkpoint, as ``Trainer.state_dict()`` builds it: ``{"state": ..., "rng": ...}``."""
         if self._state_dict is None:
             raise RuntimeError("this State belongs to no Trainer")
         return self._state_dict()

@@ -8,6 +8,7 @@ classes, and compares what they logged. Wall-clock values are compared by key on
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from typing import Any, Callable
@@ -199,3 +200,50 @@ def test_worker_loads_composer_callbacks_and_loggers():
 
     assert isinstance(load_callback("composer.callbacks:LRMonitor"), LRMonitor)
     assert isinstance(load_callback("composer.loggers:InMemoryLogger"), InMemoryLogger)
+
+
+def test_metric_order_is_the_models_own_as_in_composer(tmp_path):
+    """Iterating state.eval_metrics / state.train_metrics gives Composer's order (its
+    ComposerClassifier's: CrossEntropy before MulticlassAccuracy), which logs and CSV columns follow."""
+    from tests.e2e.fidelity_callbacks import MetricOrder
+
+    orders = {}
+    for which in ("composer", "eventbus"):
+        path = tmp_path / f"{which}.json"
+        _run(which, [MetricOrder(str(path))], [], max_duration="1ep", eval_interval="1ep")
+        orders[which] = json.loads(path.read_text())
+    assert orders["composer"]["eval"] == ["CrossEntropy", "MulticlassAccuracy"]
+    assert orders["eventbus"] == orders["composer"]
+
+
+def test_train_metrics_are_logged_when_composer_logs_them(tmp_path):
+    """Composer computes and logs metrics/train/* before every BATCH_END and once more at each epoch's
+    end (so twice at an epoch's last batch): eventbus logs the same points at the same steps."""
+    logged = {}
+    for which in ("composer", "eventbus"):
+        memory = InMemoryLogger()
+        _run(which, [], [memory], max_duration="2ep", eval_interval="1ep")
+        logged[which] = [(int(ts.batch), _number(value))
+                         for ts, value in memory.data["metrics/train/MulticlassAccuracy"]]
+    assert len(logged["composer"]) == 2 * (4 + 1)  # 4 batches per epoch, and the epoch's end
+    assert [step for step, _ in logged["eventbus"]] == [step for step, _ in logged["composer"]]
+    assert [v for _, v in logged["eventbus"]] == pytest.approx([v for _, v in logged["composer"]], rel=1e-5)
+
+
+def test_composers_checkpoint_saver_runs_in_process_and_eventbus_resumes_from_its_files(tmp_path):
+    from composer.callbacks import CheckpointSaver
+
+    files = {}
+    for which in ("composer", "eventbus"):
+        folder = tmp_path / which
+        _run(which, [CheckpointSaver(folder=str(folder), save_interval="1ep")], [], max_duration="2ep")
+        files[which] = sorted(p.name for p in folder.iterdir())
+    assert files["eventbus"] == files["composer"] == ["ep1-ba4-rank0.pt", "ep2-ba8-rank0.pt", "latest-rank0.pt"]
+    module = _module()
+    resumed = eventbus.Trainer(eventbus.ComposerClassifier(module, num_classes=2), _data(), max_duration="2ep",
+                               optimizers=torch.optim.SGD(module.parameters(), lr=0.1), bus=False, device="cpu",
+                               load_path=str(tmp_path / "eventbus" / "ep1-ba4-rank0.pt"))
+    assert int(resumed.state.timestamp.batch) == 4 and int(resumed.state.timestamp.epoch) == 1
+    resumed.fit()
+    assert int(resumed.state.timestamp.batch) == 8
+    resumed.close()

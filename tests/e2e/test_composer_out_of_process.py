@@ -41,6 +41,7 @@ from composer.optim import CosineAnnealingScheduler  # noqa: E402
 import eventbus  # noqa: E402
 from eventbus.bus import wire  # noqa: E402
 from eventbus.bus.journal import read_journal  # noqa: E402
+from tests.e2e.fidelity_callbacks import MetricOrder  # noqa: E402
 from tests.e2e.test_composer_fidelity import (  # noqa: E402
     COUNTERS,
     _compare_series,
@@ -78,6 +79,7 @@ def _worker_args(address: str) -> list[str]:
     for cls, kwargs in [*MONITORS.items(), *STOPPERS.values()]:
         args += _spec(cls, kwargs)
     return [*args, "--callback", 'tests.worker_callbacks:DumpingInMemoryLogger:{"path": "{run_name}.memory.json"}',
+            "--callback", 'tests.e2e.fidelity_callbacks:MetricOrder:{"path": "{run_name}.order.json"}',
             *_spec(FileLogger, {"filename": "{run_name}/log.txt", "capture_stdout": False, "capture_stderr": False}),
             *_spec(TensorboardLogger, {"log_dir": "tb", "flush_interval": 1})]
 
@@ -164,7 +166,8 @@ def runs(tmp_path_factory) -> Iterator[dict[str, Any]]:
         file_logger = FileLogger(filename=str(folder / "composer" / "log.txt"), capture_stdout=False,
                                  capture_stderr=False)
         board = TensorboardLogger(log_dir=str(folder / "composer" / "tb"), flush_interval=1)
-        _run("composer", [cls(**kwargs) for cls, kwargs in MONITORS.items()], [memory, file_logger, board],
+        _run("composer", [*(cls(**kwargs) for cls, kwargs in MONITORS.items()),
+                          MetricOrder(str(folder / "composer.order.json"))], [memory, file_logger, board],
              **MONITORS_RUN)
         results["composer"] = _series(memory)
         results["composer_batches"] = {key: [int(ts.batch) for ts, _ in values] for key, values in memory.data.items()}
@@ -275,3 +278,11 @@ def test_hosted_stoppers_stop_the_run(runs, label, stopper):
     assert [message.kind for message in journal].index("end") == len(journal) - 1
     lr_steps = [m.payload["step"] for m in journal if m.kind == "metrics" and m.payload["source"] == "LRMonitor"]
     assert lr_steps == list(range(1, stopped + 1))
+
+
+def test_hosted_callbacks_see_the_metrics_in_composers_order(runs):
+    """A callback iterating state.eval_metrics / state.train_metrics in a worker sees Composer's order."""
+    folder = runs["folder"]
+    composer_order = json.loads((folder / "composer.order.json").read_text())
+    assert composer_order["eval"] == ["CrossEntropy", "MulticlassAccuracy"]
+    assert json.loads((folder / "monitors.order.json").read_text()) == composer_order

@@ -11,7 +11,7 @@ import pytest
 
 from eventbus.bus.config import advertised
 from eventbus.bus.security import generate_keys
-from tests.conftest import REPO_ROOT, free_port
+from tests.support import REPO_ROOT, free_port
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "*"])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT
 
 # A bad file, and the key its one-line error must name. Each once gave a traceback (or, for the
 # huge sizes, allocated until a memory limit killed the process).
