@@ -4,49 +4,60 @@ General layout
 --------------
 The package is cut along the process boundary: what runs in the training
 process, what crosses the wire, and what runs in the processes that follow a run.
+Arrows point one way: ``core`` imports nothing above it; the bus's two wings meet
+only in its shared modules (``tests/test_layout.py`` checks both).
 
 ``eventbus.core`` -- Composer's vocabulary, shared by both sides (no torch):
     ``events`` (the 40 :class:`Event` members and the loop's pseudocode),
     ``time`` (:class:`Time`, :class:`TimeUnit`, :class:`Timestamp`),
-    ``callback`` (:class:`Callback`), ``logger`` (:class:`Logger`,
-    :class:`LoggerDestination`), ``engine`` (:class:`Engine`: Composer's order),
-    ``interval`` (when an ``"1ep"``/``"0.5dur"`` interval is due).
+    ``state`` (``StateView``: the read surface both the live State and a
+    subscriber's Snapshot offer), ``callback`` (:class:`Callback`), ``logger``
+    (:class:`Logger`, :class:`LoggerDestination`), ``artifacts`` (uploads stay in
+    the run's folder), ``engine`` (:class:`Engine`: Composer's order), ``interval``.
 
-``eventbus.training`` -- the training process (torch):
-    ``trainer`` (:class:`Trainer`: fit / eval / predict firing every event),
-    ``state`` (:class:`State`), ``model``, ``metrics``, ``evaluator``,
-    ``algorithm``, ``batch``, ``distributed`` (torchrun), ``demo`` (the main
-    job's model and data), and ``capture`` (what the training thread hands the bus).
+``eventbus.training`` -- the project's own trainer (torch):
+    ``trainer`` (:class:`Trainer`), ``loop``, ``evaluation``, ``resume``, ``state``
+    (:class:`State`), ``model``, ``metrics``, ``evaluator``, ``algorithm``,
+    ``batch``, ``distributed`` (torchrun), ``demo`` (the main job's model and data),
+    ``bus_link`` (the trainer's only contact with the bus).
 
-``eventbus.bus`` -- the wire and both of its ends (no torch):
-    publishing side: ``records`` (the typed record the training thread hands
-    over, and the payload keys), ``payload`` (records into packed snapshots),
-    ``publisher`` (the bus thread), ``history`` (seq, journal before wire, topic
-    frames and links, replay cache), ``service`` (one handler per request
-    operation), ``leases`` (capture leases, stop requests), ``journal`` (the
-    run's crash-safe segmented record), ``config`` (:class:`BusConfig`, addresses);
-    shared: ``wire`` (envelope, topics, bounded codec), ``protocol`` (request
-    operations and their schemas), ``security`` (CURVE);
-    subscribing side: ``subscriber`` (:class:`Subscriber`: an asyncio stream in
-    seq order, only its topics, gaps filled), ``sequencer``, ``recovery``,
-    ``journal_source``, ``service_client``, ``snapshot`` and ``views``
-    (:class:`Snapshot`: Composer's read-only ``state`` out of process),
-    ``ranks`` (:class:`AllRanks`), ``proxy``.
+``eventbus.publishing`` -- the training process's side of the bus, for any trainer:
+    ``source`` (``CaptureSource``: Composer's State names, what capture reads),
+    ``capture`` (``EventCapture``: references in, one record out, never blocks),
+    ``session`` (``open_bus``: bind the publisher for a ``bus=`` argument).
+``eventbus.integrations`` -- the same events from other trainers: an adapter
+    callback each for Lightning, Hugging Face ``Trainer`` and Composer, sharing
+    ``adapter`` (a Composer-named ``RunState`` and the ``BusAdapter``).
+
+``eventbus.bus`` -- the wire (no torch). Shared by both ends: ``wire`` (envelope,
+    topics, bounded codec), ``schema`` (message kinds, payload keys), ``protocol``
+    (request operations, one schema each), ``journal`` (the run's crash-safe
+    record), ``config`` (:class:`BusConfig`, addresses), ``security`` (CURVE),
+    ``proxy``.
+  ``bus.publish`` -- the bus thread in the trainer: ``records``, ``payload``,
+    ``publisher``, ``history`` (seq, journal before wire, replay cache),
+    ``service`` (one handler per request), ``leases`` (captures, stops).
+  ``bus.subscribe`` -- the subscribing end: ``subscriber`` (:class:`Subscriber`),
+    ``sequencer`` (seq order, gaps, duplicates), ``recovery`` and
+    ``journal_source`` (gap filling), ``journal_stream`` (a journal as messages:
+    replay, monitor, export), ``messages`` (:class:`Message`), ``stats``,
+    ``service_client``, ``snapshot`` and ``views`` (:class:`Snapshot`), ``ranks``
+    (:class:`AllRanks`).
 
 ``eventbus.checkpoint`` -- staging into shared memory (training side), the
-    staged-checkpoint handle and atomic files (checkpoint worker side).
-
-``eventbus.daemons`` -- the processes that follow a run: ``host``
+    staged-checkpoint handle, atomic files, file naming, retention, remote folders.
+``eventbus.trackers`` -- where metrics go (files, TensorBoard, MLflow, W&B); each
+    says what it already holds, for ``eventbus export``.
+``eventbus.daemons`` -- what every subscriber process shares: ``host``
     (:class:`CallbackHost`), ``worker`` (``eventbus worker | replay | status``),
-    ``runtime`` (what every daemon's ``main`` shares), ``job`` (``eventbus run``).
-``eventbus.trackers`` -- where metrics go (no torch on import): ``files``
-    (``metrics.jsonl``/``.csv``), ``tensorboard``, ``mlflow``; hosted by
-    ``workers.logger`` on the live stream, and by ``eventbus export`` on a journal.
-``eventbus.monitor`` -- ``eventbus monitor``, the live terminal dashboard.
-``eventbus.cli`` -- the ``eventbus`` command.
+    ``runtime``.
+``eventbus.run`` -- ``eventbus run``: ``config``, ``resume``, ``supervise``,
+    ``summary``, ``job``.
+``eventbus.monitor`` -- ``eventbus monitor``; ``eventbus.export`` -- ``eventbus
+    export``; ``eventbus.cli`` -- the ``eventbus`` command.
 
-The daemons users run (logging, timing, checkpoints, stoppers) live in the
-top-level ``workers/`` package. Errors all derive from :class:`EventBusError`.
+The daemons users run (logging, timing, checkpoints, health, stoppers) live in
+the top-level ``workers/`` package. Errors all derive from :class:`EventBusError`.
 
 Names below are imported on first use (PEP 562), so ``import eventbus`` and the
 bus modules never import torch; only the training side does.

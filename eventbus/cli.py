@@ -14,7 +14,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from eventbus.daemons.runtime import OneLineErrorParser, seconds, serve, setup_logging
+from eventbus.daemons.runtime import OneLineErrorParser, serve, setup_logging, timeout_seconds
 from eventbus.errors import ConfigError, EventBusError
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def _add_worker_command(commands: Any) -> None:
     worker.add_argument("--events", nargs="+", metavar="EVENT", help="only these events (default: all)")
     worker.add_argument("--journal", help="journal to recover from if the trainer's replay service is gone")
     worker.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
-    worker.add_argument("--timeout", type=seconds, metavar="SECONDS",
+    worker.add_argument("--timeout", type=timeout_seconds, metavar="SECONDS",
                         help="give up (exit code 2) when no trainer serves ADDR within SECONDS (default: wait; "
                              "a local address nobody serves is reported at once)")
     worker.add_argument("--follow", action="store_true",
@@ -105,7 +105,8 @@ def _add_bus_commands(commands: Any) -> None:
     status.add_argument("address", help="the trainer's bus address")
     status.add_argument("--subscriber", action="append", default=[],
                         help="also require that this subscriber identity sent a heartbeat recently")
-    status.add_argument("--timeout", type=seconds, default=3.0, help="seconds to wait for an answer (default: 3)")
+    status.add_argument("--timeout", type=timeout_seconds, default=3.0,
+                        help="seconds to wait for an answer (default: 3)")
 
     proxy = commands.add_parser(
         "proxy", help="one address for all ranks of a torchrun job",
@@ -117,7 +118,7 @@ def _add_bus_commands(commands: Any) -> None:
     proxy.add_argument("--connect", required=True, metavar="ADDR", help="rank 0's bus address")
     proxy.add_argument("--bind", required=True, metavar="ADDR",
                        help="the address subscribers connect to (its request service is the next port, or .ctl)")
-    proxy.add_argument("--wait", type=seconds, default=300.0, metavar="SECONDS",
+    proxy.add_argument("--wait", type=timeout_seconds, default=300.0, metavar="SECONDS",
                        help="how long to wait for rank 0 to answer (default: 300)")
 
 

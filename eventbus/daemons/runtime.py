@@ -54,6 +54,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def timeout_seconds(text: str) -> float:
+    """An argparse ``type`` for a timeout or a wait: like :func:`seconds`, but zero is allowed and
+    means "do not wait" (``--timeout 0`` gives up at once, as it always did)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass  # seconds() says what is wrong with it
+    return seconds(text)
+
+
 def check_positive(name: str, value: float, zero_ok: bool = False) -> None:
     """``value`` is finite and above zero (or zero, where zero turns something off); ValueError naming
     ``name`` otherwise, which :func:`serve` reports as a one-line error."""

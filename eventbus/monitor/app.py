@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 from urllib.parse import urlsplit
 
 from eventbus.bus.journal import JOURNAL_NAME
-from eventbus.daemons.runtime import OneLineErrorParser, seconds, wait_for_server
+from eventbus.daemons.runtime import OneLineErrorParser, seconds, timeout_seconds, wait_for_server
 from eventbus.errors import EventBusError
 from eventbus.monitor.fmt import BLOCKS
 from eventbus.monitor.model import DEFAULT_METRICS, Tracker, ViewModel
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--once", action="store_true",
                         help="print one plain-text frame after joining, then exit (exit code 2 when no trainer "
                              "serves TARGET)")
-    parser.add_argument("--timeout", type=seconds, metavar="SECONDS",
+    parser.add_argument("--timeout", type=timeout_seconds, metavar="SECONDS",
                         help="give up (exit code 2) when no trainer serves TARGET within SECONDS "
                              "(default: wait for one, saying so)")
     return parser
