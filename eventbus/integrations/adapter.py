@@ -11,6 +11,7 @@ journals and sends. Nothing here reads a device value.
 
 from __future__ import annotations
 
+import datetime
 import os
 import pathlib
 import sys
@@ -62,11 +63,13 @@ class RunState:
         self.stop_reason: Optional[str] = None
         self.stop_requested = False  # set by a worker's stop_training(); the adapter tells its trainer
 
-    def advance_batch(self, samples: int = 0, tokens: int = 0) -> None:
-        """One optimizer step done (Composer's ``timestamp.batch`` counts optimizer steps)."""
+    def advance_batch(self, samples: int = 0, tokens: int = 0,
+                      duration: datetime.timedelta = datetime.timedelta()) -> None:
+        """One optimizer step done (Composer's ``timestamp.batch`` counts optimizer steps); ``duration``
+        is the step's wall-clock time (``timestamp.batch_wct``, which SpeedMonitor reads)."""
         self.previous_timestamp = self.timestamp
         self.batch_num_samples, self.batch_num_tokens = samples, tokens
-        self.timestamp = self.timestamp.to_next_batch(samples=samples, tokens=tokens)
+        self.timestamp = self.timestamp.to_next_batch(samples=samples, tokens=tokens, duration=duration)
 
     def advance_epoch(self) -> None:
         self.previous_timestamp = self.timestamp
@@ -100,6 +103,7 @@ class BusAdapter:
         self.run_folder = pathlib.Path(run_folder) if run_folder is not None else None
         self.capture: Optional[EventCapture] = None
         self.state: Optional[RunState] = None
+        self._stop_group: Any = None  # torch.distributed gloo group for agree_stop, made on first use
 
     @property
     def address(self) -> Optional[str]:
@@ -114,7 +118,7 @@ class BusAdapter:
         self.state = state
         folder = self.run_folder or pathlib.Path("runs") / state.run_name
         self.capture = open_bus(self.bus, state, run_folder=folder, hyperparameters=hyperparameters,
-                                checkpoint_source=checkpoint_source or _no_checkpoint,
+                                checkpoint_source=checkpoint_source,
                                 header={"trainer": trainer, **(header or {})}, quiet=True)
         if self.capture is not None and state.rank == 0:
             journal = f", journal {self.capture.publisher.journal_path}" if self.capture.publisher.journal_path else ""
@@ -135,6 +139,27 @@ class BusAdapter:
         if self.capture is not None and hyperparameters:
             self.capture.publisher.log_hyperparameters(dict(hyperparameters))
 
+    def agree_stop(self) -> bool:
+        """Under torch.distributed, whether any rank's worker asked to stop, the same answer on every
+        rank: call it on every rank at every batch end, just before publishing BATCH_END; that publish
+        applies the agreed stop to the RunState, and ``take_stop`` right after has it on every rank.
+
+        One all-reduce of a CPU tensor on a gloo group made once for this (no device sync, also under
+        NCCL); a single process asks nothing of anyone."""
+        capture = self.capture
+        if capture is None or self.state is None or self.state.world_size <= 1:
+            return False
+        import torch
+        import torch.distributed as dist
+
+        if self._stop_group is None:
+            self._stop_group = dist.new_group(backend="gloo")
+        flag = torch.tensor([1.0 if capture.publisher.wants_stop() else 0.0])
+        dist.all_reduce(flag, group=self._stop_group)
+        agreed = bool(flag[0] > 0)
+        capture.agree(stop=agreed, checkpoint=False)
+        return agreed
+
     def take_stop(self) -> Optional[str]:
         """A worker's stop request applied at the last BATCH_END, once: its reason, else None."""
         state = self.state
@@ -148,7 +173,3 @@ class BusAdapter:
         capture, self.capture = self.capture, None
         if capture is not None:
             capture.close()
-
-
-def _no_checkpoint() -> dict[str, Any]:
-    raise RuntimeError("this trainer's adapter stages no checkpoints through the bus")

@@ -124,14 +124,15 @@ class EventCapture(EventSink):
     Args:
         publisher: the started (or about to start) bus of this rank.
         staging: where checkpoints are staged; the same object the publisher releases buffers of.
-        checkpoint_source: returns the trainer's state dict (under torchrun, a collective).
+        checkpoint_source: returns the trainer's state dict (under torchrun, a collective); None: this
+            trainer stages no checkpoints at checkpoint events (an adapter whose trainer saves its own).
         distributed: under torchrun, stops and checkpoints follow :meth:`agree`, decided per batch
             by all ranks together, so every rank acts at the same batch.
         sharded: FSDP: every rank stages its own shards (else rank 0 stages the whole model).
     """
 
     def __init__(self, publisher: Publisher, staging: StagingBuffers,
-                 checkpoint_source: Callable[[], dict[str, Any]], *, distributed: bool = False,
+                 checkpoint_source: Optional[Callable[[], dict[str, Any]]], *, distributed: bool = False,
                  sharded: bool = False):
         self.publisher = publisher
         self.leases = publisher.leases
@@ -249,6 +250,8 @@ class EventCapture(EventSink):
     # ------------------------------------------------------------------ checkpoints
 
     def _stage_checkpoint_if_due(self, event: Event, state: CaptureSource) -> Optional[Staged]:
+        if self.checkpoint_source is None:
+            return None
         if not (self._agreed_checkpoint if self.distributed else self.publisher.holds_checkpoint_lease()):
             return None
         due = self.publisher.rank == 0 and self._checkpoint_is_due(event, state)

@@ -51,7 +51,7 @@ def model_surface(model: Any) -> dict[str, Any]:
 
 
 def open_bus(bus: BusArgument, source: CaptureSource, *, run_folder: pathlib.Path,
-             hyperparameters: Mapping[str, Any], checkpoint_source: Callable[[], dict[str, Any]],
+             hyperparameters: Mapping[str, Any], checkpoint_source: Optional[Callable[[], dict[str, Any]]],
              header: Optional[Mapping[str, Any]] = None, sharded: bool = False,
              quiet: bool = False) -> Optional[EventCapture]:
     """Bind this rank's bus and start its thread; every event published after this is journaled and sent.
@@ -61,7 +61,8 @@ def open_bus(bus: BusArgument, source: CaptureSource, *, run_folder: pathlib.Pat
         source: the training state (read at each event; see :class:`CaptureSource`).
         run_folder: where the journal (and the default ipc socket) live.
         hyperparameters: published once, in the run header.
-        checkpoint_source: the trainer's full state dict, called only when a checkpoint is staged.
+        checkpoint_source: the trainer's full state dict, called only when a checkpoint is staged
+            (None: this trainer's checkpoints do not go through capture).
         header: what else a snapshot reads from the run header (seed, precision, evaluators...).
         sharded: FSDP: every rank stages its own shards.
         quiet: do not print the address line (an adapter prints its own).
