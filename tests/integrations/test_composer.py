@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import torch
 from composer.loggers import InMemoryLogger
 
 from eventbus.bus import wire
@@ -129,3 +130,23 @@ def test_two_torchrun_ranks_publish_and_stop_at_the_same_batch(tmp_path, spawn):
     assert len(journals) == 2, journals
     published = sorted((journal_events(path) for path in journals), key=len)
     assert sorted(([event for event, _ in rank["events"]] for rank in ranks), key=len) == published
+
+
+def test_the_checkpoint_worker_writes_the_composer_models_weights(tmp_path, spawn):
+    """Single process: the checkpoint worker's staged files hold the model's weights (not a resumable
+    Composer checkpoint: Composer's CheckpointSaver writes those)."""
+    address = f"ipc://{tmp_path}/bus"
+    saver = spawn("-m", "workers.checkpoint", "--connect", address, "--save-interval", "1ep",
+                  "--state-dir", str(tmp_path / "s"))
+    saver.wait_for("following")
+    trainer = job("2ep", [UserLogging(0.01), EventBusCallback(bus=address)], [], "composer-weights")
+    trainer.fit()
+    trainer.close()
+    assert saver.finish() == 0, "\n".join(saver.stderr[-20:])
+    folder = tmp_path / "runs" / "composer-weights" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("ep*.pt")) == ["ep1-ba6-rank0.pt", "ep2-ba12-rank0.pt"]
+    saved = torch.load(folder / "ep2-ba12-rank0.pt", weights_only=True)
+    assert saved["weights_only"] is True and saved["state"]["timestamp"]["batch"] == 12
+    trained = trainer.state.model.state_dict()
+    assert saved["state"]["model"].keys() == trained.keys()
+    assert all(torch.equal(saved["state"]["model"][name], trained[name]) for name in trained)
