@@ -20,6 +20,7 @@ Lightning is imported when this module is, never by ``import eventbus``.
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 import os
 import pathlib
@@ -89,6 +90,7 @@ class EventBusCallback(pl.Callback):
         self._checkpoint_io: Optional[EventBusCheckpointIO] = None
         self._group: Any = None  # the gloo group the ranks agree on (stop, checkpoint) through
         self._last_step = 0
+        self._last_step_time = 0.0
         self._window_samples = 0  # samples of the microbatches since the last optimizer step
         self._window_loss: Any = None
         self._in_window = False
@@ -165,6 +167,7 @@ class EventBusCallback(pl.Callback):
             return
         # After the restore (fit(ckpt_path=...)): the loops already hold the saved progress.
         self._last_step = trainer.global_step
+        self._last_step_time = time.perf_counter()
         if trainer.global_step or trainer.current_epoch:
             state.timestamp = Timestamp(epoch=trainer.current_epoch, batch=trainer.global_step)
         state.optimizers = list(trainer.optimizers)
@@ -217,8 +220,14 @@ class EventBusCallback(pl.Callback):
         step = trainer.global_step
         if step == self._last_step:
             return  # a microbatch without an optimizer step (gradient accumulation)
+        now = time.perf_counter()
         for _ in range(step - self._last_step):
-            state.advance_batch(samples=self._window_samples * state.world_size)
+            # RunState.advance_batch, with the step's wall-clock time (SpeedMonitor's throughput reads it)
+            state.previous_timestamp = state.timestamp
+            state.batch_num_samples = self._window_samples * state.world_size
+            state.timestamp = state.timestamp.to_next_batch(
+                samples=state.batch_num_samples, duration=datetime.timedelta(seconds=now - self._last_step_time))
+            self._last_step_time = now
         self._last_step = step
         if self._window_loss is not None:
             state.loss = self._window_loss
@@ -397,7 +406,7 @@ class EventBusCheckpointIO(CheckpointIO):
 
     ``save_checkpoint`` copies the checkpoint into a shared-memory buffer (the whole stall: one copy of
     the state) and returns; the checkpoint worker (``python -m workers.checkpoint --connect ADDR
-    --save-interval 0``) writes it at ``path`` atomically, as ``torch.save`` would. Where no worker
+    --save-interval 0ep``) writes it at ``path`` atomically, as ``torch.save`` would. Where no worker
     holds the checkpoint lease, no :class:`EventBusCallback` is in the run, every buffer is still being
     written, the path is remote, or the checkpoint holds a value the buffer format cannot carry, it
     writes the file itself on the training thread (Lightning's own way) and logs why.
