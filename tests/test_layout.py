@@ -72,6 +72,17 @@ def test_the_package_root_imports_the_training_side_only_when_asked():
     assert result.stdout.strip() == "[]"
 
 
+def test_importing_eventbus_imports_no_trainer():
+    """The adapters import their trainer when used: ``import eventbus`` and ``eventbus.integrations`` none."""
+    code = ("import sys, eventbus, eventbus.integrations, eventbus.integrations.adapter; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', 'composer') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 # ---------------------------------------------------------------------------------------- the import graph
 
 PACKAGES = ("eventbus", "workers")

@@ -1,0 +1,44 @@
+"""Callbacks that the trainer-adapter tests host in real ``eventbus worker`` processes.
+
+Trainer-neutral (they read only Composer's State names that every adapter publishes) and light:
+this module imports eventbus only, never a trainer.
+"""
+
+from __future__ import annotations
+
+import json
+
+from eventbus import Callback, Event
+
+
+class EpochMonitor(Callback):
+    """The seed's example callback: prints ``Epoch: N`` at every epoch start."""
+
+    def epoch_start(self, state, logger):
+        print(f"Epoch: {int(state.timestamp.epoch)}")
+
+
+class EventLog(Callback):
+    """Every event received, in order, with the batch count it carried; written as JSON when closed."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.events: list[list] = []
+
+    def run_event(self, event: Event, state, logger):
+        self.events.append([event.value, int(state.timestamp.batch)])
+
+    def close(self, state, logger):
+        with open(self.path, "w") as file:
+            json.dump(self.events, file)
+
+
+class StopAtBatch(Callback):
+    """Asks the trainer to stop once ``batch`` optimizer steps are done (from the worker's side)."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) >= self.batch:
+            state.stop_training(f"stop at batch {self.batch} asked by a worker")
