@@ -191,3 +191,26 @@ def test_two_ddp_ranks_publish_and_stop_at_the_same_step(tmp_path):
         batch_ends = [m for m in messages if m.kind == "event" and m.event == "batch_end"]
         assert len(batch_ends) == ranks[rank]["global_step"], journal
         assert messages[0].payload["rank"] == rank and messages[0].payload["world_size"] == 2
+
+
+def test_a_staged_checkpoint_comes_back_as_the_trainer_had_it(tmp_path):
+    """What the worker writes for the plugin is the checkpoint dict itself: tuples stay tuples (Adam's
+    betas), int keys stay ints; the buffer counts as in flight until acknowledged."""
+    from eventbus.checkpoint.handle import StagedCheckpoint
+    from eventbus.checkpoint.staging import StagingBuffers
+
+    staging = StagingBuffers("test", directory=tmp_path)
+    checkpoint = {"optimizer_states": [{"state": {0: {"step": torch.tensor(3.0)}},
+                                        "param_groups": [{"betas": (0.9, 0.999), "params": [0]}]}],
+                  "state_dict": {"w": torch.arange(6.0).reshape(2, 3)}, "global_step": 3}
+    staged = staging.stage(checkpoint, {"batch": 3, "target": str(tmp_path / "a.ckpt"), "format": "torch"})
+    assert staged is not None and staging.is_staged(staged.descriptor["buffer"])
+    handle = StagedCheckpoint(staged.descriptor)
+    loaded = handle.load("shm")
+    assert handle.target == str(tmp_path / "a.ckpt") and handle.format == "torch"
+    assert loaded["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["step"], torch.tensor(3.0))
+    assert torch.equal(loaded["state_dict"]["w"], checkpoint["state_dict"]["w"]) and loaded["global_step"] == 3
+    staging.release(staged.descriptor["buffer"])
+    assert not staging.is_staged(staged.descriptor["buffer"])
+    staging.close()
