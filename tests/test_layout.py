@@ -72,7 +72,6 @@ def test_the_package_root_imports_the_training_side_only_when_asked():
     assert result.stdout.strip() == "[]"
 
 
-
 def test_importing_eventbus_and_its_integrations_imports_no_trainer():
     """The adapters import their trainer when used: ``import eventbus`` (and the shared adapter
     module) must not pay seconds for Composer, Lightning or transformers."""
@@ -83,6 +82,7 @@ def test_importing_eventbus_and_its_integrations_imports_no_trainer():
                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
 
 # ---------------------------------------------------------------------------------------- the import graph
 

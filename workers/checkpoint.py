@@ -192,7 +192,12 @@ class CheckpointSaver(Callback):
         started = time.perf_counter()
         self._logger = logger
         try:
-            path = self._write(state, staged.load(self.transfer), logger, sharded=staged.sharded, started=started)
+            path: Optional[pathlib.Path]
+            if getattr(staged, "target", None) is not None:
+                path = self._write_target(staged, logger, started)
+            else:
+                path = self._write(state, staged.load(self.transfer), logger, sharded=staged.sharded,
+                                   started=started)
         except Exception as err:  # reported to the trainer, which logs and re-publishes it
             log.error("checkpoint at batch %d not written: %s: %s", staged.batch, type(err).__name__, err)
             staged.ack(error=f"{type(err).__name__}: {err}")
@@ -230,6 +235,22 @@ class CheckpointSaver(Callback):
                 if value is not None:
                     self.retention.observe(batch, float(value))
         self._prune(state)
+        return path
+
+    def _write_target(self, staged: Any, logger: Logger, started: float) -> pathlib.Path:
+        """A checkpoint whose trainer chose the path (Lightning's ModelCheckpoint): written there as
+        asked, replacing what is there; the trainer's own checkpointing names and rotates its files."""
+        path = pathlib.Path(staged.target)
+        if staged.format != "torch":
+            raise ConfigError(f"staged checkpoint format {staged.format!r} is not one this worker writes (torch)")
+        if not path.is_absolute():
+            raise ConfigError(f"staged checkpoint target {str(path)!r} is not an absolute path")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_atomically(staged.load(self.transfer), path)
+        log.info("saved checkpoint %s", path)
+        logger.log_metrics({"checkpoint/saved/path": str(path), "checkpoint/saved/batch": staged.batch,
+                            "checkpoint/saved/bytes": _size(path),
+                            "checkpoint/saved/seconds": time.perf_counter() - started})
         return path
 
     def _paths(self, state: Any, rank: int, sharded: bool) -> tuple[pathlib.Path, Optional[pathlib.Path]]:

@@ -39,6 +39,17 @@ class StagedCheckpoint:
         return int(self.descriptor["batch"])
 
     @property
+    def target(self) -> Optional[str]:
+        """Where the trainer asked this checkpoint to be written (its own checkpointing decided), else None."""
+        target = self.descriptor.get("target")
+        return target if isinstance(target, str) else None
+
+    @property
+    def format(self) -> str:
+        """The file format for ``target``: ``torch`` (``torch.save`` of the checkpoint dict)."""
+        return str(self.descriptor.get("format", "torch"))
+
+    @property
     def sharded(self) -> bool:
         return "shards" in self.descriptor
 

@@ -60,7 +60,9 @@ def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
         if all(isinstance(k, str) for k in obj):
             return {k: flatten(v, tensors) for k, v in obj.items()}
         return {"__items__": [[flatten(k, tensors), flatten(v, tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, tuple):  # kept a tuple (Adam's betas): the worker writes what the trainer had
+        return {"__tuple__": [flatten(v, tensors) for v in obj]}
+    if isinstance(obj, list):
         return [flatten(v, tensors) for v in obj]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -74,6 +76,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
             return tensors[skeleton["__tensor__"]]
         if "__shard__" in skeleton and len(skeleton) == 3:
             return Shard(tensors[skeleton["__shard__"]], skeleton["global"], skeleton["offsets"])
+        if "__tuple__" in skeleton and len(skeleton) == 1:
+            return tuple(unflatten(v, tensors) for v in skeleton["__tuple__"])
         if "__items__" in skeleton and len(skeleton) == 1:
             return {unflatten(k, tensors): unflatten(v, tensors) for k, v in skeleton["__items__"]}
         return {k: unflatten(v, tensors) for k, v in skeleton.items()}
@@ -111,6 +115,7 @@ def merge_shards(pieces: list[Any]) -> Any:
         return full
     if isinstance(first, dict):
         return {key: merge_shards([piece[key] for piece in pieces]) for key in first}
-    if isinstance(first, list):
-        return [merge_shards([piece[i] for piece in pieces]) for i in range(len(first))]
+    if isinstance(first, (list, tuple)):
+        merged = [merge_shards([piece[i] for piece in pieces]) for i in range(len(first))]
+        return tuple(merged) if isinstance(first, tuple) else merged
     return first

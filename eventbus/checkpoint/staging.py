@@ -203,6 +203,11 @@ class StagingBuffers:
                     return True
         return False
 
+    def is_staged(self, path: str) -> bool:
+        """Whether the buffer at ``path`` holds a checkpoint not yet acknowledged (still being written)."""
+        with self._lock:
+            return any(str(buffer.path) == path and buffer.busy for buffer in self._buffers)
+
     def release(self, path: str) -> bool:
         with self._lock:
             for buffer in self._buffers:

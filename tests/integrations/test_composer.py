@@ -34,8 +34,8 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
     address, name = f"ipc://{tmp_path}/bus", "composer-run"
     events_file = tmp_path / "events.json"
     worker = spawn("-m", "eventbus", "worker", "--connect", address,
-                   "--callback", "tests.adapter_callbacks:EpochMonitor",
-                   "--callback", f'tests.adapter_callbacks:EventLog:{{"path": "{events_file}"}}')
+                   "--callback", "tests.integrations.worker_callbacks:EpochMonitor",
+                   "--callback", f'tests.integrations.worker_callbacks:EventLog:{{"path": "{events_file}"}}')
     logger_daemon = spawn("-m", "workers.logger", "--connect", address, "--state-dir", str(tmp_path / "s"),
                           "--no-console")
     worker.wait_for("following")
@@ -91,7 +91,7 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
 def test_a_workers_stop_ends_the_composer_run_within_a_few_batches(tmp_path, spawn):
     address = f"ipc://{tmp_path}/bus"
     worker = spawn("-m", "eventbus", "worker", "--connect", address,
-                   "--callback", 'tests.adapter_callbacks:StopAtBatch:{"batch": 3}')
+                   "--callback", 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}')
     worker.wait_for("following")
     fired = FiredEvents()
     trainer = job("40ba", [fired, UserLogging(0.03), EventBusCallback(bus=address)], [], "composer-stop")
@@ -114,7 +114,7 @@ def test_two_torchrun_ranks_publish_and_stop_at_the_same_batch(tmp_path, spawn):
     out = tmp_path / "out"
     out.mkdir()
     worker = spawn("-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/runs/{name}/bus",
-                   "--callback", 'tests.adapter_callbacks:StopAtBatch:{"batch": 4}')
+                   "--callback", 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 4}')
     worker.wait_for("following")
     script = str(REPO_ROOT / "tests" / "integrations" / "composer_job.py")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

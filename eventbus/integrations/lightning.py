@@ -1,0 +1,521 @@
+"""PyTorch Lightning on the bus: one callback, and a checkpoint plugin that writes off the training thread.
+
+    trainer = lightning.pytorch.Trainer(callbacks=[EventBusCallback()], plugins=[EventBusCheckpointIO()])
+
+:class:`EventBusCallback` maps Lightning's hooks onto Composer's Events (in Composer's order where the
+hooks allow; see the README's Lightning table) and publishes each through
+:mod:`eventbus.integrations.adapter`, the path :class:`eventbus.Trainer` uses. Composer's ``BATCH_*``
+events are per optimizer step: under gradient accumulation Lightning's batch hooks run per microbatch,
+and ``BATCH_END`` is published where ``trainer.global_step`` advanced. A worker's ``stop_training()``
+becomes ``trainer.should_stop`` at that step, on every rank at the same step.
+
+:class:`EventBusCheckpointIO` (``Trainer(plugins=[...])``) stages each checkpoint Lightning saves into
+shared memory (one copy of the state, the whole stall) and the checkpoint worker writes it at the path
+Lightning asked for, in Lightning's format (``torch.save`` of the checkpoint dict). Without a checkpoint
+worker on the bus it writes the file itself, as Lightning would, and says so in the log.
+
+Lightning is imported when this module is, never by ``import eventbus``.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+
+from eventbus.bus.publish.records import EventRecord
+from eventbus.checkpoint.files import save_atomically
+from eventbus.checkpoint.handle import StagedCheckpoint
+from eventbus.checkpoint.staging import Staged
+from eventbus.core.events import Event
+from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
+from eventbus.publishing.session import BusArgument
+
+__all__ = ["EventBusCallback", "EventBusCheckpointIO"]
+
+log = logging.getLogger(__name__)
+
+EVAL_LABEL = "eval"  # Composer's default evaluator label: eval metrics read as state.eval_metric_values["eval"]
+_CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT.value, Event.EPOCH_CHECKPOINT.value, Event.FIT_END.value})
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """Hyperparameters as msgpack carries them: plain values kept, anything else by its repr."""
+    if isinstance(value, _PLAIN):
+        return value
+    if depth < 8 and isinstance(value, Mapping):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if depth < 8 and isinstance(value, (list, tuple)):
+        return [_plain(v, depth + 1) for v in value]
+    return repr(value)
+
+
+def _batch_size(batch: Any) -> int:
+    """Samples in a batch from tensor shapes (no device read); 0 when the batch holds no tensor."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # Lightning raises when it finds no tensor; samples are then unknown
+        return 0
+
+
+class EventBusCallback(pl.Callback):
+    """Publishes a Lightning ``fit`` as Composer's Events on the bus (one per rank).
+
+    Args:
+        bus: as :class:`eventbus.Trainer`'s (None: ``runs/<run_name>/`` with its ipc address and
+            journal; an address string; a ``BusConfig``; False: publish nothing).
+        run_name: the run's name (default ``lightning-<time>-<pid>``, rank 0's under DDP).
+        run_folder: where the journal lives (default ``runs/<run_name>``).
+    """
+
+    def __init__(self, bus: BusArgument = None, run_name: Optional[str] = None,
+                 run_folder: Union[str, os.PathLike[str], None] = None):
+        self.bus = bus
+        self.run_name = run_name
+        self.run_folder = run_folder
+        self.adapter: Optional[BusAdapter] = None
+        self.state: Optional[RunState] = None
+        self._checkpoint_io: Optional[EventBusCheckpointIO] = None
+        self._group: Any = None  # the gloo group the ranks agree on (stop, checkpoint) through
+        self._last_step = 0
+        self._last_step_time = 0.0
+        self._window_samples = 0  # samples of the microbatches since the last optimizer step
+        self._window_loss: Any = None
+        self._in_window = False
+        self._epoch_ended = False  # EPOCH_END published before this epoch's end-of-epoch validation
+        self._published: dict[str, Any] = {}  # logged metric name -> the value object last published
+        self._pending: collections.deque[Staged] = collections.deque()  # plugin checkpoints to announce
+
+    # ------------------------------------------------------------------ opening and closing
+
+    @property
+    def address(self) -> Optional[str]:
+        return self.adapter.address if self.adapter is not None else None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After configure_model and the strategy's setup: the parameters and the process group exist.
+        from eventbus.training import distributed
+
+        world_size = trainer.world_size
+        run_name = self.run_name or default_run_name("lightning")
+        if world_size > 1 and torch.distributed.is_initialized():
+            run_name = distributed.broadcast_object(run_name)
+            self._group = torch.distributed.new_group(backend="gloo")  # CPU agreement, never a device sync
+        self.state = RunState(run_name, rank=trainer.global_rank, world_size=world_size, model=pl_module,
+                              device=pl_module.device, max_duration=_max_duration(trainer))
+        self.state.dataloader_label = "train"
+        self.adapter = BusAdapter(self.bus, self.run_folder)
+        header = {"lightning_version": pl.__version__,
+                  "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                  "precision": str(trainer.precision)}
+        self.adapter.open(self.state, hyperparameters=_plain(dict(pl_module.hparams)), trainer="lightning",
+                          checkpoint_source=lambda: trainer._checkpoint_connector.dump_checkpoint(),
+                          header=header)
+        capture = self.adapter.capture
+        if capture is not None:
+            put = capture._put  # see _announce: a plugin checkpoint rides on the next checkpoint event
+            capture._put = lambda record: put(self._announce(record))
+        self._checkpoint_io = _find_plugin(trainer)
+        if self._checkpoint_io is not None:
+            self._checkpoint_io.attach(self)
+        self._last_step = trainer.global_step
+        self._published = {}
+        self.adapter.publish(Event.INIT)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """Write what the plugin staged and no event announced, end the run on the bus, settle removals."""
+        io = self._checkpoint_io
+        if io is not None and self.adapter is not None:
+            while self._pending:
+                io.write_staged_here(self._pending.popleft())
+        adapter, self.adapter = self.adapter, None
+        if adapter is None:
+            return
+        adapter.close()  # waits for the checkpoint worker's acks (checkpoint_close_timeout)
+        if io is not None:
+            io.detach()
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+
+    # ------------------------------------------------------------------ training
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self.state
+        if state is None:
+            return
+        # After the restore (fit(ckpt_path=...)): the loops already hold the saved progress.
+        self._last_step = trainer.global_step
+        self._last_step_time = time.perf_counter()
+        if trainer.global_step or trainer.current_epoch:
+            state.timestamp = Timestamp(epoch=trainer.current_epoch, batch=trainer.global_step)
+        state.optimizers = list(trainer.optimizers)
+        state.schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        state.max_duration = _max_duration(trainer)
+        state.dataloader_len = _steps_per_epoch(trainer)
+        self._publish(Event.FIT_START, Event.ITERATION_START)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.state is None:
+            return
+        self._epoch_ended = False
+        self.state.dataloader_len = _steps_per_epoch(trainer)
+        self._publish(Event.EPOCH_START)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        state = self.state
+        if state is None:
+            return
+        if self.adapter is not None and self.adapter.capture is not None:
+            self.adapter.capture.staging.wait_before_next_step()  # a staged device copy, on the GPU only
+        state.batch = batch
+        self._window_samples += _batch_size(batch)
+        if not self._in_window:  # the first microbatch of an optimizer step: Composer's batch begins
+            self._in_window = True
+            self._publish(Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._publish(Event.BEFORE_BACKWARD)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._publish(Event.AFTER_BACKWARD)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        self._publish(Event.AFTER_TRAIN_BATCH)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        state, adapter = self.state, self.adapter
+        if state is None or adapter is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+            # Lightning divides each microbatch's loss by accumulate_grad_batches: their sum is the step's loss.
+            self._window_loss = loss if self._window_loss is None else self._window_loss + loss
+            state.loss = loss
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a microbatch without an optimizer step (gradient accumulation)
+        now = time.perf_counter()
+        for _ in range(step - self._last_step):
+            # RunState.advance_batch, with the step's wall-clock time (SpeedMonitor's throughput reads it)
+            state.previous_timestamp = state.timestamp
+            state.batch_num_samples = self._window_samples * state.world_size
+            state.timestamp = state.timestamp.to_next_batch(
+                samples=state.batch_num_samples, duration=datetime.timedelta(seconds=now - self._last_step_time))
+            self._last_step_time = now
+        self._last_step = step
+        if self._window_loss is not None:
+            state.loss = self._window_loss
+            state.total_loss_dict = {"loss/train/total": self._window_loss}
+        self._window_samples, self._window_loss, self._in_window = 0, None, False
+        self._agree_across_ranks()
+        adapter.publish(Event.BATCH_END)
+        reason = adapter.take_stop()
+        if reason is not None:
+            log.info("eventbus: stopping at step %d: %s", step, reason)
+            trainer.should_stop = True
+        adapter.publish(Event.BATCH_CHECKPOINT)
+        self._log_new_metrics(trainer.logged_metrics, step)
+
+    def _agree_across_ranks(self) -> None:
+        """DDP: every rank stops (and stages) at the same step: one CPU all-reduce on a gloo group."""
+        capture = self.adapter.capture if self.adapter is not None else None
+        if self._group is None or capture is None:
+            return
+        flags = torch.tensor([capture.publisher.wants_stop(), capture.publisher.holds_checkpoint_lease()],
+                             dtype=torch.uint8)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        capture.agree(stop=bool(flags[0]), checkpoint=bool(flags[1]))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.state is None:
+            return
+        if not _epoch_completed(trainer):
+            return  # stopped mid-epoch: Composer fires no EPOCH_END (nor EPOCH_CHECKPOINT)
+        if not self._epoch_ended:
+            self.state.advance_epoch()
+            self._publish(Event.EPOCH_END)
+        self._epoch_ended = False
+        self._publish(Event.EPOCH_CHECKPOINT)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.state is None:
+            return
+        self._log_new_metrics(trainer.logged_metrics, trainer.global_step)  # the last epoch's aggregates
+        self._publish(Event.FIT_END)
+
+    # ------------------------------------------------------------------ validation
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = self.state
+        if state is None or self.adapter is None or trainer.sanity_checking:
+            return
+        if _epoch_completed(trainer) and not self._epoch_ended:
+            # Composer's order: the epoch ends, then it is evaluated. Lightning validates first.
+            self._epoch_ended = True
+            state.advance_epoch()
+            self._publish(Event.EPOCH_END)
+        state.dataloader_label = EVAL_LABEL
+        state.dataloader_len = Time(int(sum(trainer.num_val_batches)), TimeUnit.BATCH)
+        self._publish(Event.EVAL_BEFORE_ALL)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._evaluating(trainer):
+            assert self.state is not None
+            self.state.eval_timestamp = Timestamp()
+            self._publish(Event.EVAL_START)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._evaluating(trainer):
+            assert self.state is not None
+            self.state.batch = batch
+            self._publish(Event.EVAL_BATCH_START)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._evaluating(trainer):
+            state = self.state
+            assert state is not None
+            state.eval_timestamp = state.eval_timestamp.to_next_batch(samples=_batch_size(batch))
+            self._publish(Event.EVAL_BATCH_END)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._evaluating(trainer):
+            return
+        state = self.state
+        assert state is not None
+        # The epoch-level values are computed between on_validation_epoch_end and here: EVAL_END carries them.
+        values = self._log_new_metrics(trainer.logged_metrics, trainer.global_step)
+        if values:
+            state.eval_metric_values = {**state.eval_metric_values, EVAL_LABEL: values}
+        self._publish(Event.EVAL_END, Event.EVAL_AFTER_ALL)
+        state.dataloader_label = "train"
+        state.dataloader_len = _steps_per_epoch(trainer)
+
+    def _evaluating(self, trainer: pl.Trainer) -> bool:
+        return self.state is not None and self.adapter is not None and not trainer.sanity_checking
+
+    # ------------------------------------------------------------------ helpers
+
+    def _publish(self, *events: Event) -> None:
+        if self.adapter is not None:
+            for event in events:
+                self.adapter.publish(event)
+
+    def _log_new_metrics(self, logged: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """What the user logged since the last call, under its logged names (values by reference).
+
+        ``trainer.logged_metrics`` keeps every name ever logged; a name logged again holds a new
+        value (new memory: the old one is still referenced here), so what is new is told apart by
+        identity or by memory address, without reading a value."""
+        new = {name: value for name, value in logged.items() if not _same_value(self._published.get(name), value)}
+        if new and self.adapter is not None:
+            self._published.update(new)
+            self.adapter.log_metrics(new, step)
+        return new
+
+    def _announce(self, record: Any) -> Any:
+        """A checkpoint the plugin staged rides on the next checkpoint event (BATCH_CHECKPOINT,
+        EPOCH_CHECKPOINT or FIT_END), where the checkpoint worker looks for it."""
+        if self._pending and isinstance(record, EventRecord) and record.checkpoint is None \
+                and record.event in _CHECKPOINT_EVENTS:
+            record.checkpoint = self._pending.popleft()
+        return record
+
+    def stage_checkpoint(self, checkpoint: dict[str, Any], path: str) -> Optional[Staged]:
+        """The plugin's save: stage ``checkpoint`` for the worker to write at ``path``. None when no
+        checkpoint worker holds a lease, or every buffer is still being written (then the plugin writes)."""
+        adapter, state = self.adapter, self.state
+        capture = adapter.capture if adapter is not None else None
+        if capture is None or state is None or not capture.publisher.holds_checkpoint_lease():
+            return None
+        ts = state.timestamp
+        meta = {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
+                "token": ts.token.value, "event": "checkpoint_io", "run_name": state.run_name,
+                "rank": state.rank, "target": path, "format": "torch"}
+        staged = capture.staging.stage(checkpoint, meta)
+        if staged is not None:
+            self._pending.append(staged)
+        return staged
+
+
+def _same_value(old: Any, new: Any) -> bool:
+    """The same logged value, though Lightning hands out a fresh ``detach()`` view at each read."""
+    if old is new:
+        return True
+    return isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.device == new.device \
+        and old.data_ptr() == new.data_ptr() and old.shape == new.shape and old.dtype == new.dtype
+
+
+def _find_plugin(trainer: pl.Trainer) -> Optional["EventBusCheckpointIO"]:
+    io: Any = trainer.strategy.checkpoint_io
+    while io is not None and not isinstance(io, EventBusCheckpointIO):
+        io = getattr(io, "checkpoint_io", None)  # unwrap Lightning's wrappers (AsyncCheckpointIO)
+    return io
+
+
+def _max_duration(trainer: pl.Trainer) -> Optional[Time]:
+    if trainer.max_steps is not None and trainer.max_steps >= 0:
+        return Time(trainer.max_steps, TimeUnit.BATCH)
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        return Time(trainer.max_epochs, TimeUnit.EPOCH)
+    return None
+
+
+def _steps_per_epoch(trainer: pl.Trainer) -> Optional[Time]:
+    """Composer's dataloader_len counts optimizer steps: microbatches / accumulate, rounded up."""
+    batches = trainer.num_training_batches
+    if batches is None or batches == float("inf"):
+        return None
+    return Time(-(-int(batches) // trainer.accumulate_grad_batches), TimeUnit.BATCH)
+
+
+def _epoch_completed(trainer: pl.Trainer) -> bool:
+    """The training dataloader ran out (not a stop or a step limit mid-epoch)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+class EventBusCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint IO through the checkpoint worker: ``Trainer(plugins=[EventBusCheckpointIO()])``.
+
+    ``save_checkpoint`` copies the checkpoint into a shared-memory buffer (the whole stall: one copy of
+    the state) and returns; the checkpoint worker (``python -m workers.checkpoint --connect ADDR
+    --save-interval 0ep``) writes it at ``path`` atomically, as ``torch.save`` would. Where no worker
+    holds the checkpoint lease, no :class:`EventBusCallback` is in the run, every buffer is still being
+    written, the path is remote, or the checkpoint holds a value the buffer format cannot carry, it
+    writes the file itself on the training thread (Lightning's own way) and logs why.
+    ``load_checkpoint`` and ``remove_checkpoint`` wait for, or defer past, a write still in flight.
+    """
+
+    def __init__(self) -> None:
+        self._torch_io = TorchCheckpointIO()
+        self._callback: Optional[EventBusCallback] = None
+        self._in_flight: dict[str, Staged] = {}  # target path -> its staged checkpoint
+        self._removals: list[str] = []  # removed while still being written: removed once written
+        self._warned = False
+
+    def attach(self, callback: EventBusCallback) -> None:
+        self._callback = callback
+
+    def detach(self) -> None:
+        """The bus closed (every announced checkpoint acknowledged or given up): settle removals."""
+        self._callback = None
+        self._in_flight.clear()
+        self._settle()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        self._settle()
+        target, reason = _local_path(path), None
+        if self._callback is None:
+            reason = "no EventBusCallback in this run"
+        elif target is None:
+            reason = f"{path} is not a local path"
+        elif storage_options is not None:
+            reason = "storage_options are given"
+        else:
+            try:
+                staged = self._callback.stage_checkpoint(checkpoint, target)
+            except TypeError as err:  # a value the staged format does not carry (an object in hparams)
+                staged, reason = None, str(err)
+            if staged is not None:
+                self._in_flight[target] = staged
+                if target in self._removals:
+                    self._removals.remove(target)
+                return
+            reason = reason or "no checkpoint worker on the bus (or it is still writing the previous ones)"
+        self._say_writing_here(path, reason)
+        self._torch_io.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        target = _local_path(path)
+        if target is not None and target in self._in_flight:
+            self._wait_written(target)
+        return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        target = _local_path(path)
+        if target is not None and self._still_writing(target):
+            self._removals.append(target)  # removed once the worker has written it
+            return
+        self._torch_io.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self._settle()
+
+    def write_staged_here(self, staged: Staged) -> None:
+        """A staged checkpoint no event announced (the run ended first): write it from its buffer."""
+        target = staged.descriptor["target"]
+        if staged.copied is not None:
+            staged.copied.synchronize()
+        self._say_writing_here(target, "the run ended before an event announced it to the worker")
+        save_atomically(StagedCheckpoint(staged.descriptor).load("shm"), target)
+        callback = self._callback
+        if callback is not None and callback.adapter is not None and callback.adapter.capture is not None:
+            callback.adapter.capture.staging.release(staged.descriptor["buffer"])
+        self._in_flight.pop(target, None)
+
+    def _still_writing(self, target: str) -> bool:
+        staged = self._in_flight.get(target)
+        if staged is None:
+            return False
+        callback = self._callback
+        capture = callback.adapter.capture if callback is not None and callback.adapter is not None else None
+        if capture is not None and capture.staging.is_staged(staged.descriptor["buffer"]):
+            return True
+        del self._in_flight[target]
+        return False
+
+    def _wait_written(self, target: str) -> None:
+        callback = self._callback
+        if callback is not None and any(s is self._in_flight[target] for s in callback._pending):
+            callback._pending.remove(self._in_flight[target])
+            self.write_staged_here(self._in_flight[target])
+            return
+        deadline = time.monotonic() + 60.0
+        while self._still_writing(target) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _settle(self) -> None:
+        for target in list(self._removals):
+            if not self._still_writing(target):
+                self._removals.remove(target)
+                self._torch_io.remove_checkpoint(target)
+
+    def _say_writing_here(self, path: Any, reason: str) -> None:
+        level = logging.INFO if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "EventBusCheckpointIO: writing %s on the training thread: %s", path, reason)
+
+
+def _local_path(path: Any) -> Optional[str]:
+    text = os.fspath(path)
+    if "://" in str(text):
+        return None
+    return str(pathlib.Path(text).absolute())
