@@ -173,3 +173,8 @@ class BusAdapter:
         capture, self.capture = self.capture, None
         if capture is not None:
             capture.close()
+        group, self._stop_group = self._stop_group, None
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)

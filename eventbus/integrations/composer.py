@@ -185,7 +185,6 @@ class EventBusCallback(composer.Callback):
         self.hyperparameters = dict(hyperparameters or {})
         self.run_state: Optional[RunState] = None
         self._mirror: Optional[_StateMirror] = None
-        self._stop_group: Any = None  # a gloo group for the per-batch stop agreement (torchrun only)
 
     @property
     def address(self) -> Optional[str]:
@@ -204,7 +203,7 @@ class EventBusCallback(composer.Callback):
             self._open(state)
         mirror.update(ours, state)
         if ours is Event.BATCH_END:
-            self._agree_on_stop()
+            self.adapter.agree_stop()  # under torchrun: every rank stops at the same batch
             self.adapter.publish(ours)
             if self.adapter.take_stop() is not None:
                 state.stop_training()  # Composer ends the run after this batch's BATCH_CHECKPOINT
@@ -233,28 +232,8 @@ class EventBusCallback(composer.Callback):
         assert run_state is not None
         hyperparameters = {"run_name": run_state.run_name, "seed": state.seed, "rank_zero_seed": state.rank_zero_seed,
                            **self.destination.take_pending_hyperparameters(), **self.hyperparameters}
+        # Checkpoints: Composer's own CheckpointSaver writes them (its format is the one eventbus reads);
+        # a checkpoint worker's lease stages nothing from a Composer run.
         self.adapter.open(run_state, hyperparameters=hyperparameters, trainer="composer",
-                          checkpoint_source=lambda: self._weights(state),
                           header={"composer_version": composer.__version__})
-        if run_state.world_size > 1 and self.adapter.capture is not None:
-            # CPU collective, once per batch: the ranks agree on a stop without touching the device.
-            self._stop_group = torch.distributed.new_group(backend="gloo")
         self.adapter.publish(Event.INIT)
-
-    def _agree_on_stop(self) -> None:
-        """Under torchrun: stop if any rank's subscribers asked to (capture applies it at BATCH_END)."""
-        capture = self.adapter.capture
-        if self._stop_group is None or capture is None:
-            return
-        wanted = torch.tensor([1.0 if capture.publisher.wants_stop() else 0.0])
-        torch.distributed.all_reduce(wanted, group=self._stop_group)
-        capture.agree(stop=bool(wanted.item() > 0), checkpoint=False)
-
-    def _weights(self, state: Any) -> dict[str, Any]:
-        """What the checkpoint worker may write for a single-process Composer run: the model's weights
-        (as Composer's own files hold them, under ``state.model``) and the timestamp. Composer's
-        resumable checkpoints stay those of its CheckpointSaver (RNG, optimizer, dataloader state)."""
-        model = unwrap_model(state.model)
-        timestamp = _timestamp(state.timestamp).state_dict()
-        return {"state": {"model": model.state_dict(), "timestamp": timestamp, "run_name": state.run_name},
-                "weights_only": True}

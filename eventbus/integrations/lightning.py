@@ -19,7 +19,6 @@ Lightning is imported when this module is, never by ``import eventbus``.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import logging
 import os
@@ -31,7 +30,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from eventbus.bus.publish.records import EventRecord
 from eventbus.checkpoint.files import save_atomically
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.checkpoint.staging import Staged
@@ -88,7 +86,6 @@ class EventBusCallback(pl.Callback):
         self.adapter: Optional[BusAdapter] = None
         self.state: Optional[RunState] = None
         self._checkpoint_io: Optional[EventBusCheckpointIO] = None
-        self._group: Any = None  # the gloo group the ranks agree on (stop, checkpoint) through
         self._last_step = 0
         self._last_step_time = 0.0
         self._window_samples = 0  # samples of the microbatches since the last optimizer step
@@ -96,7 +93,6 @@ class EventBusCallback(pl.Callback):
         self._in_window = False
         self._epoch_ended = False  # EPOCH_END published before this epoch's end-of-epoch validation
         self._published: dict[str, Any] = {}  # logged metric name -> the value object last published
-        self._pending: collections.deque[Staged] = collections.deque()  # plugin checkpoints to announce
 
     # ------------------------------------------------------------------ opening and closing
 
@@ -112,7 +108,6 @@ class EventBusCallback(pl.Callback):
         run_name = self.run_name or default_run_name("lightning")
         if world_size > 1 and torch.distributed.is_initialized():
             run_name = distributed.broadcast_object(run_name)
-            self._group = torch.distributed.new_group(backend="gloo")  # CPU agreement, never a device sync
         self.state = RunState(run_name, rank=trainer.global_rank, world_size=world_size, model=pl_module,
                               device=pl_module.device, max_duration=_max_duration(trainer))
         self.state.dataloader_label = "train"
@@ -120,13 +115,10 @@ class EventBusCallback(pl.Callback):
         header = {"lightning_version": pl.__version__,
                   "accumulate_grad_batches": trainer.accumulate_grad_batches,
                   "precision": str(trainer.precision)}
+        # Checkpoints reach the worker through EventBusCheckpointIO only (Lightning's own saves, off the
+        # training thread); a checkpoint lease stages nothing else from a Lightning run.
         self.adapter.open(self.state, hyperparameters=_plain(dict(pl_module.hparams)), trainer="lightning",
-                          checkpoint_source=lambda: trainer._checkpoint_connector.dump_checkpoint(),
                           header=header)
-        capture = self.adapter.capture
-        if capture is not None:
-            put = capture._put  # see _announce: a plugin checkpoint rides on the next checkpoint event
-            capture._put = lambda record: put(self._announce(record))
         self._checkpoint_io = _find_plugin(trainer)
         if self._checkpoint_io is not None:
             self._checkpoint_io.attach(self)
@@ -146,18 +138,16 @@ class EventBusCallback(pl.Callback):
     def _close(self) -> None:
         """Write what the plugin staged and no event announced, end the run on the bus, settle removals."""
         io = self._checkpoint_io
-        if io is not None and self.adapter is not None:
-            while self._pending:
-                io.write_staged_here(self._pending.popleft())
+        capture = self.adapter.capture if self.adapter is not None else None
+        if io is not None and capture is not None:
+            for staged in capture.unannounced_checkpoints():
+                io.write_staged_here(staged)
         adapter, self.adapter = self.adapter, None
         if adapter is None:
             return
         adapter.close()  # waits for the checkpoint worker's acks (checkpoint_close_timeout)
         if io is not None:
             io.detach()
-        if self._group is not None:
-            torch.distributed.destroy_process_group(self._group)
-            self._group = None
 
     # ------------------------------------------------------------------ training
 
@@ -221,19 +211,16 @@ class EventBusCallback(pl.Callback):
         if step == self._last_step:
             return  # a microbatch without an optimizer step (gradient accumulation)
         now = time.perf_counter()
-        for _ in range(step - self._last_step):
-            # RunState.advance_batch, with the step's wall-clock time (SpeedMonitor's throughput reads it)
-            state.previous_timestamp = state.timestamp
-            state.batch_num_samples = self._window_samples * state.world_size
-            state.timestamp = state.timestamp.to_next_batch(
-                samples=state.batch_num_samples, duration=datetime.timedelta(seconds=now - self._last_step_time))
+        for _ in range(step - self._last_step):  # the step's wall-clock time: SpeedMonitor's throughput reads it
+            state.advance_batch(samples=self._window_samples * state.world_size,
+                                duration=datetime.timedelta(seconds=now - self._last_step_time))
             self._last_step_time = now
         self._last_step = step
         if self._window_loss is not None:
             state.loss = self._window_loss
             state.total_loss_dict = {"loss/train/total": self._window_loss}
         self._window_samples, self._window_loss, self._in_window = 0, None, False
-        self._agree_across_ranks()
+        adapter.agree_stop()
         adapter.publish(Event.BATCH_END)
         reason = adapter.take_stop()
         if reason is not None:
@@ -241,16 +228,6 @@ class EventBusCallback(pl.Callback):
             trainer.should_stop = True
         adapter.publish(Event.BATCH_CHECKPOINT)
         self._log_new_metrics(trainer.logged_metrics, step)
-
-    def _agree_across_ranks(self) -> None:
-        """DDP: every rank stops (and stages) at the same step: one CPU all-reduce on a gloo group."""
-        capture = self.adapter.capture if self.adapter is not None else None
-        if self._group is None or capture is None:
-            return
-        flags = torch.tensor([capture.publisher.wants_stop(), capture.publisher.holds_checkpoint_lease()],
-                             dtype=torch.uint8)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        capture.agree(stop=bool(flags[0]), checkpoint=bool(flags[1]))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.state is None:
@@ -340,14 +317,6 @@ class EventBusCallback(pl.Callback):
             self.adapter.log_metrics(new, step)
         return new
 
-    def _announce(self, record: Any) -> Any:
-        """A checkpoint the plugin staged rides on the next checkpoint event (BATCH_CHECKPOINT,
-        EPOCH_CHECKPOINT or FIT_END), where the checkpoint worker looks for it."""
-        if self._pending and isinstance(record, EventRecord) and record.checkpoint is None \
-                and record.event in _CHECKPOINT_EVENTS:
-            record.checkpoint = self._pending.popleft()
-        return record
-
     def stage_checkpoint(self, checkpoint: dict[str, Any], path: str) -> Optional[Staged]:
         """The plugin's save: stage ``checkpoint`` for the worker to write at ``path``. None when no
         checkpoint worker holds a lease, or every buffer is still being written (then the plugin writes)."""
@@ -361,7 +330,7 @@ class EventBusCallback(pl.Callback):
                 "rank": state.rank, "target": path, "format": "torch"}
         staged = capture.staging.stage(checkpoint, meta)
         if staged is not None:
-            self._pending.append(staged)
+            capture.announce_checkpoint(staged)  # rides on the next checkpoint event, to the worker
         return staged
 
 
@@ -494,9 +463,9 @@ class EventBusCheckpointIO(CheckpointIO):
 
     def _wait_written(self, target: str) -> None:
         callback = self._callback
-        if callback is not None and any(s is self._in_flight[target] for s in callback._pending):
-            callback._pending.remove(self._in_flight[target])
-            self.write_staged_here(self._in_flight[target])
+        capture = callback.adapter.capture if callback is not None and callback.adapter is not None else None
+        if capture is not None and capture.withdraw_checkpoint(self._in_flight[target]):
+            self.write_staged_here(self._in_flight[target])  # not announced yet: nobody else will write it
             return
         deadline = time.monotonic() + 60.0
         while self._still_writing(target) and time.monotonic() < deadline:

@@ -63,7 +63,6 @@ class EventBusCallback(transformers.TrainerCallback):
         self.state: Optional[RunState] = None
         self.trainer: Any = None  # set by attach(): the source of the loss tensors
         self._closed = False
-        self._stop_group: Any = None
         self._steps_per_epoch: Optional[int] = None
         self._step_started = 0.0
         self._step_loss: Any = None  # the last microbatch's loss (Composer's state.loss)
@@ -125,8 +124,6 @@ class EventBusCallback(transformers.TrainerCallback):
         self.state = RunState(name, rank=int(args.process_index), world_size=world_size, model=model,
                               device=args.device, max_duration=_max_duration(args))
         self.adapter.open(self.state, hyperparameters=_hyperparameters(args, model), trainer="transformers")
-        if world_size > 1 and self.adapter.capture is not None:
-            self._stop_group = _gloo_group()
         self._publish(Event.INIT)
 
     def _close(self) -> None:
@@ -222,12 +219,8 @@ class EventBusCallback(transformers.TrainerCallback):
             samples = int(state.train_batch_size or 0) * int(args.gradient_accumulation_steps) * world_size
         tokens_seen = int(state.num_input_tokens_seen or 0)  # HF's own count (summed over ranks by HF)
         tokens, self._tokens_seen = tokens_seen - self._tokens_seen, tokens_seen
-        duration = datetime.timedelta(seconds=time.monotonic() - self._step_started)
-        run.previous_timestamp = run.timestamp
-        run.batch_num_samples, run.batch_num_tokens = samples, tokens
-        run.timestamp = run.timestamp.to_next_batch(samples=samples, tokens=tokens, duration=duration)
-        if world_size > 1:
-            self._agree_on_stop()
+        run.advance_batch(samples, tokens, duration=datetime.timedelta(seconds=time.monotonic() - self._step_started))
+        self.adapter.agree_stop()  # under torchrun: every rank stops at the same step
         self._publish(Event.BATCH_END)
         if self.adapter.take_stop() is not None:
             control.should_training_stop = True
@@ -305,26 +298,6 @@ class EventBusCallback(transformers.TrainerCallback):
             self._pending.append(event)
         else:
             self._publish(event)
-
-    def _agree_on_stop(self) -> None:
-        """Every rank stops at the same step: a worker may have asked one rank only. A CPU all-reduce on a
-        gloo group (never the device), at the same hook of every rank."""
-        capture = self.adapter.capture
-        if capture is None or self._stop_group is None:
-            return
-        flag = torch.tensor([int(capture.publisher.wants_stop())], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._stop_group)
-        capture.agree(stop=bool(flag[0]), checkpoint=False)
-
-
-def _gloo_group() -> Any:
-    """The default process group when it is gloo, else a gloo group over all ranks (a collective)."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
 
 
 def _max_duration(args: Any) -> Optional[Time]:

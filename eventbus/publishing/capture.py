@@ -14,6 +14,7 @@ holds a lease on it (:class:`~eventbus.bus.publish.leases.Leases`).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -143,6 +144,7 @@ class EventCapture(EventSink):
         self._put = publisher.put
         self._hyperparameter_keys: dict[int, tuple[str, ...]] = {}  # id(param group) -> its plain keys
         self._agreed_stop = self._agreed_checkpoint = False
+        self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
         self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
         self._checkpoint_interval: Optional[str] = None
         # Last values captured, compared by identity (cheap).
@@ -151,6 +153,27 @@ class EventCapture(EventSink):
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
         self._last_train_values: Any = None  # the trainer replaces the dict whenever it computes them
+
+    def announce_checkpoint(self, staged: Staged) -> None:
+        """A checkpoint the trainer staged itself (a Lightning ``CheckpointIO`` save): it rides on the next
+        checkpoint event (BATCH_CHECKPOINT, EPOCH_CHECKPOINT, ITERATION_CHECKPOINT or FIT_END), where the
+        checkpoint worker looks for one."""
+        self._announced.append(staged)
+
+    def withdraw_checkpoint(self, staged: Staged) -> bool:
+        """Take back a checkpoint no event announced yet (the trainer writes it itself); False once it
+        went out to the worker."""
+        for index, waiting in enumerate(self._announced):
+            if waiting is staged:
+                del self._announced[index]
+                return True
+        return False
+
+    def unannounced_checkpoints(self) -> list[Staged]:
+        """Take back every checkpoint no event announced (the run ends before another checkpoint event)."""
+        taken = list(self._announced)
+        self._announced.clear()
+        return taken
 
     def agree(self, *, stop: bool, checkpoint: bool) -> None:
         """What all ranks decided for this batch: stop at its BATCH_END; stage its checkpoints."""
@@ -175,6 +198,8 @@ class EventCapture(EventSink):
             captured, staged = self._capture_on_demand(event, state)
             if captured:
                 changes = dict(changes or {}, **captured)
+        if staged is None and self._announced and event in _CHECKPOINT_EVENTS:
+            staged = self._announced.popleft()
         length = state.dataloader_len
         self._put(EventRecord(
             event.value, time.time(), time.monotonic(), state.timestamp,

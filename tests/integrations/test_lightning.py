@@ -20,7 +20,7 @@ import torch
 
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.conftest import REPO_ROOT, Process
+from tests.support import REPO_ROOT, Process, bus_address
 
 SCRIPT = pathlib.Path(__file__).with_name("lightning_train.py")
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -134,7 +134,7 @@ def test_a_worker_stops_the_run_and_its_checkpoints_resume_it(tmp_path):
     """~30 ms steps; the worker asks to stop at step 3; ModelCheckpoint (every 2 steps, top 1, through
     EventBusCheckpointIO) is written by the checkpoint worker at Lightning's paths, rotated, and
     ``fit(ckpt_path=...)`` continues from the step it holds (then, with no worker, the plugin writes)."""
-    bus = f"ipc://{tmp_path}/bus"
+    bus = bus_address(tmp_path)
     saver = Process(["-m", "workers.checkpoint", "--connect", bus, "--save-interval", "0ep",
                      "--state-dir", str(tmp_path / "state-ckpt")], cwd=tmp_path, env=ENV)
     stopper = worker(tmp_path, bus, 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}',
@@ -161,7 +161,7 @@ def test_a_worker_stops_the_run_and_its_checkpoints_resume_it(tmp_path):
     assert checkpoint["global_step"] in (first["global_step"], first["global_step"] - 1)
     assert isinstance(checkpoint["optimizer_states"][0]["param_groups"][0]["params"], list)
 
-    resumed = run_script(tmp_path, "--bus", f"ipc://{tmp_path}/bus2", "--run-name", "again", "--epochs", "2",
+    resumed = run_script(tmp_path, "--bus", bus_address(tmp_path, "bus2"), "--run-name", "again", "--epochs", "2",
                          "--batches", "8", "--checkpoints", "ckpt", "--resume", str(saved[0]), "--out", "out2")
     output = finished(resumed)
     second = json.loads((tmp_path / "out2" / "rank0.json").read_text())
@@ -174,7 +174,7 @@ def test_a_worker_stops_the_run_and_its_checkpoints_resume_it(tmp_path):
 def test_two_ddp_ranks_publish_and_stop_at_the_same_step(tmp_path):
     """strategy="ddp" on gloo, 2 CPU processes (Lightning re-runs the script for rank 1): each rank
     publishes its own stream; a worker's stop (sent to the rank it follows) ends both at one step."""
-    bus = f"ipc://{tmp_path}/bus"
+    bus = bus_address(tmp_path)
     stopper = worker(tmp_path, bus, 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}', identity="stopper")
     try:
         trainer = run_script(tmp_path, "--bus", bus, "--devices", "2", "--epochs", "20", "--batches", "8",

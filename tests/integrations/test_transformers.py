@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.support import REPO_ROOT, bus_address
 
 pytest.importorskip("transformers")
 
@@ -53,7 +53,7 @@ def _expected_events(stop_at: int) -> list[str]:
 
 
 def test_a_transformers_run_reaches_workers_logger_monitor_and_export(tmp_path, spawn):
-    bus = f"ipc://{tmp_path}/bus"
+    bus = bus_address(tmp_path)
     stop_at = 10  # epoch 2, step 2 of 4
     # Workers first, as a user starts them; they wait for the trainer's address.
     seed = _worker(spawn, bus, "tests.integrations.worker_callbacks:EpochMonitor",
@@ -126,7 +126,7 @@ def _journal_events(path: pathlib.Path) -> list[tuple[str, int, object]]:
 
 
 def test_torchrun_two_ranks_publish_and_stop_at_the_same_step(tmp_path, spawn):
-    bus = f"ipc://{tmp_path}/bus"
+    bus = bus_address(tmp_path)
     stop_at = 6
     # The worker follows rank 0 only: the stop request reaches rank 0, and rank 1 stops with it.
     worker = _worker(spawn, bus, f'tests.integrations.worker_callbacks:StopAtBatch:{{"batch": {stop_at - 1}}}')
