@@ -53,9 +53,9 @@ def main(out: str, bus: str, load_path: str = "") -> None:
                       callbacks=[recorder, losses], bus=bus or False, load_path=load_path or None)
     waiting = [name for name in os.environ.get("WAIT_FOR", "").split(",") if name]
     if waiting and trainer.state.rank == 0:  # the other ranks wait in the first collective
-        from eventbus.daemons.job import _wait_for_subscribers
+        from eventbus.run.supervise import wait_for_subscribers
 
-        _wait_for_subscribers(trainer, waiting, timeout=60)
+        wait_for_subscribers(trainer, waiting, timeout=60)
     trainer.fit()
     trainer.close()
     if os.environ.get("SHARD") == "1":  # the process group this script joined itself: leave it together
