@@ -61,6 +61,14 @@ class Script(pl.Callback):
                 time.sleep(0.01)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.args.await_stop_at:
+            # The worker's stop reaches the trainer a moment after the event it acted on; held here until
+            # it has, the run stops at this step's or the next step's end, however loaded the machine.
+            bus = next(c for c in trainer.callbacks if isinstance(c, EventBusCallback))
+            deadline = time.monotonic() + 60
+            while not bus.adapter.capture.publisher.wants_stop() and not trainer.should_stop:
+                assert time.monotonic() < deadline, "no stop request from the worker"
+                time.sleep(0.01)
         if trainer.global_step == self.args.hold_at and not os.path.exists("release"):
             print("held", flush=True)
             while not os.path.exists("release"):
@@ -77,6 +85,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument("--await-stop-at", type=int, default=-1, help="hold at this step until a stop request came")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--checkpoints", help="ModelCheckpoint folder (every 2 steps, top 1) with EventBusCheckpointIO")
     parser.add_argument("--wait-checkpoint-worker", action="store_true")
