@@ -64,7 +64,9 @@ class CheckpointSaver(Callback):
     saved at the end of training, and never twice for the same batch.
     ``num_checkpoints_to_keep`` keeps the newest N; ``keep_best`` also keeps the K best by
     ``monitor`` (``metrics/<label>/<Name>``, ``mode`` max or min). Each durable save is logged
-    as ``checkpoint/saved/{path,batch,bytes,seconds}``.
+    as ``checkpoint/saved/{path,batch,bytes,seconds}``. While uploads fail, at most
+    ``upload_backlog`` checkpoints that retention let go are kept locally for their upload;
+    the oldest beyond that is dropped (``checkpoint/upload_backlog_dropped``).
     """
 
     captures = frozenset({"checkpoint"})
@@ -85,6 +87,7 @@ class CheckpointSaver(Callback):
         mode: str = "max",
         storage_options: Optional[dict[str, Any]] = None,
         upload_attempts: int = 5,
+        upload_backlog: int = 4,
     ):
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
@@ -106,7 +109,8 @@ class CheckpointSaver(Callback):
         self._due = interval_scheduler(save_interval, name="save_interval", batch_event=Event.BATCH_CHECKPOINT,
                                        epoch_event=Event.EPOCH_CHECKPOINT)
         self._cleaned: set[pathlib.Path] = set()  # folders whose stale temporary files were removed
-        self._uploads = Uploader(storage_options, attempts=upload_attempts, report=self._report) \
+        self._uploads = Uploader(storage_options, attempts=upload_attempts, report=self._report,
+                                 backlog=upload_backlog) \
             if self.remote_folder else None
         self._fit_ended = False
         self._logger: Optional[Logger] = None  # out of process: where upload results are reported
@@ -342,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(repeatable)")
     parser.add_argument("--upload-attempts", type=int, default=5,
                         help="tries per remote call, with exponential backoff (default: 5)")
+    parser.add_argument("--upload-backlog", type=int, default=4, metavar="N",
+                        help="while uploads fail, keep at most N checkpoints that --keep let go for their upload, "
+                             "dropping the oldest beyond that with an error (default: 4)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing files")
     parser.add_argument("--weights-only", action="store_true", help="save the model weights only")
     parser.add_argument("--transfer", choices=TRANSFERS, default="auto",
@@ -358,7 +365,7 @@ def build_saver(args: argparse.Namespace) -> list[Callback]:
                             overwrite=args.overwrite, weights_only=args.weights_only, runs_dir=args.runs_dir,
                             transfer=args.transfer, keep_best=args.keep_best, monitor=args.monitor, mode=args.mode,
                             storage_options=parse_storage_options(args.storage_option),
-                            upload_attempts=args.upload_attempts)
+                            upload_attempts=args.upload_attempts, upload_backlog=args.upload_backlog)
     # torch now (the options are good), before the worker follows the run: imported at the first
     # checkpoint instead, it stalls that one for seconds while the trainer stages more, and skips
     # checkpoints once every staging buffer is busy.

@@ -1,10 +1,12 @@
 """The checkpoint worker's side of a staged checkpoint: load it, then acknowledge it.
 
-The worker maps the trainer's shared-memory buffer (same host) or fetches it
-over the request service (another host: the buffer arrives as one zero-copy
-ZeroMQ frame), writes the file (see :mod:`eventbus.checkpoint.files`) and
-acknowledges, so the trainer may reuse the buffer. Importing this module does
-not import torch (a snapshot refers to it); ``load`` does.
+The worker maps the trainer's shared-memory buffer (same host: through the
+trainer's open file, ``/proc/<pid>/fd/<fd>``, since the buffer has no name left
+in /dev/shm; see :mod:`eventbus.checkpoint.staging`) or fetches it over the
+request service (another host: the buffer arrives as one zero-copy ZeroMQ
+frame), writes the file (see :mod:`eventbus.checkpoint.files`) and acknowledges,
+so the trainer may reuse the buffer. Importing this module does not import torch
+(a snapshot refers to it); ``load`` does.
 """
 
 from __future__ import annotations
@@ -72,15 +74,19 @@ class StagedCheckpoint:
         from eventbus.checkpoint.layout import unpack_buffer
 
         path = buffer["buffer"]
-        if transfer == "fetch" or (transfer == "auto" and not os.path.exists(path)):
+        file = None if transfer == "fetch" else _open_staged(buffer)
+        if file is None and transfer == "auto" and _trainer_gone(buffer):
+            raise ConfigError(f"staged checkpoint buffer {path} is gone: its trainer (pid {buffer['pid']}) "
+                              "ended before this worker read it")
+        if transfer == "fetch" or (transfer == "auto" and file is None):
             if self._fetch is None:
                 raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
                                   "trainer to fetch it from")
             return unpack_buffer(buffer, self._fetch(buffer), copy=False)
-        if not os.path.exists(path):
-            raise ConfigError(f"staged checkpoint buffer {path} is gone (a worker on another host needs "
-                              "--transfer fetch, or the trainer's /dev/shm)")
-        with open(path, "rb") as file:
+        if file is None:
+            raise ConfigError(f"staged checkpoint buffer {path} is not visible here (a worker on another host "
+                              "or in another pid namespace needs --transfer fetch, or the trainer's pids)")
+        with file:
             view = mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_COPY)
         try:
             return unpack_buffer(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
@@ -94,3 +100,33 @@ class StagedCheckpoint:
         for buffer in self._buffers():
             self._send("checkpoint_ack", {"buffer": buffer["buffer"], "path": path, "error": error,
                                           "batch": self.batch, "rank": int(buffer.get("rank", 0))})
+
+
+def _open_staged(buffer: dict[str, Any]) -> Optional[Any]:
+    """The staged buffer's file, opened read-only, or None when this process cannot see it: through the
+    trainer's open file when the descriptor names one (checked to be that very file: a pid or fd number
+    seen from another pid namespace names something else), else by its name."""
+    candidates = []
+    if all(isinstance(buffer.get(key), int) for key in ("pid", "fd", "inode")):
+        candidates.append((f"/proc/{buffer['pid']}/fd/{buffer['fd']}", buffer["inode"]))
+    candidates.append((buffer["buffer"], None))
+    for path, inode in candidates:
+        try:
+            file = open(path, "rb")
+        except OSError:
+            continue
+        stat = os.fstat(file.fileno())
+        if (inode is None or stat.st_ino == inode) and stat.st_size >= int(buffer["size"]):
+            return file
+        file.close()
+    return None
+
+
+def _trainer_gone(buffer: dict[str, Any]) -> bool:
+    """The buffer's trainer ran in this very pid namespace (so its open file would be visible here) and its
+    buffer is not: the trainer ended, and fetching from it would only wait."""
+    if not isinstance(buffer.get("pid_namespace"), str):
+        return False
+    from eventbus.checkpoint.ownership import pid_namespace
+
+    return buffer["pid_namespace"] == pid_namespace()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
+from typing import Optional
 
-__all__ = ["NOFOLLOW", "pid_alive", "unlocked", "writer_gone"]
+__all__ = ["NOFOLLOW", "pid_alive", "pid_namespace", "unlocked", "writer_gone"]
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -43,3 +44,13 @@ def unlocked(path: pathlib.Path) -> bool:
 
 def writer_gone(pid: int, path: pathlib.Path) -> bool:
     return not pid_alive(pid) and unlocked(path)
+
+
+def pid_namespace() -> Optional[str]:
+    """This process's pid namespace, unique across hosts (boot id and namespace inode); None without /proc.
+    A reader in the same one that cannot open ``/proc/<pid>/fd/<fd>`` knows the trainer is gone."""
+    try:
+        boot = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None

@@ -9,6 +9,11 @@ cannot fix (no such file, access denied) fail at once.
 
 Object stores have no symlinks: the ``latest`` link is an object named
 ``<latest>.symlink`` holding the checkpoint's name, as Composer writes it.
+
+A folder that is not there yet is made by the first upload, on every filesystem:
+an object store makes its prefix with the first object (a missing bucket stays an
+error: it is never created); a filesystem with real folders (``file://``,
+``sftp://``...) gets ``makedirs`` before each upload.
 """
 
 from __future__ import annotations
@@ -147,8 +152,16 @@ class RemoteFolder:
         return f"{self.url}/{name}"
 
     def put(self, local: pathlib.Path, name: str) -> None:
-        """Upload a file (or a sharded checkpoint's folder) as ``name``."""
+        """Upload a file (or a sharded checkpoint's folder) as ``name``, making the folder if need be."""
+        self._make_folder()
         self.call(f"upload of {name}", self.fs.put, str(local), self.child(name), recursive=local.is_dir())
+
+    def _make_folder(self) -> None:
+        """The folder, made if missing (and again if removed meanwhile). Object stores (their filesystems
+        split paths into bucket and key) have no folders to make, and a missing bucket is a typo or a
+        missing permission, not something an upload should create."""
+        if not hasattr(self.fs, "split_path"):
+            self.call(f"creation of {self.url}", self.fs.makedirs, self.root, exist_ok=True)
 
     def put_text(self, name: str, text: str) -> None:
         self.call(f"upload of {name}", self.fs.pipe_file, self.child(name), text.encode())

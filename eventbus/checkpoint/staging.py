@@ -12,11 +12,21 @@ A buffer is reused only when it is acknowledged *and* ZeroMQ has let go of
 every frame sent from it; when every buffer is busy, that checkpoint is skipped
 and reported.
 
-Buffer files are ``eventbus-<run_id>-<pid>-<n>-<size>``, created exclusively with
-mode 0600 (never through a symlink); the trainer holds a shared lock on each.
-At start (``StagingBuffers()``), the trainer removes the buffers of dead
-trainers: those whose pid is gone and on which nobody holds a lock (a trainer in
-another pid namespace sharing this /dev/shm holds its lock).
+Nothing outlives the processes that use it: each buffer file is created
+exclusively (mode 0600, never through a symlink) as
+``eventbus-<run_id>-<pid>-<n>-<size>`` and unlinked at once, on Linux; the memory
+lives while the trainer holds the file open or some process maps it, and the
+kernel frees it when the last of them ends, SIGKILL included. The worker opens
+the trainer's open file as ``/proc/<pid>/fd/<fd>`` (the descriptor carries pid,
+fd and inode, checked on open), so it must see the trainer's pids (same host,
+same pid namespace: in compose, ``pid: service:trainer``); otherwise it fetches
+the buffer as a zero-copy frame over the bus. The path stays the buffer's name
+on the wire (acks, fetches). Where there is no ``/proc`` the file stays named
+while in use; the trainer holds a shared lock on it, and at start
+(``StagingBuffers()``) removes the buffers of dead trainers: those whose pid is
+gone and on which nobody holds a lock (a trainer in another pid namespace
+sharing this /dev/shm holds its lock); that also covers a kill between create
+and unlink.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import msgpack
 import torch
 
 from eventbus.checkpoint.layout import ALIGN, flatten
-from eventbus.checkpoint.ownership import NOFOLLOW, writer_gone
+from eventbus.checkpoint.ownership import NOFOLLOW, pid_namespace, writer_gone
 
 __all__ = ["StagingBuffers", "Staged", "remove_stale_buffers"]
 
@@ -67,12 +77,16 @@ def _shm_dir() -> pathlib.Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path(tempfile.gettempdir())
 
 
+_PROC_FDS = pathlib.Path("/proc/self/fd")
+
+
 @dataclasses.dataclass
 class _Buffer:
-    path: pathlib.Path
+    path: pathlib.Path  # its name on the wire; on Linux no longer in the directory
     size: int
     file: Any
     view: mmap.mmap
+    inode: int
     busy: bool = False  # staged and not yet acknowledged
     sending: list[Any] = dataclasses.field(default_factory=list)  # zmq.MessageTrackers of frames from it
 
@@ -108,6 +122,7 @@ class StagingBuffers:
         self._side_stream: Optional[torch.cuda.Stream] = None
         self._device_copy: Optional[torch.cuda.Event] = None
         self.skipped = 0
+        self._pid_namespace = pid_namespace()
 
     def stage(self, state_dict: dict[str, Any], meta: dict[str, Any], wait: float = 0.0) -> Optional[Staged]:
         """Copy ``state_dict`` into a free buffer; None (and ``skipped`` += 1) when every buffer is busy.
@@ -132,7 +147,8 @@ class StagingBuffers:
         copied = self._copy_into(buffer, tensors, layout)
         # The skeleton nests as deep as the state dict does: it travels as its own msgpack blob.
         descriptor = {"buffer": str(buffer.path), "size": buffer.size, "skeleton": msgpack.packb(skeleton),
-                      "layout": layout, **meta}
+                      "layout": layout, "pid": os.getpid(), "fd": buffer.file.fileno(), "inode": buffer.inode,
+                      "pid_namespace": self._pid_namespace, **meta}
         return Staged(descriptor, copied)
 
     def _acquire(self, size: int) -> Optional[_Buffer]:
@@ -151,7 +167,9 @@ class StagingBuffers:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "in use" to remove_stale_buffers, in any pid namespace
             file = os.fdopen(fd, "w+b")
             file.truncate(size)
-            buffer = _Buffer(path, size, file, mmap.mmap(file.fileno(), size), busy=True)
+            if _PROC_FDS.is_dir():  # readers open it as /proc/<pid>/fd/<fd>: no name to outlive us
+                path.unlink()
+            buffer = _Buffer(path, size, file, mmap.mmap(file.fileno(), size), os.fstat(fd).st_ino, busy=True)
             self._buffers.append(buffer)
             return buffer
 

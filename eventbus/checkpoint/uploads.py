@@ -7,6 +7,16 @@ event stream and never training. One thread, first in first out, so a
 retention removal queued after an upload runs after it: a checkpoint is
 removed (remotely, then locally) only once its upload is done, and a local
 file whose upload kept failing is kept, never removed by retention.
+
+While the store keeps failing, what waits for upload is bounded: at most
+``backlog`` checkpoints that retention already let go are kept for their upload
+(so the local folder holds at most keep + backlog checkpoints); beyond that the
+oldest is dropped, with an error line and ``checkpoint/upload_backlog_dropped``.
+The oldest goes, not the newest: the newest local checkpoint is what a resume
+loads, so writing on (rather than pausing saves until the store heals) keeps a
+crash from losing the progress made during the outage. Each upload that works
+again retries the waiting ones, oldest first. ``checkpoint/upload_backlog`` says
+how many local checkpoints await upload after each result.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import time
 from typing import Any, Callable, Optional
 
 from eventbus.checkpoint.remote import SYMLINK_SUFFIX, RemoteFolder
+from eventbus.errors import ConfigError
 
 __all__ = ["Uploader"]
 
@@ -33,11 +44,15 @@ class Uploader:
     """Upload and remove checkpoints at remote URLs; ``report(metrics, step)`` hears each result."""
 
     def __init__(self, storage_options: Optional[dict[str, Any]] = None, attempts: int = 5, wait: float = 0.5,
-                 report: Optional[Callable[[dict[str, Any], int], None]] = None):
+                 report: Optional[Callable[[dict[str, Any], int], None]] = None, backlog: int = 4):
+        if backlog < 0:
+            raise ConfigError(f"--upload-backlog must be 0 or more checkpoints, got {backlog}")
         self.storage_options = dict(storage_options or {})
         self.attempts, self.wait = attempts, wait
         self.report = report
-        self.failed: set[str] = set()  # local paths whose upload gave up: kept locally
+        self.backlog = backlog
+        self.failed: dict[str, dict[str, Any]] = {}  # local path -> its upload, which gave up; oldest first
+        self.released: set[str] = set()  # of those, the ones retention let go: kept only for their upload
         self._folders: dict[str, RemoteFolder] = {}
         self._pending: list[dict[str, Any]] = []  # queued uploads, for the worker's state_dict
         self._lock = threading.Lock()
@@ -84,7 +99,13 @@ class Uploader:
         self._queue.put(task)
 
     def _run(self) -> None:
-        while (task := self._queue.get()) is not _STOP:
+        while True:
+            task = self._queue.get()
+            if task is _STOP:
+                if self._queue.empty():
+                    return
+                self._queue.put(_STOP)  # uploads retried after close() asked to stop: finish them first
+                continue
             try:
                 (self._upload if task["op"] == "upload" else self._remove)(task)
             except Exception:  # a bug, not a remote failure: log it and go on with the next
@@ -100,24 +121,57 @@ class Uploader:
             if task["latest"]:
                 folder.put_text(task["latest"] + SYMLINK_SUFFIX, local.name)
         except Exception as err:
-            self.failed.add(str(local))
-            log.error("checkpoint %s not uploaded to %s: %s: %s; the local file is kept", local, folder.url,
-                      type(err).__name__, err)
-            self._report({"checkpoint/upload_error": f"{local.name}: {type(err).__name__}: {err}"[:1000]},
-                         task["batch"])
+            self.failed[str(local)] = task
+            log.error("checkpoint %s not uploaded to %s: %s: %s; the local file is kept (%d await upload)", local,
+                      folder.url, type(err).__name__, err, len(self.failed))
+            self._report({"checkpoint/upload_error": f"{local.name}: {type(err).__name__}: {err}"[:1000],
+                          "checkpoint/upload_backlog": len(self.failed)}, task["batch"])
         else:
             log.info("uploaded checkpoint %s to %s", local, folder.url_of(local.name))
+            self.failed.pop(str(local), None)
             self._report({"checkpoint/uploaded/path": folder.url_of(local.name),
                           "checkpoint/uploaded/batch": int(task["batch"]),
-                          "checkpoint/uploaded/seconds": time.perf_counter() - started}, task["batch"])
+                          "checkpoint/uploaded/seconds": time.perf_counter() - started,
+                          "checkpoint/upload_backlog": len(self.failed)}, task["batch"])
+            self._retry_backlog()
         finally:
             with self._lock:
                 self._pending = [t for t in self._pending if t is not task]
+
+    def _retry_backlog(self) -> None:
+        """The store works again: queue the uploads that gave up, oldest first, each followed by its
+        removal when retention had let it go."""
+        for path, task in list(self.failed.items()):
+            del self.failed[path]
+            released = path in self.released
+            self.released.discard(path)
+            if not pathlib.Path(path).exists():
+                continue
+            task = dict(task, latest=None)  # ``latest`` names the newer checkpoint just uploaded: keep it so
+            with self._lock:
+                self._pending.append(task)
+            self._queue.put(task)
+            if released:
+                self._queue.put({"op": "remove", "url": task["url"], "local": path})
+
+    def _bound_backlog(self, step: int) -> None:
+        """At most ``backlog`` released checkpoints wait for their upload: drop the oldest beyond that."""
+        waiting = [path for path in self.failed if path in self.released]
+        for path in waiting[:max(0, len(waiting) - self.backlog)]:
+            del self.failed[path]
+            self.released.discard(path)
+            _remove_local(pathlib.Path(path))
+            log.error("checkpoint %s dropped without upload: the remote folder keeps failing and the newest %d "
+                      "released checkpoints wait for it instead (--upload-backlog)", path, self.backlog)
+            self._report({"checkpoint/upload_backlog_dropped": path,
+                          "checkpoint/upload_backlog": len(self.failed)}, step)
 
     def _remove(self, task: dict[str, Any]) -> None:
         local = pathlib.Path(task["local"])
         if str(local) in self.failed:
             log.warning("retention: keeping %s, which was never uploaded", local)
+            self.released.add(str(local))
+            self._bound_backlog(int(self.failed[str(local)]["batch"]))
             return
         try:
             self.folder(task["url"]).remove(local.name)

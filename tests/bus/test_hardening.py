@@ -212,9 +212,9 @@ def test_stale_staging_buffers_of_dead_trainers_are_removed_and_live_ones_kept(t
         live.write_bytes(bytes(4096))
         staging = StagingBuffers("c" * 32, directory=tmp_path)
         assert not stale.exists() and live.exists()
-        staging._acquire(4096)
-        own = next(tmp_path.glob(f"eventbus-{'c' * 32}-*"))
-        assert (own.stat().st_mode & 0o777) == 0o600
+        own = staging._acquire(4096)
+        assert own is not None and (os.fstat(own.file.fileno()).st_mode & 0o777) == 0o600
+        assert not list(tmp_path.glob(f"eventbus-{'c' * 32}-*"))  # unnamed once open: nothing outlives the trainer
         staging.close()
     finally:
         sleeper.kill()

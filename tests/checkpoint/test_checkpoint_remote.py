@@ -9,11 +9,13 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
 import torch
 
+from eventbus import Callback
 from tests.checkpoint.test_checkpoint_best import logged, start_worker
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
 from tests.support import REPO_ROOT, bus_address, free_port, make_trainer
@@ -147,3 +149,69 @@ def test_missing_credentials_are_a_one_line_error(tmp_path, spawn, s3):
                    f"s3://{BUCKET}/x", "--storage-option", f"endpoint_url={endpoint}", env=env)
     assert worker.finish() == 2
     assert len(worker.stderr) == 1 and "credentials" in worker.stderr[0], worker.stderr
+
+
+class UnblockStore(Callback):
+    """At ``batch``, once the worker reported a failed upload, makes the blocked store usable again
+    (removes the file that stood where its folder must go), as an object store comes back after an outage."""
+
+    def __init__(self, worker, blocker: pathlib.Path, batch: int):
+        self.worker, self.blocker, self.batch = worker, blocker, batch
+
+    def batch_end(self, state, logger):
+        time.sleep(0.1)  # paced as a real step: this toy model outruns the worker's fsync otherwise
+        if int(state.timestamp.batch) == self.batch:
+            self.worker.wait_for("not uploaded")
+            self.blocker.unlink()
+
+
+def test_a_missing_folder_is_made_by_the_first_upload_and_failed_uploads_go_up_once_it_works(tmp_path, spawn):
+    blocker = tmp_path / "store"  # a file where the store's folder must go: every upload fails until it goes
+    blocker.write_text("not a folder")
+    worker = start_worker(tmp_path, spawn, "--save-interval", "1ba", "--keep", "2", "--upload-attempts", "1",
+                          "--folder", f"file://{blocker}/{{run_name}}/checkpoints")
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[UnblockStore(worker, blocker, 3)])
+    wait_for_lease(trainer)
+    trainer.fit()
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    assert any("not uploaded" in line for line in worker.stderr)
+    local = tmp_path / "runs" / "ckpt" / "checkpoints"
+    remote = blocker / "ckpt" / "checkpoints"  # made by the first upload that could
+    kept = sorted(p.name for p in local.glob("ep*.pt"))
+    assert kept == ["ep1-ba7-rank0.pt", "ep1-ba8-rank0.pt"]  # --keep 2: nothing left behind for its upload
+    assert sorted(p.name for p in remote.iterdir()) == [*kept, "latest-rank0.pt.symlink"]
+    for name in kept:
+        assert (remote / name).read_bytes() == (local / name).read_bytes()
+    assert (remote / "latest-rank0.pt.symlink").read_text() == "ep1-ba8-rank0.pt"
+
+
+def test_while_uploads_fail_the_local_backlog_is_bounded_and_each_drop_is_logged_and_reported(tmp_path, spawn):
+    blocker = tmp_path / "store"
+    blocker.write_text("not a folder")
+    worker = start_worker(tmp_path, spawn, "--save-interval", "1ba", "--keep", "2", "--upload-backlog", "2",
+                          "--upload-attempts", "1", "--folder", f"file://{blocker}/{{run_name}}/checkpoints")
+    trainer = make_trainer(tmp_path, "3ep", **CHECKPOINT_RUN, callbacks=[UnblockStore(worker, blocker, -1)])
+    wait_for_lease(trainer)
+    trainer.fit()
+    worker.wait_for("dropped without upload")
+    journal = trainer.publisher.journal_path
+    deadline = time.monotonic() + 60
+    while not logged(journal, "checkpoint/upload_backlog_dropped"):  # reported over the bus while the run lives
+        assert time.monotonic() < deadline, "no checkpoint/upload_backlog_dropped on the bus"
+        time.sleep(0.05)
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    def named(marker):
+        return [line.split("checkpoint ")[1].split(" ")[0] for line in worker.stderr if marker in line]
+
+    failed, dropped = named("not uploaded"), named("dropped without upload")
+    assert len(failed) >= 5 and dropped == failed[:-4]  # the oldest go; keep 2 + backlog 2 stay
+    local = tmp_path / "runs" / "ckpt" / "checkpoints"
+    assert sorted(str(p) for p in local.glob("ep*.pt")) == sorted(failed[-4:])
+    reported = [m["checkpoint/upload_backlog_dropped"] for _, m in logged(journal, "checkpoint/upload_backlog_dropped")]
+    assert reported and reported == dropped[:len(reported)]
+    backlog = [m["checkpoint/upload_backlog"] for _, m in logged(journal, "checkpoint/upload_backlog")]
+    assert max(backlog) == 5  # 2 kept + 2 waiting + the one about to be dropped, never more

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import torch
 
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
-from tests.daemons.test_job import SMALL, leftover_daemons
+from eventbus.checkpoint.staging import _shm_dir
+from tests.daemons.test_job import SMALL, eventbus_run, leftover_daemons
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 
 
@@ -50,6 +52,57 @@ def test_killed_trainer_leaves_a_readable_journal_and_a_loadable_latest_checkpoi
                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Finished killed: {checkpoint['state']['timestamp']['batch'] + 3} batches" in resumed.stdout
+
+
+def run_id_of(folder):
+    return wire.decode(next(iter(read_journal(folder / "events.journal")))).run_id
+
+
+def shared_memory_of(run_id):
+    """The staging buffers of ``run_id`` still named in shared memory (where StagingBuffers puts them)."""
+    return sorted(p.name for p in _shm_dir().glob(f"eventbus-{run_id}-*"))
+
+
+def staging_held_by(pid, run_id):
+    """The staging buffers process ``pid`` holds open (an unnamed one reads '... (deleted)')."""
+    held = []
+    for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if f"eventbus-{run_id}-" in target:
+            held.append(target)
+    return held
+
+
+def test_a_killed_trainer_leaves_no_staging_buffer_in_shared_memory_nor_does_a_normal_run(tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "100ep",
+                            "--save-interval", "2ba", "--run-name", "killed"], cwd=tmp_path, text=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    folder = tmp_path / "runs" / "killed"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(list(folder.glob("checkpoints/ep*"))) < 3:
+            time.sleep(0.1)  # the checkpoint worker has read staged buffers, and the trainer keeps staging
+        assert len(list(folder.glob("checkpoints/ep*"))) >= 3, "no checkpoints were written"
+        run_id = run_id_of(folder)
+        assert staging_held_by(job.pid, run_id), "the trainer holds no staging buffer: nothing was tested"
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    finally:
+        job.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and leftover_daemons(tmp_path):
+        time.sleep(0.1)  # the checkpoint worker ends too (SIGTERM from its dead parent)
+    assert not leftover_daemons(tmp_path)
+    assert shared_memory_of(run_id) == []
+
+    finished = eventbus_run(tmp_path, "--max-duration", "6ba", "--save-interval", "2ba", "--run-name", "normal")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert (tmp_path / "runs" / "normal" / "checkpoints" / "latest-rank0.pt").exists()
+    assert shared_memory_of(run_id_of(tmp_path / "runs" / "normal")) == []
 
 
 STALLED_SUBSCRIBER = """
