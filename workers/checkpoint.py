@@ -43,6 +43,8 @@ from eventbus.errors import ConfigError
 __all__ = ["CheckpointSaver", "main"]
 
 log = logging.getLogger(__name__)
+# At FIT_END the worker waits this long for queued uploads (inside the trainer's 30 s drain_timeout).
+UPLOADS_AT_FIT_END_SECONDS = 20.0
 
 
 def _format(template: str, state: Any, rank: int, **extra: Any) -> str:
@@ -158,6 +160,10 @@ class CheckpointSaver(Callback):
     def fit_end(self, state: Any, logger: Logger) -> None:
         self._on_checkpoint_event(state, logger, Event.FIT_END)
         self._fit_ended = True  # until a later checkpoint event: fit() may be called again
+        # The trainer ends the run once this event is applied (it waits for that, bounded): the uploads'
+        # results must reach it first, or the last one is missing from the journal.
+        if self._uploads is not None and not self._uploads.wait_idle(UPLOADS_AT_FIT_END_SECONDS):
+            log.warning("uploads still running at the end of training; their results may miss the journal")
 
     def eval_end(self, state: Any, logger: Logger) -> None:
         """A monitored eval metric's new value, at the batch it was computed: rank the saves it decides."""

@@ -81,6 +81,16 @@ class Uploader:
         with self._lock:
             return [dict(task) for task in self._pending]
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every queued upload has ended (done or given up, its result reported); False when
+        ``timeout`` seconds passed first (they go on in the background)."""
+        deadline = time.monotonic() + timeout
+        while self.pending():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish what is queued (uploads retry within their own limits), then stop the thread."""
         if self._thread is None:
