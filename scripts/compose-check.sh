@@ -36,6 +36,7 @@ export EVENTBUS_WHEELHOUSE=build/wheelhouse             # inside the build conte
 export EVENTBUS_DEVICE=cpu
 export COMPOSE_PROGRESS=plain
 WORK=$(mktemp -d -t compose-check.XXXXXX)
+ROOTFS=""                                               # a debootstrap target while one is being made
 START=$SECONDS
 
 say() { echo "compose-check [$((SECONDS - START))s]: $*"; }
@@ -106,15 +107,36 @@ need_base_image() {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
   }
   local root="$CACHE/rootfs.$$"
+  ROOTFS=$root  # removed by cleanup if this is interrupted
   say "base image $EVENTBUS_BASE_IMAGE: debootstrap bookworm (minbase + python3) from $DEBIAN_MIRROR, ~2 min"
-  rm -rf "$root"
   # debootstrap says each package it fetches: one line in 20 of those is enough progress.
   debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
-      bookworm "$root" "$DEBIAN_MIRROR" 2>&1 | awk '!/^I: (Retrieving|Validating|Extracting|Unpacking|Configuring) [a-z0-9]/ || NR % 20 == 0' \
-    || { rm -rf "$root"; fail "setup: debootstrap failed"; }
-  tar -C "$root" -c . | docker import - "$EVENTBUS_BASE_IMAGE" >/dev/null
-  rm -rf "$root"
-  say "base image $EVENTBUS_BASE_IMAGE: imported"
+      bookworm "$root" "$DEBIAN_MIRROR" 2>&1 | awk '!/^I: (Retrieving|Validating|Extracting|Unpacking|Configuring) [a-z0-9]/ || NR % 20 == 0 { print; fflush() }' \
+    || fail "setup: debootstrap failed"
+  # debootstrap can leave the target's /proc mounted (it happened here): never pack or delete the host's.
+  unmount_under "$root"
+  tar -C "$root" --one-file-system -c . | docker import - "$EVENTBUS_BASE_IMAGE" >/dev/null
+  remove_rootfs
+  if ! docker run --rm "$EVENTBUS_BASE_IMAGE" python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    docker rmi "$EVENTBUS_BASE_IMAGE" >/dev/null 2>&1 || true
+    fail "setup: the imported base image $EVENTBUS_BASE_IMAGE has no working python3 with venv"
+  fi
+  say "base image $EVENTBUS_BASE_IMAGE: imported ($(docker image inspect -f '{{.Size}}' "$EVENTBUS_BASE_IMAGE" | awk '{printf "%d MB", $1 / 1e6}'))"
+}
+
+unmount_under() {  # every mount below $1, deepest first
+  local mount
+  for mount in $(findmnt -rno TARGET | sort -r); do
+    case $mount in "$1"/*) umount -l "$mount" || true ;; esac
+  done
+}
+
+remove_rootfs() {
+  if [ -n "${ROOTFS:-}" ] && [ -d "$ROOTFS" ]; then
+    unmount_under "$ROOTFS"
+    rm -rf --one-file-system "$ROOTFS"
+  fi
+  ROOTFS=""
 }
 
 need_wheelhouse() {
@@ -177,6 +199,7 @@ cleanup() {
     say "cleaning up: docker compose down -v (project $PROJECT)"
     dc --profile monitor down -v --remove-orphans >/dev/null 2>&1 || true
   fi
+  remove_rootfs
   rm -rf "$WORK"
   say "done in $((SECONDS - START))s (exit $rc)"
 }
@@ -318,7 +341,8 @@ start_long_run() {
   # checkpoint every 20 batches.
   use_run check-ops 100ep 20ba
   say "starting run $EVENTBUS_RUN_NAME in the background (docker compose up -d) for checks 2-5"
-  dc up -d 2>&1 | grep -E 'Started|Healthy|rror' || true
+  local out
+  out=$(dc up -d 2>&1) || fail "2 monitor: docker compose up -d failed (port $PORT or $((PORT + 1)) taken? COMPOSE_CHECK_PORT): $out"
   wait_until "the logger to write batch 10 of $EVENTBUS_RUN_NAME" logged_at_least 10 \
     || fail "2 monitor: the run did not reach batch 10 in the metrics within ${WAIT}s"
 }
