@@ -308,10 +308,12 @@ monitor_once() {  # monitor_once [run options...] -- [command...]: `docker compo
 }
 
 up_to_the_end() {
-  # `up` in the foreground until the trainer exits; the trainer's progress lines and the exits show.
+  # `up` in the foreground until every container has exited (the daemons follow the run's end); the
+  # trainer's progress lines and the exits show. Not --abort-on-container-exit: the one-shot `keys`
+  # service exiting can abort the stack (compose SIGINTs the just-started trainer; seen here).
   local log=$1 rc
   set +e
-  dc up --abort-on-container-exit --exit-code-from trainer 2>&1 | tee "$log" \
+  dc up 2>&1 | tee "$log" \
     | grep --line-buffered -E 'trainer-1 +\| (\[epoch=[0-9]+\]\[batch=[0-9]+/|Finished|Stopped|eventbus run: (resuming|error))|exited with code'
   rc=${PIPESTATUS[0]}
   set -e
