@@ -357,8 +357,8 @@ check_2_monitor() {
   grep -q "run $EVENTBUS_RUN_NAME .* live" <<<"$out" || fail "2 monitor: the frame does not show the live run: $out"
   grep -qE "daemons +4 connected" <<<"$out" || fail "2 monitor: the frame does not show the 4 daemons: $out"
   # Without a key, and with a key pair the trainer never saw: the CURVE handshake fails, so the
-  # monitor receives nothing at all. `eventbus monitor --once` then draws an empty frame and exits 0
-  # ("run ?", "trainer not answering"); `timeout` bounds it in case that changes.
+  # monitor receives nothing at all. `eventbus monitor --once` then draws an empty frame ("run ?",
+  # "trainer not answering") and exits 2 saying nothing arrived; `timeout` bounds it all the same.
   out=$(monitor_once -e EVENTBUS_CLIENT_SECRET_KEY= -e EVENTBUS_SERVER_PUBLIC_KEY= monitor \
         timeout 120 eventbus monitor --once tcp://trainer:5555) || true
   grep -q "$EVENTBUS_RUN_NAME" <<<"$out" && fail "2 monitor: a client without a key saw the run: $out"

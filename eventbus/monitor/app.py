@@ -134,8 +134,10 @@ async def _poll_trainer(subscriber: Any, tracker: Tracker, every: float = TRAINE
         await asyncio.sleep(every)
 
 
-async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float, once: bool) -> int:
-    """Follow the run at ``address`` until it ends or a signal arrives (``once``: draw one frame)."""
+async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float, once: bool,
+                 timeout: Optional[float] = None) -> int:
+    """Follow the run at ``address`` until it ends or a signal arrives (``once``: draw one frame);
+    ``timeout``: EventBusError when nothing at all arrived within that many seconds."""
     from eventbus.bus.subscribe.subscriber import Subscriber
 
     loop = asyncio.get_running_loop()
@@ -154,7 +156,7 @@ async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float
             if once:
                 return await _show_once(subscriber, tracker, screen, receive, stop)
             tasks.append(asyncio.create_task(_poll_trainer(subscriber, tracker)))
-            return await _follow(subscriber, tracker, screen, refresh, receive, stop, tasks)
+            return await _follow(subscriber, tracker, screen, refresh, receive, stop, tasks, timeout)
     finally:
         for task in tasks:
             task.cancel()
@@ -203,20 +205,35 @@ async def _show_once(subscriber: Any, tracker: Tracker, screen: _Screen, receive
         deadline = loop.time() + JOIN_WAIT
         while tracker.state is None and not receive.done() and not stop.is_set() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-    tracker.set_trainer_stats(await subscriber.trainer_stats())
+    stats = await subscriber.trainer_stats()
+    tracker.set_trainer_stats(stats)
     tracker.set_subscriber_stats(subscriber.stats())
     screen.draw(tracker.view(ascii_only=screen.ascii_only))
+    if tracker.state is None and stats is None:
+        raise EventBusError(_no_answer(subscriber.address))
     return 0
 
 
+def _no_answer(address: str, seconds: Optional[float] = None) -> str:
+    within = f" within {seconds:g}s" if seconds is not None else ""
+    return (f"no answer from a trainer at {address}{within} (nothing received: on a secured bus, a client key "
+            f"the trainer does not know, or none?)")
+
+
 async def _follow(subscriber: Any, tracker: Tracker, screen: _Screen, refresh: float, receive: asyncio.Task,
-                  stop: asyncio.Event, tasks: list[asyncio.Task]) -> int:
+                  stop: asyncio.Event, tasks: list[asyncio.Task], timeout: Optional[float] = None) -> int:
     """Redraw (at most every ``refresh`` seconds, and off a terminal only on news) until the run
-    ends or ``stop``; then the final frame. ``tasks``: where the stop waiter goes, to be cancelled."""
+    ends or ``stop``; then the final frame. ``tasks``: where the stop waiter goes, to be cancelled.
+    ``timeout``: give up when nothing at all has arrived by then (a secured bus that does not know
+    this client's key looks, from here, like a trainer that never speaks)."""
     stopper = asyncio.create_task(stop.wait())
     tasks.append(stopper)
     drawn = -1
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout if timeout is not None else None
     while not stop.is_set() and not receive.done():
+        if deadline is not None and tracker.state is None and not subscriber.header and loop.time() > deadline:
+            raise EventBusError(_no_answer(subscriber.address, timeout))
         tracker.set_subscriber_stats(subscriber.stats())
         if screen.interactive or tracker.version != drawn:
             drawn = tracker.version
@@ -288,9 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="redraw at most this often (default: 0.5)")
     parser.add_argument("--once", action="store_true",
                         help="print one plain-text frame after joining, then exit (exit code 2 when no trainer "
-                             "serves TARGET)")
+                             "serves TARGET, or nothing arrives from it)")
     parser.add_argument("--timeout", type=timeout_seconds, metavar="SECONDS",
-                        help="give up (exit code 2) when no trainer serves TARGET within SECONDS "
+                        help="give up (exit code 2) when no trainer serves TARGET, or nothing arrives from it, "
+                             "within SECONDS "
                              "(default: wait for one, saying so)")
     return parser
 
@@ -311,7 +329,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         interactive = not args.once and sys.stdout.isatty()
         if interactive:  # log lines would tear the screen: show them on it instead
             _log_to_dashboard(tracker)
-        return asyncio.run(_watch(target, tracker, _Screen(sys.stdout, interactive), args.refresh, args.once))
+        return asyncio.run(_watch(target, tracker, _Screen(sys.stdout, interactive), args.refresh, args.once,
+                                  args.timeout))
     except EventBusError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -93,3 +93,31 @@ async def test_a_key_added_to_the_allow_list_works_without_a_restart(tmp_path, k
     count, _ = await _receive(f"tcp://127.0.0.1:{port}", laptop, 2)
     assert count >= 3  # the run header, INIT, ... as a late joiner from the beginning
     trainer.close()
+
+
+def test_a_monitor_without_the_right_key_says_nothing_arrived_and_exits_2(tmp_path, keys):
+    """A secured bus gives a keyless (or unknown-key) client nothing, which looks like a silent trainer:
+    ``--once`` and ``--timeout`` say so in one line and exit 2 instead of drawing empty frames forever."""
+    port = free_port()
+    config = BusConfig(address=f"tcp://0.0.0.0:{port}", server_key=str(keys / "server.key_secret"),
+                       authorized_keys=str(keys / "authorized"))
+    trainer = Trainer(make_model(), make_loader(), max_duration="1ba", device="cpu", bus=config, run_name="secured")
+    address = f"tcp://127.0.0.1:{port}"
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("EVENTBUS_")}
+    with_keys = dict(plain, EVENTBUS_CLIENT_SECRET_KEY=str(keys / "client.key_secret"),
+                     EVENTBUS_SERVER_PUBLIC_KEY=str(keys / "server.key"))
+
+    def monitor(env, *args):
+        return subprocess.run([sys.executable, "-m", "eventbus", "monitor", *args, address], capture_output=True,
+                              text=True, timeout=120, env=dict(env, PYTHONPATH=str(REPO_ROOT)))
+
+    try:
+        for args in (["--once"], ["--timeout", "2"]):
+            refused = monitor(plain, *args)
+            assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+            assert "no answer from a trainer at" in refused.stderr and "Traceback" not in refused.stderr
+        admitted = monitor(with_keys, "--once")
+        assert admitted.returncode == 0, admitted.stderr
+        assert "secured" in admitted.stdout
+    finally:
+        trainer.close()
