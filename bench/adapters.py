@@ -29,6 +29,7 @@ from bench.models import loader, mlp
 
 SETUPS = ("alone", "bus", "daemons", "own")  # (a) (b) (c) (d)
 TRAINERS = ("lightning", "transformers", "composer")
+DAEMONS = ("logger", "timing", "checkpoint", "health")  # eventbus run's default daemons, in its order
 TARGETS = {"~1 ms": 0.90, "~30 ms": 0.98}  # (c)/(a) at least this; and (c) ahead of (d)
 
 
@@ -68,6 +69,7 @@ class _Warmup:
 
     def __init__(self) -> None:
         self.pids: list[int] = []
+        self.started: list[float] = []
         self.seconds = 0.0
         self.cpu = 0.0
 
@@ -83,7 +85,13 @@ class _Warmup:
             time.sleep(0.1)
             asleep = asleep + 1 if all(_stat(pid)[0] in "SX" for pid in self.pids) else 0
         self.seconds = time.perf_counter() - start
-        self.cpu = sum(_stat(pid)[1] for pid in self.pids) - cpu
+        self.started = [_stat(pid)[1] for pid in self.pids]
+        self.cpu = sum(self.started) - cpu
+
+    def cpu_since(self) -> list[float]:
+        """Each daemon's CPU seconds since the warm-up ended (read once the run has ended and the
+        bus's close has let them apply all of it)."""
+        return [_stat(pid)[1] - before for pid, before in zip(self.pids, self.started)]
 
 
 @contextlib.contextmanager
@@ -96,6 +104,7 @@ def _daemons(address: str, run_folder: pathlib.Path) -> Iterator[list[subprocess
     config = JobConfig()
     run_folder.mkdir(parents=True, exist_ok=True)
     children = []
+    assert tuple(config.daemons) == DAEMONS, config.daemons
     for name in config.daemons:
         command = daemon_command(name, address, run_folder, config) + (["--tensorboard"] if name == "logger" else [])
         log = open(run_folder / f"{name}.log", "w")
@@ -278,8 +287,12 @@ def _fit(trainer: str, shape: tuple[int, int, int], steps: int, folder: pathlib.
             warmup.pids = [child.pid for child in stack.enter_context(_daemons(f"ipc://{folder}/bus", folder))]
         times = RUNNERS[trainer](shape, steps, folder, setup, warmup)
         returned = time.perf_counter()
-    return {"steps_per_sec": _steps_per_sec(times), "end_s": returned - times[-1],
-            "warmup_s": warmup.seconds, "warmup_cpu_s": warmup.cpu, "daemons_exit_s": time.perf_counter() - returned}
+        daemon_cpu = warmup.cpu_since()
+    result = {"steps_per_sec": _steps_per_sec(times), "end_s": returned - times[-1], "warmup_s": warmup.seconds,
+              "warmup_cpu_s": warmup.cpu, "daemons_exit_s": time.perf_counter() - returned}
+    for name, seconds in zip(DAEMONS, daemon_cpu):  # per step after the warm-up, against the step's time
+        result[f"{name}_cpu_ms_per_step"] = 1000 * seconds / (len(times) - 1)
+    return result
 
 
 def _installed(trainer: str) -> bool:
@@ -321,19 +334,21 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
                          else "-", "yes" if met else "NO"))
             daemons = runs["daemons"]
             end_of_run = {s: median([f["end_s"] for f in v]) for s, v in runs.items()}
+            cpu = {name: median([f[f"{name}_cpu_ms_per_step"] for f in daemons]) for name in DAEMONS}
             ends.append((trainer, label, median([f["warmup_s"] for f in daemons]),
                          median([f["warmup_cpu_s"] for f in daemons]), end_of_run["alone"], end_of_run["bus"],
-                         end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons])))
+                         end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons]),
+                         " ".join(f"{cpu[n]:.2g}" for n in DAEMONS)))
             results.setdefault(trainer, {})[label] = {
                 "steps": steps, "steps_per_sec": steps_s, "ratios": ratios, "target_met": met,
-                "end_of_run_s": end_of_run, "fits": runs}
+                "end_of_run_s": end_of_run, "daemon_cpu_ms_per_step": cpu, "fits": runs}
     table(f"9. adapters: steps/s of the trainer alone (a) and ratios to it (medians); {_load()}",
           ["trainer", "step", "(a) steps/s", "ms/step", "(b) bus", "(c) daemons", "(d) own TB", "(d) own W&B",
            f"(c)>={'/'.join(f'{v}' for v in TARGETS.values())} & >(d)"], rows)
-    table("9. adapters: outside the measured steps (s): the daemons' warm-up from the first step, the end of "
-          "the run (last step to fit's return)",
-          ["trainer", "step", "(c) warm-up", "its daemon CPU", "end (a)", "end (b)", "end (c)", "(c) daemons exit"],
-          ends)
+    table("9. adapters: (c)'s daemons: warm-up from the first step and its CPU (s), the end of the run (last step "
+          "to fit's return, s), the daemons' CPU per step after the warm-up (ms)",
+          ["trainer", "step", "warm-up", "its CPU", "end (a)", "end (b)", "end (c)", "daemons exit",
+           "CPU/step: " + " ".join(DAEMONS)], ends)
     return results
 
 
@@ -448,7 +463,7 @@ def checkpoint_stall(quick: bool, root: pathlib.Path) -> dict[str, Any]:
     if not _installed("lightning"):
         return {}
     sizes = [10] if quick else [100, 1000]
-    saves = 3 if quick else 6
+    saves = 3 if quick else 4
     repeats = 1 if quick else 2
     rows, result = [], {}
     for size in sizes:
