@@ -10,7 +10,7 @@ import sys
 from bench.common import machine
 
 BENCHMARKS = ["publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "gpu", "daemons", "flood",
-              "stop_latency"]
+              "stop_latency", "adapters"]
 
 
 def main(argv=None) -> int:
