@@ -57,8 +57,10 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     if events:
         handled = frozenset(Event(e) for e in events) & handled if handled is not None else \
             frozenset(Event(e) for e in events)
+    print(f"eventbus worker: connecting to {address} (if no trainer is up yet, its next run is applied "
+          f"from its start)", file=sys.stderr, flush=True)
     async with Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
-                          journal=journal, follow=follow,
+                          journal=journal, follow=follow, reports_progress=True,
                           resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None,
                           ) as subscriber:
         stream = _Runs(subscriber, set(events) if events else None)
