@@ -142,8 +142,13 @@ class JournalStream:
         """The messages of the records from where the last read ended."""
         for record in reader.records(self._at):
             self._at = record.end
-            try:  # the whole payload is checked: a journal is a file anyone may have written
-                envelope = wire.decode(record.data, wire.MAX_MESSAGE_BYTES, check_payload=True)
+            try:
+                envelope = wire.decode(record.data, wire.MAX_MESSAGE_BYTES, check_payload=False)
+                if envelope.kind != Kind.EVENT:
+                    # What trackers write (metrics, the header's hyperparameters) is walked in full: a
+                    # journal is a file anyone may have written. Event snapshots are read key by key
+                    # through Snapshot; walking them too made decoding 3.5x slower (42 -> 148 us/record).
+                    wire.check_payload(envelope.payload)
                 why = unexportable(envelope)
             except ProtocolError as err:
                 why = str(err)
