@@ -57,12 +57,13 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     if events:
         handled = frozenset(Event(e) for e in events) & handled if handled is not None else \
             frozenset(Event(e) for e in events)
+    subscriber = Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
+                            journal=journal, follow=follow, reports_progress=True,
+                            resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None)
+    # After the arguments and keys were checked (a bad one is a one-line error, exit 2).
     print(f"eventbus worker: connecting to {address} (if no trainer is up yet, its next run is applied "
           f"from its start)", file=sys.stderr, flush=True)
-    async with Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
-                          journal=journal, follow=follow, reports_progress=True,
-                          resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None,
-                          ) as subscriber:
+    async with subscriber:
         stream = _Runs(subscriber, set(events) if events else None)
         while True:
             host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
