@@ -31,9 +31,19 @@ Nothing lost, nothing doubled, on two levels:
 
 Exit codes: 0 done; 1 the tracker failed (the cursor holds what it took:
 ``--resume`` later); 2 bad usage (unknown target, no journal); 3 the journal is
-damaged (every intact record was exported; one line says what was lost).
+damaged or holds records that cannot be exported (not valid messages, metrics
+that are not a map, a step that is not an integer): every other record was
+exported, and one line counts and names what was lost or skipped. A skipped
+record is never handed to the tracker, so ``--resume`` goes past it too.
 ``--follow`` polls the journal for new records (a live run) until the run's end
 message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed.
+
+Said, not failed (exit 0, one line each): values the tracker cannot hold (text
+in TensorBoard, a name MLflow rejects, a metric named ``step`` in metrics.jsonl),
+counted and named by the tracker; a journal read to its end whose run has no end
+message (cut short, the trainer died, or still running): where it ends. Neither
+is damage to the journal: the journal still holds the values, and what it holds
+was exported whole.
 """
 
 from __future__ import annotations
@@ -318,7 +328,13 @@ def export(options: ExportOptions) -> int:
               f"(continue with --resume)", file=sys.stderr, flush=True)
         return 0
     print(f"eventbus export: {summary}", file=sys.stderr, flush=True)
-    return _check(journal)
+    refused = getattr(target.destination, "refused", None)
+    if refused is not None and refused.summary() is not None:
+        print(f"eventbus export: {refused.summary()}", file=sys.stderr, flush=True)
+    unfinished = stream.unfinished()
+    if unfinished is not None:
+        print(f"eventbus export: {unfinished}", file=sys.stderr, flush=True)
+    return _check(journal, stream)
 
 
 def _following(seq: int) -> None:
@@ -326,11 +342,12 @@ def _following(seq: int) -> None:
           file=sys.stderr, flush=True)
 
 
-def _check(journal: pathlib.Path) -> int:
-    """3 with one line naming what the journal lost (as ``eventbus replay`` says it), else 0."""
-    damage = damage_summary(journal)
-    if damage is not None:
-        print(f"eventbus export: {journal}: {damage} (every intact record was exported)", file=sys.stderr)
+def _check(journal: pathlib.Path, stream: JournalStream) -> int:
+    """3 with one line naming what the journal lost or what could not be exported (as
+    ``eventbus replay`` says it), else 0."""
+    lost = [line for line in (damage_summary(journal), stream.skipped.summary()) if line is not None]
+    if lost:
+        print(f"eventbus export: {journal}: {'; '.join(lost)} (every other record was exported)", file=sys.stderr)
         return 3
     return 0
 

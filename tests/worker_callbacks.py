@@ -57,6 +57,22 @@ class PlateauStopper(Callback):
             state.stop_training("loss plateau seen by the worker")
 
 
+class EpochLog(Callback):
+    """The seed's RunEventMonitor (``run_event``, printing each epoch as it starts), writing the epochs
+    it saw to ``path`` when closed."""
+
+    def __init__(self, path: str):
+        self.path, self.epochs = path, []
+
+    def run_event(self, event: Event, state, logger):
+        if event == Event.EPOCH_START:
+            self.epochs.append(int(state.timestamp.epoch))
+
+    def close(self, state, logger):
+        with open(self.path, "w") as file:
+            json.dump(self.epochs, file)
+
+
 class EventCollector(Callback):
     def __init__(self):
         self.events = []

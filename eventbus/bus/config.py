@@ -41,6 +41,11 @@ class BusConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     checkpoint_close_timeout: float = 60.0
     drain_timeout: float = 30.0  # at close, how long live workers may take to catch up
+    # At close, a bus up for less than this keeps answering until it has been up this long before
+    # it looks for workers to wait for: a worker waiting for the trainer reconnects every 20 ms
+    # (subscribe.service_client.RECONNECT_MS) and is heard from by then, so a run shorter than this
+    # still waits for it. Costs a run that short this much at close, and nothing to a longer one.
+    join_grace: float = 0.5
     coalesce_seconds: float = 0.01  # the bus thread's batching window (adds at most this much latency)
     # What one client can make the request service hold or spend (above these: refused and counted).
     request_hwm: int = 64  # requests queued per client before ZeroMQ stops reading from it

@@ -40,6 +40,7 @@ from eventbus.errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
     "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of", "pack_payload",
+    "check_payload",
 ]
 
 PROTOCOL_VERSION = 1
@@ -189,6 +190,12 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool 
     if check_payload:
         _check_plain(payload, 1, "message payload")
     return Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), payload, links)
+
+
+def check_payload(payload: dict[str, Any]) -> None:
+    """The per-value walk :func:`decode` skips with ``check_payload=False``, for a payload read later
+    (ProtocolError if a key is not text, a value not plain, or it nests too deep)."""
+    _check_plain(payload, 1, "message payload")
 
 
 def encode_request(op: str, **fields: Any) -> bytes:

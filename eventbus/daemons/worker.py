@@ -18,7 +18,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus.bus.schema import Kind
-from eventbus.bus.subscribe.journal_stream import damage_summary, journal_messages
+from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
@@ -57,10 +57,13 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     if events:
         handled = frozenset(Event(e) for e in events) & handled if handled is not None else \
             frozenset(Event(e) for e in events)
-    async with Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
-                          journal=journal, follow=follow,
-                          resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None,
-                          ) as subscriber:
+    subscriber = Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
+                            journal=journal, follow=follow, reports_progress=True,
+                            resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None)
+    # After the arguments and keys were checked (a bad one is a one-line error, exit 2).
+    print(f"eventbus worker: connecting to {address} (if no trainer is up yet, its next run is applied "
+          f"from its start)", file=sys.stderr, flush=True)
+    async with subscriber:
         stream = _Runs(subscriber, set(events) if events else None)
         while True:
             host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
@@ -160,20 +163,26 @@ class _Runs:
 async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast: bool = False) -> int:
     """Run callbacks over a journal: a finished run, or a running run up to now.
 
-    Damaged records are skipped (the callbacks get every intact one); then one line on stderr names
-    the lost seqs and the exit code is 3. 1: stopped by ``fail_fast``; 0: every record was read."""
+    Damaged records and records that are not valid messages are skipped (the callbacks get every
+    other one); then one line on stderr names the lost seqs and the exit code is 3. 1: stopped by
+    ``fail_fast``; 0: every record was read. A journal whose run has no end message (cut short, or the
+    trainer died) is said in one line; that alone is not damage (exit 0)."""
     host = CallbackHost(callbacks, fail_fast=fail_fast)
     _install_signal_handlers(host)
+    stream = JournalStream(path)
     try:
-        await host.run(journal_messages(path))
+        await host.run(stream.messages())
     except EventBusError:
         raise
     except Exception as err:
         print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
         return 1
-    damage = damage_summary(path)
-    if damage is not None:
-        print(f"eventbus replay: {path}: {damage}", file=sys.stderr)
+    unfinished = stream.unfinished()
+    if unfinished is not None:
+        print(f"eventbus replay: {unfinished}", file=sys.stderr)
+    lost = [line for line in (damage_summary(path), stream.skipped.summary()) if line is not None]
+    if lost:
+        print(f"eventbus replay: {path}: {'; '.join(lost)}", file=sys.stderr)
         return 3
     return 0
 

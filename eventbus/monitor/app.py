@@ -250,10 +250,11 @@ async def _follow(subscriber: Any, tracker: Tracker, screen: _Screen, refresh: f
 
 async def _show_journal(path: pathlib.Path, tracker: Tracker, screen: _Screen) -> int:
     """A journal's run as of its last record: one plain frame."""
-    from eventbus.bus.subscribe.journal_stream import journal_messages
+    from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 
     tracker.journal_mode = True
-    async for message in journal_messages(path):
+    stream = JournalStream(path)
+    async for message in stream.messages():
         tracker.feed(message)
     tracker.source_note = f"journal {path} ({tracker.messages} messages)"
     screen.draw(tracker.view(ascii_only=screen.ascii_only))
@@ -261,6 +262,10 @@ async def _show_journal(path: pathlib.Path, tracker: Tracker, screen: _Screen) -
     view = tracker.view(ascii_only=True)
     print(f"eventbus monitor: showing run {view.run_name} (id {tracker.run_id}) from {path}", file=sys.stderr,
           flush=True)
+    # What the frame cannot show: the run's end missing from the journal, records it could not read.
+    for line in (stream.unfinished(), damage_summary(path), stream.skipped.summary()):
+        if line is not None:
+            print(f"eventbus monitor: {line}", file=sys.stderr, flush=True)
     return 0
 
 

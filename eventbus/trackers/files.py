@@ -10,6 +10,7 @@ from typing import Any, Optional, TextIO
 
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
+from eventbus.trackers.points import Refused
 
 __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
 
@@ -34,6 +35,7 @@ class MetricsFileLogger(LoggerDestination):
         self._held: Optional[set[int]] = None  # the steps the file had before this logger wrote to it
         self._file: Optional[TextIO] = None
         self.path: Optional[pathlib.Path] = None
+        self.refused = Refused("metrics.jsonl")  # a metric named "step" (the line's own key), a non-text key
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run. What a cursor restored belongs to an earlier run (a daemon's cursor outlives
@@ -90,7 +92,12 @@ class MetricsFileLogger(LoggerDestination):
         step = int(step or 0)
         if step in self._written:
             return
-        self._pending.setdefault(step, {}).update({k: to_number(v) for k, v in metrics.items()})
+        line = self._pending.setdefault(step, {})
+        for key, value in metrics.items():
+            if not isinstance(key, str) or key == "step":
+                self.refused.note(key, step, "the line's own step" if key == "step" else "a key that is not text")
+                continue
+            line[key] = to_number(value)
         newest = max(self._pending)
         for old in sorted(s for s in self._pending if s < newest - self.hold_steps):
             self._write(old)
@@ -136,9 +143,12 @@ def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
     with open(jsonl) as source:
         for line in source:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 continue
+            # A line this logger did not write (a torn one, an edited file) has no integer step: no row.
+            if isinstance(row, dict) and type(row.get("step")) is int:
+                rows.append(row)
     columns = ["step"] + sorted({key for row in rows for key in row} - {"step"})
     tmp = target.with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as out:

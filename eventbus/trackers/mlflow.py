@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
+import re
 import time
 from typing import Any, Optional
 
-from eventbus.core.logger import Logger, LoggerDestination, to_number
+from eventbus.core.logger import Logger, LoggerDestination
 from eventbus.trackers import run_folder
 from eventbus.trackers.outbox import Outbox
+from eventbus.trackers.points import Refused, scalars
 
 __all__ = ["MLflowLogger", "named_run"]
 
@@ -39,6 +42,7 @@ class MLflowLogger(LoggerDestination):
         self._run_id: Optional[str] = None
         self._present: dict[str, int] = {}  # key -> the last step the run held when it was opened
         self._held: dict[str, set[int]] = {}  # key -> its steps in the run before this logger sent it
+        self.refused = Refused("MLflow")  # values and names MLflow would reject: counted, never sent
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run. A cursor of an earlier run (a daemon's cursor outlives runs) may have restored
@@ -68,8 +72,7 @@ class MLflowLogger(LoggerDestination):
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         if self.run_name is None:
             return
-        points = {key.replace("@", "_"): float(v) for key, v in ((k, to_number(v)) for k, v in metrics.items())
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        points = scalars(metrics, int(step or 0), self.refused, metric_name)
         if points:
             self.outbox.put(["metrics", int(step or 0), points, int(time.time() * 1000)])
 
@@ -81,7 +84,8 @@ class MLflowLogger(LoggerDestination):
         if key not in self._held:
             client = self._client or self._connect()
             run_id = self._run_id or self._named_run_id(client)
-            history = client.get_metric_history(run_id, key.replace("@", "_")) if run_id else []
+            name = metric_name(key) if isinstance(key, str) else None
+            history = client.get_metric_history(run_id, name) if run_id and name else []
             self._held[key] = {int(m.step) for m in history}
         return self._held[key]
 
@@ -156,6 +160,21 @@ class MLflowLogger(LoggerDestination):
         experiment = client.get_experiment_by_name(self.experiment_name)
         run = named_run(client, experiment.experiment_id, self.run_name) if experiment is not None else None
         return run.info.run_id if run is not None else None
+
+
+_NAME = re.compile(r"[/\w.\- :]*")  # what MLflow accepts in a metric's name (its own rule, on POSIX)
+MAX_NAME = 250  # MLflow's longest key
+
+
+def metric_name(key: str) -> Optional[str]:
+    """The name ``key`` is stored under in MLflow ("@" becomes "_"), or None when MLflow would reject it
+    (a character it does not allow, a name that is not a plain path, too long): sending it would fail
+    every retry and every rerun of the export."""
+    name = key.replace("@", "_")
+    if (not name or len(name) > MAX_NAME or not _NAME.fullmatch(name)
+            or posixpath.normpath(name) != name or name.startswith(("/", ".."))):
+        return None
+    return name
 
 
 def named_run(client: Any, experiment_id: str, run_name: Optional[str]) -> Any:

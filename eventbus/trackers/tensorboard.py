@@ -15,8 +15,9 @@ import os
 import pathlib
 from typing import Any, Optional
 
-from eventbus.core.logger import Logger, LoggerDestination, to_number
+from eventbus.core.logger import Logger, LoggerDestination
 from eventbus.trackers import run_folder
+from eventbus.trackers.points import Refused, scalars
 
 __all__ = ["TensorBoardLogger", "written_points", "written_steps"]
 
@@ -32,6 +33,7 @@ class TensorBoardLogger(LoggerDestination):
         self._writer: Any = None
         self._written: dict[str, int] = {}  # tag -> the last step already in the folder's files
         self._held: Optional[dict[str, set[int]]] = None  # tag -> its steps in the folder before we wrote
+        self.refused = Refused("TensorBoard")  # values that are not numbers: counted, named, never written
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run: its own folder, whatever a cursor of an earlier run restored."""
@@ -88,9 +90,8 @@ class TensorBoardLogger(LoggerDestination):
         if self._writer is None:
             return
         step = int(step or 0)
-        for key, value in metrics.items():
-            value = to_number(value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and step > self._written.get(key, -1):
+        for key, value in scalars(metrics, step, self.refused).items():
+            if step > self._written.get(key, -1):
                 self._writer.add_scalar(key, value, global_step=step)
 
     def flush(self) -> None:

@@ -154,6 +154,7 @@ class _BusThread(threading.Thread):
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._monitors: list[zmq.Socket] = []  # disconnect events of the PUB and ROUTER sockets
+        self._bound_at = 0.0  # when the sockets were bound (time.monotonic)
 
     def start(self) -> None:
         super().start()
@@ -182,6 +183,7 @@ class _BusThread(threading.Thread):
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDTIMEO, 0)
         router.bind(self.publisher.service_address)
+        self._bound_at = time.monotonic()
         self._monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in (pub, router)]
         journal_path = self.publisher.journal_path
         journal = JournalWriter(journal_path, segment_bytes=self.config.journal_segment_bytes) if journal_path else None
@@ -284,6 +286,10 @@ class _BusThread(threading.Thread):
     def _drain_subscribers(self, poller: zmq.Poller) -> None:
         """Before the end of the run: let live workers apply everything and send back their last
         metrics (journaled and published before END), for at most ``drain_timeout`` seconds."""
+        # Workers that were waiting for this trainer connect within moments of the bind; a run this
+        # short would otherwise end before it knew them, and they would get none of it (join_grace).
+        while time.monotonic() < self._bound_at + self.config.join_grace:
+            self._serve_waiting(poller, 20)
         deadline = time.monotonic() + self.config.drain_timeout
         while time.monotonic() < deadline:
             behind = self._service.subscribers.behind(self._history)

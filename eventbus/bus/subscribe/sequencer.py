@@ -92,22 +92,23 @@ class Sequencer:
     def decode(self, frame: bytes) -> Optional[Decoded]:
         return decode(frame, self._max_bytes, self._stats)
 
-    def join(self, run_id: Optional[str], current: int) -> None:
+    def join(self, run_id: Optional[str], current: int, from_start: bool = False) -> None:
         """Track ``run_id``, whose latest seq is ``current``: continue after the resumed seq if
-        it is the resumed run, else from seq 1 (``start="beginning"``), else after ``current``."""
+        it is the resumed run, else from seq 1 (``start="beginning"``, or ``from_start``: a run
+        that began while this subscriber waited for it), else after ``current``."""
         self.run_id = run_id
         if self._resume is not None and self._resume[0] == run_id:
             self.next_seq = self._resume[1] + 1
-        elif self._start == "beginning":
+        elif self._start == "beginning" or from_start:
             self.next_seq = 1
         else:
             self.next_seq = current + 1
 
-    def admit(self, envelope: wire.Envelope) -> Optional[int]:
+    def admit(self, envelope: wire.Envelope, from_start: bool = False) -> Optional[int]:
         """Where a live message stands: None to drop it (a duplicate, or another run's message),
         else the first seq still missing before it (its own seq when there is no gap)."""
-        if not self.joined:
-            self.join(envelope.run_id, envelope.seq - 1)  # joined before any snapshot: the join point
+        if not self.joined:  # joined before any snapshot: the join point
+            self.join(envelope.run_id, envelope.seq - 1, from_start)
         if envelope.run_id != self.run_id and not self.switch_run(envelope.run_id):
             self._stats.protocol_errors += 1
             log.warning("message from another run (%s) ignored; following %s", envelope.run_id, self.run_id)

@@ -27,6 +27,10 @@ __all__ = ["ServiceClient", "SOCKET_SLACK"]
 # ZeroMQ drops a connection beyond MAXMSGSIZE; a little over the decoder's limit so that a
 # slightly oversized message is counted as a ProtocolError instead.
 SOCKET_SLACK = 64 * 1024
+# How often a socket tries again to reach a trainer that is not up (ZeroMQ's default: 100 ms, plus as
+# much again at random). A subscriber waiting for a trainer is heard from this soon after the trainer
+# binds: the trainer's close waits that long for such subscribers (``BusConfig.join_grace``).
+RECONNECT_MS = 20
 
 
 class ServiceClient:
@@ -210,6 +214,7 @@ class ServiceClient:
             self._keys.apply(dealer)
         dealer.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + SOCKET_SLACK)
         dealer.setsockopt(zmq.LINGER, 500)
+        dealer.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         dealer.connect(self.service_address)
         return dealer
 

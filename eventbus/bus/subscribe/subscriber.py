@@ -13,6 +13,14 @@ the latest message of every event kind, and the current seq. With
 ``sub.state`` already shows the run's current state; with ``start="beginning"``
 the whole run is replayed first.
 
+Waiting for a trainer (none answers yet): the subscriber asks again whenever it
+has been idle for a while, and the run that then answers is delivered from its
+first message, whatever ``start`` says: it began after the subscriber did, so
+all of it is new. A subscriber that ``reports_progress`` (a worker) also says so
+before it asks, and its request waits on the socket until a trainer binds: the
+trainer then knows it and waits for it at the end of the run, however short the
+run is (see ``BusConfig.join_grace``).
+
 Gaps (a seq missing because ZeroMQ dropped live messages for a slow reader, or
 because the subscriber joined before its subscription took effect) are filled
 from the replay service, or from the journal when the publisher is gone.
@@ -45,7 +53,7 @@ from eventbus.bus.subscribe.journal_source import JournalSource
 from eventbus.bus.subscribe.messages import Message, RunView
 from eventbus.bus.subscribe.recovery import GapFiller
 from eventbus.bus.subscribe.sequencer import Sequencer
-from eventbus.bus.subscribe.service_client import SOCKET_SLACK, ServiceClient
+from eventbus.bus.subscribe.service_client import RECONNECT_MS, SOCKET_SLACK, ServiceClient
 from eventbus.bus.subscribe.snapshot import Snapshot
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.core.events import Event
@@ -69,7 +77,8 @@ class Subscriber:
     address); None: the rank that answers. ``keys``: CURVE keys for a secured bus (by default
     from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY). ``gather``: seconds to let a
     burst arrive after its first message before taking it (0: take each message at once, at
-    a wake-up each).
+    a wake-up each). ``reports_progress``: this subscriber tells the trainer how far it has applied
+    the run (:meth:`progress`), and from the start: the trainer waits for it before ending a run.
     """
 
     def __init__(
@@ -90,6 +99,7 @@ class Subscriber:
         metrics: bool = True,
         receive_hwm: int = 100_000,
         gather: float = 0.002,
+        reports_progress: bool = False,
     ):
         if start not in ("latest", "beginning"):
             raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
@@ -120,6 +130,8 @@ class Subscriber:
         # After the first message of a burst, wait this long before taking what arrived: the trainer
         # publishes in 10 ms windows, and one wake-up per window costs a fraction of one per message.
         self._gather = gather
+        self._reports_progress = reports_progress
+        self._waited = False  # no trainer answered the first request: the run that comes is all new
 
     # ------------------------------------------------------------------ what is known of the run
 
@@ -169,6 +181,7 @@ class Subscriber:
         self._sub.setsockopt(zmq.MAXMSGSIZE, self._max_bytes + SOCKET_SLACK)
         self._sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         for topic in wire.topic_frames(self._topics) if self._topics is not None else [b""]:
             self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._sub.connect(self.address)  # before the snapshot request: the Clone pattern
@@ -187,11 +200,19 @@ class Subscriber:
         self._service.close()
 
     async def _join(self) -> None:
-        """Ask for the snapshot (header, latest message of each kind, current seq) and set the join point."""
+        """Ask for the snapshot (header, latest message of each kind, current seq) and set the join point.
+
+        Asked again while no trainer has answered (see :meth:`_receive_one`)."""
+        if self._reports_progress and self._sequencer.resumed_run is None:
+            # Queued on the socket ahead of the request: the first thing a trainer that binds hears
+            # from this worker is that it has applied nothing of the run yet, so it waits for it.
+            self._service.progress(0)
         frames = await self._service.request(Op.SNAPSHOT)
         if frames is None:
             # No publisher (not up yet, or the run is over): catch up from the journal if there is
-            # one; otherwise the first live message establishes the join point.
+            # one; otherwise a trainer answers a later request, or the first live message establishes
+            # the join point; either way this run started after this subscriber: from its start.
+            self._waited = True
             header = self._journal.catch_up()
             if header is not None:
                 self._view.header = header
@@ -204,7 +225,7 @@ class Subscriber:
             if item is not None:
                 self._view.absorb(item.envelope)
         current = int(reply.get("seq", 0))
-        self._sequencer.join(reply.get("run_id"), current)
+        self._sequencer.join(reply.get("run_id"), current, from_start=self._waited)
         first = self._sequencer.next_seq
         if first is not None and first <= current:
             await self._gaps.fill(first, current)
@@ -269,7 +290,10 @@ class Subscriber:
         (one await per batch instead of per message: most of a subscriber's cost otherwise)."""
         assert self._sub is not None, "use 'async with Subscriber(...)'"
         if not await self._sub.poll(self._idle_check * 1000):
-            await self._gaps.check_tail()
+            if not self._sequencer.joined:  # still waiting for a trainer: ask again
+                await self._join()
+            else:
+                await self._gaps.check_tail()
             return
         if self._gather > 0:
             await asyncio.sleep(self._gather)
@@ -288,7 +312,7 @@ class Subscriber:
         item = self._sequencer.decode(frame)
         if item is None or not self._is_my_rank(item.envelope.rank):
             return
-        first = self._sequencer.admit(item.envelope)
+        first = self._sequencer.admit(item.envelope, from_start=self._waited)
         if first is None:
             return
         if item.envelope.seq > first:

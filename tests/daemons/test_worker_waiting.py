@@ -1,0 +1,76 @@
+"""A worker started before a run sees all of it, however short: a real ``eventbus worker`` process
+waits for a trainer, then an in-process Trainer runs 40 tiny batches with no pause and closes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from eventbus import Trainer
+from tests.support import REPO_ROOT, bus_address, make_loader, make_model
+
+RUNS = 5  # the race is between the worker's connection and a run that is over almost at once
+BATCHES = 40
+
+
+def waiting_worker(folder, callback: str) -> subprocess.Popen:
+    """A worker process whose sockets are connecting to a bus nobody has bound yet."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(folder), "--callback", callback],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert worker.stderr is not None
+    for line in worker.stderr:  # the worker says when it connects; from then on it waits for a trainer
+        if "eventbus worker: connecting to" in line:
+            return worker
+    raise AssertionError(f"the worker exited before connecting (exit {worker.wait()})")
+
+
+def finish(worker: subprocess.Popen) -> str:
+    try:
+        _, rest = worker.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        _, rest = worker.communicate()
+        raise AssertionError(f"the worker never saw the run end: {rest[-2000:]}") from None
+    assert worker.returncode == 0, rest
+    return rest
+
+
+def tiny_run(folder, **kwargs) -> None:
+    trainer = Trainer(make_model(), make_loader(num_samples=BATCHES * 4, batch_size=4), max_duration=f"{BATCHES}ba",
+                      device="cpu", bus=bus_address(folder), run_folder=folder / "run", **kwargs)
+    trainer.fit()
+    trainer.close()
+
+
+def test_a_worker_waiting_for_the_trainer_applies_every_batch_of_a_tiny_run(tmp_path):
+    applied = []
+    for attempt in range(RUNS):
+        folder = tmp_path / f"run{attempt}"
+        folder.mkdir()
+        counts = folder / "counts.json"
+        worker = waiting_worker(folder, f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}')
+        tiny_run(folder, run_name=f"tiny{attempt}")
+        finish(worker)
+        seen = json.loads(counts.read_text())
+        applied.append((seen.get("init"), seen.get("batch_end"), seen.get("fit_end")))
+    assert applied == [(1, BATCHES, 1)] * RUNS
+
+
+def test_a_run_event_callback_waiting_for_the_trainer_sees_every_epoch(tmp_path):
+    """A callback written with ``run_event`` (it takes every event, like the seed's EpochMonitor)."""
+    seen_epochs = []
+    for attempt in range(RUNS):
+        folder = tmp_path / f"run{attempt}"
+        folder.mkdir()
+        out = folder / "epochs.json"
+        worker = waiting_worker(folder, f'tests.worker_callbacks:EpochLog:{{"path": "{out}"}}')
+        trainer = Trainer(make_model(), make_loader(num_samples=16, batch_size=4), max_duration="3ep",
+                          device="cpu", bus=bus_address(folder), run_folder=folder / "run")
+        trainer.fit()
+        trainer.close()
+        finish(worker)
+        seen_epochs.append(json.loads(out.read_text()))
+    assert seen_epochs == [[0, 1, 2]] * RUNS
