@@ -45,6 +45,7 @@ __all__ = ["build_parser", "main"]
 
 TRAINER_POLL = 2.0  # seconds between stats requests to the trainer
 JOIN_WAIT = 5.0  # seconds --once waits for a starting trainer's first event
+ONCE_DEADLINE = 20.0  # seconds --once may take in all before it says nothing answered
 
 
 # --------------------------------------------------------------------------- output
@@ -154,7 +155,11 @@ async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float
             receive = asyncio.create_task(_receive(subscriber, tracker))
             tasks.append(receive)
             if once:
-                return await _show_once(subscriber, tracker, screen, receive, stop)
+                try:  # a trainer that never answers (a key it does not know) must not hold --once
+                    return await asyncio.wait_for(_show_once(subscriber, tracker, screen, receive, stop),
+                                                  ONCE_DEADLINE)
+                except asyncio.TimeoutError:
+                    raise EventBusError(_no_answer(subscriber.address, ONCE_DEADLINE)) from None
             tasks.append(asyncio.create_task(_poll_trainer(subscriber, tracker)))
             return await _follow(subscriber, tracker, screen, refresh, receive, stop, tasks, timeout)
     finally:
