@@ -27,7 +27,10 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
     assert {"~1 ms", "~30 ms", "cpu_per_message_us"} <= set(by_name["daemons"])
     assert {"hello", "metrics", "multipart", "zmtp", "replay", "journal_complete"} <= set(by_name["flood"])
     assert by_name["flood"]["journal_complete"] is True
-    assert {"median_ms", "median_batches_after"} <= set(by_name["stop_latency"]["stop_latency"]["10ms"])
+    stop = by_name["stop_latency"]["stop_latency"]
+    assert set(stop) == {"1ms_step", "31ms_step"}
+    for case in stop.values():
+        assert {"median_batches_late", "max_batches_late", "median_ms"} <= set(case["window"]) & set(case["fast_path"])
     for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "5. GPU",
                   "6. daemons", "7. floods", "8. stop latency"):
         assert title in result.stdout
