@@ -31,6 +31,7 @@ VALID = {
                  "options": {"save_interval": "3ba"}},
     Op.CHECKPOINT_ACK: {"buffer": "/dev/shm/x", "path": "ep0-ba3.pt", "error": None, "batch": 3},
     Op.CHECKPOINT_FETCH: {"id": 5, "buffer": "/dev/shm/x"},
+    Op.HYPERPARAMETERS: {"hyperparameters": {"budget_seconds": 60, "sweep": {"id": "a1", "arms": [1, 2.5]}}},
 }
 
 WRONG_VALUES = [[1], {"a": 1}, "text", -1, 1.5, True, b"\x00" * 10, "x" * 5000, [[[[1]]]], None]
@@ -73,6 +74,20 @@ def test_unknown_ops_fields_and_missing_fields_are_refused():
         parse_request(request(Op.STOP, extra=1))
     with pytest.raises(ProtocolError, match="missing 'to'"):
         parse_request(request(Op.REPLAY, run_id="r", **{"from": 1}))
+
+
+@pytest.mark.parametrize("hyperparameters, problem", [
+    ({"a": {"b": {"c": {"d": {"e": 1}}}}}, "at most 4 deep"),
+    ({"a": [b"\x00"]}, "numbers, bools, strings"),
+    ({"a": {"k" * 201: 2}}, "keys must be strings of at most 200"),
+    ({"a": {1: 2}}, "not valid msgpack"),  # the wire refuses a map key that is not a string
+    ({f"k{i}": i for i in range(1001)}, "at most 1000 hyperparameters"),
+])
+def test_hyperparameters_are_plain_bounded_data(hyperparameters, problem):
+    with pytest.raises(ProtocolError, match=problem):
+        parse_request(request(Op.HYPERPARAMETERS, hyperparameters=hyperparameters))
+    with pytest.raises(ProtocolError, match="65536-byte limit"):
+        parse_request(request(Op.HYPERPARAMETERS, hyperparameters={f"k{i}": "x" * 900 for i in range(100)}))
 
 
 @pytest.mark.parametrize("interval", ["garbage", "2.0dur", "-1ep", "3it"])

@@ -86,6 +86,12 @@ class Snapshot:
         setattr_(self, "_fetch", fetch)
         setattr_(self, "_cache", {})
 
+    def with_header(self, header: dict[str, Any]) -> "Snapshot":
+        """The same state under a re-published header (hyperparameters logged during the run)."""
+        return Snapshot(run_id=self.run_id, rank=self.rank, seq=self.seq, event=self.event,
+                        wall_time=self.wall_time, mono_time=self.mono_time, header=header,
+                        payload=self._payload, control=self._control, fetch=self._fetch)
+
     def _cached(self, name: str, build: Callable[[], Any]) -> Any:
         if name not in self._cache:
             self._cache[name] = build()
