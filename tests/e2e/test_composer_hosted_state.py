@@ -114,11 +114,13 @@ def test_hosted_callbacks_hyperparameters_reach_every_logger_and_the_journal_onc
     dump = 'tests.e2e.fidelity_callbacks:HyperparameterDump:{"path": "{run_name}.hparams.json"}'
     # Two workers log the same values (as one restarted mid-run would log them again): once in the journal.
     workers = [_worker(tmp_path, trainer.publisher.address, spec, dump),
-               _worker(tmp_path, trainer.publisher.address, spec)]
+               _worker(tmp_path, trainer.publisher.address, spec),
+               Process(["-m", "workers.logger", "--connect", trainer.publisher.address, "--state-dir",
+                        str(tmp_path / "logger")], cwd=tmp_path)]  # the logger daemon
     try:
         for worker in workers:
             worker.wait_for("following", timeout=DEADLINE)
-        _wait_for(lambda: len(trainer.publisher.subscribers()) == 2, "both workers said hello", workers[0])
+        _wait_for(lambda: len(trainer.publisher.subscribers()) == 3, "every worker said hello", workers[0])
         _fit(trainer, *workers)
     finally:
         for worker in workers:
@@ -129,6 +131,9 @@ def test_hosted_callbacks_hyperparameters_reach_every_logger_and_the_journal_onc
     assert headers[0]["seed"] == 7  # merged into the run's own hyperparameters, which stay
     received = json.loads((tmp_path / "hparams.hparams.json").read_text())
     assert {key: received[key] for key in logged} == logged  # a hosted logger destination got them
+    # The logger daemon's hyperparameters.json: the run's, with what the callbacks logged merged in.
+    written = json.loads((trainer.run_folder / "hyperparameters.json").read_text())
+    assert {key: written[key] for key in logged} == logged and written["seed"] == 7
 
 
 def test_hosted_callback_reads_the_weights_as_they_were_at_each_evaluation(tmp_path):
