@@ -31,6 +31,7 @@ MAX_REPLAY_SPAN = 10_000  # seqs one replay request may ask for; the client asks
 MAX_METRICS = 1_000  # keys in one metrics request
 MAX_METRIC_KEY_CHARS = 200
 MAX_HYPERPARAMETER_DEPTH = 4  # nested maps and lists, as Composer's configs have them
+MAX_HEADER_HYPERPARAMETER_BYTES = 256 * 1024  # the run header's hyperparameters, as JSON, after subscribers' merges
 MAX_TTL_SECONDS = 300.0
 MAX_CALLBACKS = 100
 # A subscriber that may stop training leases ``stops``: the bus sends each BATCH_END at once, not

@@ -154,3 +154,31 @@ def test_the_run_waits_for_a_following_worker_still_on_a_crashed_run():
     assert table.behind(history) == []
     table.seen(parse_request(request(Op.PROGRESS, applied=4)))  # not following: its seq is all there is
     assert table.behind(history) == ["tester"]
+
+
+def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(tmp_path):
+    """The same hyperparameters sent again add nothing; many requests with new keys stop adding at
+    the header's bound, each refusal counted, and the run goes on."""
+    trainer = Trainer(make_model(), make_loader(num_samples=64, batch_size=8), max_duration="1ep",
+                      run_name="hparams", run_folder=tmp_path / "run")
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(trainer.publisher.service_address)
+    for _ in range(3):
+        dealer.send(wire.encode_request("hyperparameters", hyperparameters={"budget": {"seconds": 60}}))
+    for i in range(20):  # 20 x ~45 KB of new keys: more than the header may hold
+        dealer.send(wire.encode_request("hyperparameters", hyperparameters={f"k{i}-{j}": "x" * 900 for j in range(50)}))
+    deadline = time.monotonic() + 10
+    while trainer.publisher.stats().control_messages < 23 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    trainer.fit()
+    trainer.close()
+    dealer.close(linger=0)
+    context.term()
+    headers = [wire.decode(record).payload for record in read_journal(trainer.publisher.journal_path)
+               if wire.decode(record).kind == "header"]
+    with_budget = [h for h in headers if "budget" in h["hyperparameters"]]
+    assert with_budget[0]["hyperparameters"]["budget"] == {"seconds": 60}
+    assert len(headers) == 1 + 1 + 5  # the run's, the budget once, then five 45 KB merges fit in 256 KiB
+    assert trainer.publisher.stats().refused == {"hyperparameters too large": 15}
+    assert headers[-1]["hyperparameters"]["max_duration"] == "1ep"  # the run's own stay

@@ -15,6 +15,7 @@ recovers the gap from the replay service), and serves the ROUTER socket
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -350,15 +351,20 @@ class _BusThread(threading.Thread):
     def _publish_metrics(self, payload: dict[str, Any]) -> None:
         self._history.append(Kind.METRICS, None, time.time(), time.monotonic(), payload)  # sent by the caller
 
-    def _publish_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+    def _publish_hyperparameters(self, hyperparameters: dict[str, Any], limit: Optional[int] = None) -> bool:
         """Merge into the header and re-publish it, only when that changes something: the same values
-        logged again (a restarted worker's callback, the trainer's own) are in the journal once."""
+        logged again (a restarted worker's callback, the trainer's own) are in the journal once.
+        With ``limit`` (what subscribers send), a merge that would make the hyperparameters larger
+        than ``limit`` bytes as JSON is refused (False): each request is small, but many could add up."""
         current = dict(self._header.get("hyperparameters") or {})  # a copy: the trainer's dict stays its own
         if all(key in current and current[key] == value for key, value in hyperparameters.items()):
-            return
+            return True
         current.update(hyperparameters)
+        if limit is not None and len(json.dumps(current, default=str)) > limit:
+            return False
         self._header["hyperparameters"] = current
         self._history.append(Kind.HEADER, None, time.time(), time.monotonic(), resolve(self._header))
+        return True
 
     def _send(self) -> None:
         self._stats.published += self._history.flush_and_send(self._pub)

@@ -19,7 +19,14 @@ from typing import Any, Callable, Optional, Protocol
 import zmq
 
 from eventbus.bus import wire
-from eventbus.bus.protocol import MAX_REPLAY_REPLY_BYTES, MAX_REPLAY_SPAN, Op, Request, parse_request
+from eventbus.bus.protocol import (
+    MAX_HEADER_HYPERPARAMETER_BYTES,
+    MAX_REPLAY_REPLY_BYTES,
+    MAX_REPLAY_SPAN,
+    Op,
+    Request,
+    parse_request,
+)
 from eventbus.bus.publish.history import History
 from eventbus.bus.publish.leases import Leases
 from eventbus.errors import ProtocolError
@@ -113,11 +120,11 @@ class RequestService:
     def __init__(self, router: zmq.Socket, history: History, leases: Leases, stats: PublisherStats,
                  subscribers: SubscriberTable, publish_metrics: Callable[[dict[str, Any]], None],
                  staging: Optional[StagingArea], max_message_bytes: int,
-                 publish_hyperparameters: Optional[Callable[[dict[str, Any]], None]] = None):
+                 publish_hyperparameters: Optional[Callable[[dict[str, Any], Optional[int]], bool]] = None):
         self._router, self._history, self._leases = router, history, leases
         self._stats, self.subscribers = stats, subscribers
         self._publish_metrics = publish_metrics
-        self._publish_hyperparameters = publish_hyperparameters or (lambda hyperparameters: None)
+        self._publish_hyperparameters = publish_hyperparameters or (lambda hyperparameters, limit: False)
         self._staging = staging
         self._max_bytes = max_message_bytes
         self._logged: dict[str, tuple[float, int]] = {}  # refusal reason -> (last logged, refused since)
@@ -233,7 +240,9 @@ class RequestService:
         """Merged into the run header and re-published, once per content: a restarted worker sending
         the same values again changes nothing."""
         self._stats.control_messages += 1
-        self._publish_hyperparameters(request.get("hyperparameters"))
+        if not self._publish_hyperparameters(request.get("hyperparameters"), MAX_HEADER_HYPERPARAMETER_BYTES):
+            self._refuse(route, "hyperparameters too large", f"hyperparameters from {_peer(route, request)} "
+                         f"refused: the run's would exceed {MAX_HEADER_HYPERPARAMETER_BYTES} bytes")
 
     def _capture(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1
