@@ -33,12 +33,24 @@ class NoOpBatchEnd(Callback):
 
 
 class StopAt(Callback):
-    """Asks the trainer to stop at BATCH_END of ``batch``, after logging when it asked (wall clock)."""
+    """Asks the trainer to stop at BATCH_END of ``batch``, after logging when it asked (wall clock).
+    ``fast=False`` declares it a non-stopper, so the bus keeps its batching window (the baseline)."""
 
-    def __init__(self, batch: int = 100):
+    def __init__(self, batch: int = 100, fast: bool = True):
         self.batch = batch
+        self.stops_training = fast
 
     def batch_end(self, state, logger):
         if int(state.timestamp.batch) == self.batch:
             logger.log_metrics({"bench/stop_requested_at": time.time()})
             state.stop_training("the stop-latency benchmark")
+
+
+class Pace(Callback):
+    """In the trainer: makes each step last at least ``seconds`` (a stand-in for a bigger model)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def before_forward(self, state, logger):
+        time.sleep(self.seconds)

@@ -27,7 +27,10 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
     assert {"~1 ms", "~30 ms", "cpu_per_message_us"} <= set(by_name["daemons"])
     assert {"hello", "metrics", "multipart", "zmtp", "replay", "journal_complete"} <= set(by_name["flood"])
     assert by_name["flood"]["journal_complete"] is True
-    assert {"median_ms", "median_batches_after"} <= set(by_name["stop_latency"]["stop_latency"]["10ms"])
+    stop = by_name["stop_latency"]["stop_latency"]
+    assert set(stop) == {"1ms_step", "31ms_step"}
+    for case in stop.values():
+        assert {"median_batches_late", "max_batches_late", "median_ms"} <= set(case["window"]) & set(case["fast_path"])
     adapters = by_name["adapters"]
     assert {"lightning", "transformers", "composer"} <= set(adapters["steps_per_sec"])
     assert {"bus/alone", "daemons/alone", "own/alone"} <= set(adapters["steps_per_sec"]["lightning"]["~1 ms"]["ratios"])

@@ -21,7 +21,8 @@ from eventbus.errors import ConfigError, ProtocolError
 
 __all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
-           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE"]
+           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE",
+           "WEIGHTS_EVENTS"]
 
 MAX_SOURCE_CHARS = 100
 MAX_REASON_CHARS = 1_000
@@ -29,9 +30,17 @@ MAX_PATH_CHARS = 4_096
 MAX_REPLAY_SPAN = 10_000  # seqs one replay request may ask for; the client asks again for more
 MAX_METRICS = 1_000  # keys in one metrics request
 MAX_METRIC_KEY_CHARS = 200
+MAX_HYPERPARAMETER_DEPTH = 4  # nested maps and lists, as Composer's configs have them
+MAX_HEADER_HYPERPARAMETER_BYTES = 256 * 1024  # the run header's hyperparameters, as JSON, after subscribers' merges
 MAX_TTL_SECONDS = 300.0
 MAX_CALLBACKS = 100
-CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint"})
+# A subscriber that may stop training leases ``stops``: the bus sends each BATCH_END at once, not
+# at the end of its batching window, so a hosted stopper's request lands about as soon as in process.
+STOPS_LEASE = "stops"
+# ``weights``: the model's state_dict, staged at WEIGHTS_EVENTS for ``state.model.state_dict()`` in a worker.
+WEIGHTS_LEASE = "weights"
+WEIGHTS_EVENTS = ("eval_end", "epoch_end", "fit_end")  # where a leased trainer stages its weights
+CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint", STOPS_LEASE, WEIGHTS_LEASE})
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024
 CHECKPOINT_OPTIONS = frozenset({"save_interval"})
 
@@ -50,10 +59,11 @@ class Op(str, enum.Enum):
     CAPTURE = "capture"  # lease a costly capture (grad norms, memory, flops, checkpoints)
     CHECKPOINT_ACK = "checkpoint_ack"  # a staged checkpoint buffer was written; it may be reused
     CHECKPOINT_FETCH = "checkpoint_fetch"  # send a staged checkpoint buffer (worker on another host)
+    HYPERPARAMETERS = "hyperparameters"  # hyperparameters a subscriber-side callback logged, re-published once
 
 
 # A metrics request is journaled and re-published: its size bounds what a client can add per request.
-MAX_REQUEST_BYTES = {Op.METRICS: 64 * 1024, Op.HELLO: 32 * 1024}
+MAX_REQUEST_BYTES = {Op.METRICS: 64 * 1024, Op.HELLO: 32 * 1024, Op.HYPERPARAMETERS: 64 * 1024}
 # ZeroMQ drops a client that sends a larger frame before the bus thread reads any of it.
 LARGEST_REQUEST_BYTES = max(DEFAULT_MAX_REQUEST_BYTES, *MAX_REQUEST_BYTES.values())
 MAX_REPLAY_REPLY_BYTES = 256 * 1024  # one replay reply carries at most this much; the client asks for the rest
@@ -129,6 +139,33 @@ def _metrics(value: Any) -> Optional[str]:
     return None
 
 
+def _hyperparameters(value: Any) -> Optional[str]:
+    if not isinstance(value, dict) or len(value) > MAX_METRICS:
+        return f"must be a map of at most {MAX_METRICS} hyperparameters"
+    return _plain(value, MAX_HYPERPARAMETER_DEPTH)
+
+
+def _plain(value: Any, depth: int) -> Optional[str]:
+    """None when ``value`` is plain data (numbers, bools, strings, and maps/lists of them) nested at
+    most ``depth`` deep; the request's byte limit bounds the rest."""
+    if value is None or type(value) in (int, float, bool, str):
+        return None
+    if depth <= 0 or not isinstance(value, (dict, list)):
+        return f"must hold numbers, bools, strings, and maps or lists of them, at most " \
+               f"{MAX_HYPERPARAMETER_DEPTH} deep"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or len(key) > MAX_METRIC_KEY_CHARS:
+                return f"keys must be strings of at most {MAX_METRIC_KEY_CHARS} characters"
+            if (problem := _plain(item, depth - 1)) is not None:
+                return problem
+        return None
+    for item in value:
+        if (problem := _plain(item, depth - 1)) is not None:
+            return problem
+    return None
+
+
 def _options(value: Any) -> Optional[str]:
     if not isinstance(value, dict):
         return "must be a map"
@@ -191,6 +228,7 @@ SCHEMAS: dict[Op, dict[str, Field]] = {
                         "error": Field(_text(MAX_REASON_CHARS, optional=True)),
                         "batch": Field(_int(0))},
     Op.CHECKPOINT_FETCH: {"buffer": Field(_text(MAX_PATH_CHARS), required=True)},
+    Op.HYPERPARAMETERS: {"hyperparameters": Field(_hyperparameters, required=True)},
 }
 
 

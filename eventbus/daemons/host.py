@@ -11,7 +11,9 @@ receiving, unless ``fail_fast`` is set. At the end of the stream (or on
 
 Logged metrics: a hosted callback's ``logger.log_metrics`` goes to the trainer
 over the control channel and comes back as a ``metrics`` message, which hosted
-LoggerDestinations receive like every other logged metric.
+LoggerDestinations receive like every other logged metric. Its
+``logger.log_hyperparameters`` goes to the trainer too, which merges them into
+the run header and re-publishes it once: every destination gets them.
 
 Messages reach a callback's thread without a round trip through the event loop:
 whatever queued up while it was busy is taken in one wake-up, so a fast
@@ -45,6 +47,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
+from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import LiveState, calling_callback
 from eventbus.bus.subscribe.subscriber import Message
@@ -52,7 +55,8 @@ from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, is_logger_destination
 
-__all__ = ["CallbackHost", "Cursor", "declare_captures", "subscription"]
+__all__ = ["CallbackHost", "Cursor", "declare_captures", "may_stop_training", "reads_weights",
+           "subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,37 @@ def declare_captures(callback: Any) -> None:
         callback.capture_interval = 1
 
 
+def may_stop_training(callback: Any) -> bool:
+    """Whether a hosted callback may call ``state.stop_training()``: it says so (``stops_training``,
+    or ``stops`` in its ``captures``), or its class's own code calls it (Composer's EarlyStopper,
+    ThresholdStopper, a wall-clock budget). The worker then leases ``stops``, so BATCH_END reaches
+    it without waiting for the bus's batching window."""
+    declared = getattr(callback, "stops_training", None)
+    if isinstance(declared, bool):
+        return declared
+    return STOPS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "stop_training")
+
+
+def reads_weights(callback: Any) -> bool:
+    """Whether a hosted callback reads ``state.model.state_dict()`` (a best-weights saver): it
+    declares ``weights`` in its ``captures``, or its class's own code calls ``model.state_dict``.
+    The worker then leases ``weights``: the trainer stages them at EVAL_END, EPOCH_END, FIT_END."""
+    return WEIGHTS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "model.state_dict")
+
+
+def _in_source(callback: Any, text: str) -> bool:
+    """``text`` appears in the code of the callback's class or a base class (not eventbus's Callback)."""
+    for cls in type(callback).__mro__:
+        if cls in (Callback, object) or cls.__module__ in ("builtins", "abc"):
+            continue
+        try:
+            if text in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):  # no source (compiled, interactive): only a declaration tells
+            continue
+    return False
+
+
 def _takes_metrics(callback: Any) -> bool:
     """A logger destination (eventbus's or Composer's) that does something with logged metrics."""
     method = getattr(type(callback), "log_metrics", None)
@@ -146,9 +181,10 @@ def _takes_metrics(callback: Any) -> bool:
 class _SubscriberLogger(Logger):
     """A Logger whose state is the hosted callback's current snapshot and whose metrics go to the trainer."""
 
-    def __init__(self, send: Any, source: str):
+    def __init__(self, send: Any, source: str, send_hyperparameters: Any = None):
         super().__init__(state=None, destinations=())  # type: ignore[arg-type]
         self._send, self._source = send, source
+        self._send_hyperparameters = send_hyperparameters
         self._journal: Optional[str] = None  # the run whose folder ``artifacts_folder`` is in
 
     @property
@@ -174,7 +210,12 @@ class _SubscriberLogger(Logger):
         self._send(dict(metrics), step, self._source)
 
     def log_hyperparameters(self, hyperparameters: Any) -> None:
-        log.info("hyperparameters logged by %s (not forwarded): %s", self._source, hyperparameters)
+        """To the trainer, which merges them into the run header: every logger destination (hosted
+        ones get the header, the logger daemon too) and the journal get them once, as in Composer."""
+        if self._send_hyperparameters is None:
+            log.info("hyperparameters logged by %s (nowhere to send them): %s", self._source, hyperparameters)
+            return
+        self._send_hyperparameters(dict(hyperparameters), self._source)
 
 
 class _Call:
@@ -196,11 +237,12 @@ class _Call:
 class _Slot:
     """One hosted callback: its inbox, its thread (or task), its logger, its place in the stream."""
 
-    def __init__(self, callback: Callback, name: str, send_metrics: Any, queue_size: int):
+    def __init__(self, callback: Callback, name: str, send_metrics: Any, queue_size: int,
+                 send_hyperparameters: Any = None):
         self.callback = callback
         self.name = name
         self.queue_size = queue_size
-        self.logger = _SubscriberLogger(send_metrics, name)
+        self.logger = _SubscriberLogger(send_metrics, name, send_hyperparameters)
         self.state: Any = None  # the snapshot of the message being applied...
         self.live = LiveState()  # ...as the callback sees it: one object for the run, as in Composer
         self.skip_through = 0  # seqs at or below were applied before a restart
@@ -234,11 +276,11 @@ class CallbackHost:
     """Dispatches a Message stream to callbacks; ``run`` returns when the stream ends or ``stop()``."""
 
     def __init__(self, callbacks: Sequence[Callback], *, send_metrics: Any = None, fail_fast: bool = False,
-                 cursor: Optional[Cursor] = None, queue_size: int = 10_000):
+                 cursor: Optional[Cursor] = None, queue_size: int = 10_000, send_hyperparameters: Any = None):
         send = send_metrics or (lambda metrics, step, source: log.info("metrics from %s: %s", source, metrics))
         names = [type(cb).__name__ for cb in callbacks]
         self.slots = [
-            _Slot(cb, name if names.count(name) == 1 else f"{name}#{i}", send, queue_size)
+            _Slot(cb, name if names.count(name) == 1 else f"{name}#{i}", send, queue_size, send_hyperparameters)
             for i, (cb, name) in enumerate(zip(callbacks, names))
         ]
         for callback in callbacks:

@@ -77,15 +77,25 @@ class MetricsFileLogger(LoggerDestination):
         return self._held
 
     def holds_hyperparameters(self) -> bool:
-        """``hyperparameters.json`` exists: the first hyperparameters logged for the run are kept."""
-        return self.folder is not None and (pathlib.Path(self.folder) / "hyperparameters.json").exists()
+        """False: ``hyperparameters.json`` is merged by content, so logging the same ones again
+        (a restarted logger) doubles nothing, and those a worker's callback adds later are kept."""
+        return False
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self.folder is None or not hyperparameters or self.holds_hyperparameters():
+        if self.folder is None or not hyperparameters:
             return
         path = pathlib.Path(self.folder) / "hyperparameters.json"
+        try:
+            held = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:  # torn by a crash mid-write (it is replaced whole below)
+            held = {}
+        merged = dict(held, **json.loads(json.dumps(hyperparameters, default=str)))
+        if merged == held:
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(hyperparameters, indent=2, sort_keys=True, default=str))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(merged, indent=2, sort_keys=True))
+        os.replace(tmp, path)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._open()

@@ -31,6 +31,7 @@ VALID = {
                  "options": {"save_interval": "3ba"}},
     Op.CHECKPOINT_ACK: {"buffer": "/dev/shm/x", "path": "ep0-ba3.pt", "error": None, "batch": 3},
     Op.CHECKPOINT_FETCH: {"id": 5, "buffer": "/dev/shm/x"},
+    Op.HYPERPARAMETERS: {"hyperparameters": {"budget_seconds": 60, "sweep": {"id": "a1", "arms": [1, 2.5]}}},
 }
 
 WRONG_VALUES = [[1], {"a": 1}, "text", -1, 1.5, True, b"\x00" * 10, "x" * 5000, [[[[1]]]], None]
@@ -73,6 +74,20 @@ def test_unknown_ops_fields_and_missing_fields_are_refused():
         parse_request(request(Op.STOP, extra=1))
     with pytest.raises(ProtocolError, match="missing 'to'"):
         parse_request(request(Op.REPLAY, run_id="r", **{"from": 1}))
+
+
+@pytest.mark.parametrize("hyperparameters, problem", [
+    ({"a": {"b": {"c": {"d": {"e": 1}}}}}, "at most 4 deep"),
+    ({"a": [b"\x00"]}, "numbers, bools, strings"),
+    ({"a": {"k" * 201: 2}}, "keys must be strings of at most 200"),
+    ({"a": {1: 2}}, "not valid msgpack"),  # the wire refuses a map key that is not a string
+    ({f"k{i}": i for i in range(1001)}, "at most 1000 hyperparameters"),
+])
+def test_hyperparameters_are_plain_bounded_data(hyperparameters, problem):
+    with pytest.raises(ProtocolError, match=problem):
+        parse_request(request(Op.HYPERPARAMETERS, hyperparameters=hyperparameters))
+    with pytest.raises(ProtocolError, match="65536-byte limit"):
+        parse_request(request(Op.HYPERPARAMETERS, hyperparameters={f"k{i}": "x" * 900 for i in range(100)}))
 
 
 @pytest.mark.parametrize("interval", ["garbage", "2.0dur", "-1ep", "3it"])
@@ -139,3 +154,31 @@ def test_the_run_waits_for_a_following_worker_still_on_a_crashed_run():
     assert table.behind(history) == []
     table.seen(parse_request(request(Op.PROGRESS, applied=4)))  # not following: its seq is all there is
     assert table.behind(history) == ["tester"]
+
+
+def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(tmp_path):
+    """The same hyperparameters sent again add nothing; many requests with new keys stop adding at
+    the header's bound, each refusal counted, and the run goes on."""
+    trainer = Trainer(make_model(), make_loader(num_samples=64, batch_size=8), max_duration="1ep",
+                      run_name="hparams", run_folder=tmp_path / "run")
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(trainer.publisher.service_address)
+    for _ in range(3):
+        dealer.send(wire.encode_request("hyperparameters", hyperparameters={"budget": {"seconds": 60}}))
+    for i in range(20):  # 20 x ~45 KB of new keys: more than the header may hold
+        dealer.send(wire.encode_request("hyperparameters", hyperparameters={f"k{i}-{j}": "x" * 900 for j in range(50)}))
+    deadline = time.monotonic() + 10
+    while trainer.publisher.stats().control_messages < 23 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    trainer.fit()
+    trainer.close()
+    dealer.close(linger=0)
+    context.term()
+    headers = [wire.decode(record).payload for record in read_journal(trainer.publisher.journal_path)
+               if wire.decode(record).kind == "header"]
+    with_budget = [h for h in headers if "budget" in h["hyperparameters"]]
+    assert with_budget[0]["hyperparameters"]["budget"] == {"seconds": 60}
+    assert len(headers) == 1 + 1 + 5  # the run's, the budget once, then five 45 KB merges fit in 256 KiB
+    assert trainer.publisher.stats().refused == {"hyperparameters too large": 15}
+    assert headers[-1]["hyperparameters"]["max_duration"] == "1ep"  # the run's own stay

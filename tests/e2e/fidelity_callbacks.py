@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from composer.core import Callback
+from composer.loggers import InMemoryLogger
 
 
 class MetricOrder(Callback):
@@ -25,3 +26,63 @@ class MetricOrder(Callback):
     def fit_end(self, state: Any, logger: Any) -> None:
         with open(self.path.replace("{run_name}", str(state.run_name)), "w") as file:
             json.dump(self.orders, file)
+
+
+class StopAtBatch(Callback):
+    """Stops training at BATCH_END of ``batch`` (a budget running out), as a user's stopper would."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        if int(state.timestamp.batch) == self.batch:
+            state.stop_training()
+
+
+class LogsHyperparameters(Callback):
+    """Logs its own settings as hyperparameters at FIT_START (as a sweep or budget callback does)."""
+
+    def __init__(self, hyperparameters: dict[str, Any]):
+        self.hyperparameters = hyperparameters
+
+    def fit_start(self, state: Any, logger: Any) -> None:
+        logger.log_hyperparameters(self.hyperparameters)
+
+
+class HyperparameterDump(InMemoryLogger):
+    """Composer's InMemoryLogger that writes the hyperparameters it received as JSON when closed."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def close(self, state: Any, logger: Any) -> None:
+        if self.state is not None:
+            with open(self.path.replace("{run_name}", str(self.state.run_name)), "w") as file:
+                json.dump(self.hyperparameters, file)
+
+
+class WeightsAtEval(Callback):
+    """Keeps ``state.model.state_dict()`` at each EVAL_END (what a best-weights saver keeps) and tries it
+    at the first BATCH_END too; writes both with torch.save at FIT_END."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.weights: dict[int, Any] = {}
+        self.at_batch_end: Any = None
+
+    def eval_end(self, state: Any, logger: Any) -> None:
+        self.weights[int(state.timestamp.batch)] = {k: v.clone() for k, v in state.model.state_dict().items()}
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        if self.at_batch_end is None:
+            try:
+                self.at_batch_end = sorted(state.model.state_dict())
+            except Exception as err:  # out of process no weights are staged at BATCH_END: say why
+                self.at_batch_end = f"{type(err).__name__}: {err}"
+
+    def fit_end(self, state: Any, logger: Any) -> None:
+        import torch
+
+        torch.save({"weights": self.weights, "at_batch_end": self.at_batch_end},
+                   self.path.replace("{run_name}", str(state.run_name)))

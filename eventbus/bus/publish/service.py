@@ -6,6 +6,7 @@ an invalid one is counted as a protocol error, logged with the peer that sent
 it, and dropped. A handler that fails is counted and logged too: nothing a
 client sends can stop the bus thread or reach the training thread except as a
 validated stop request or capture lease.
+(Metrics and hyperparameters a subscriber sends are journaled and re-published, bounded.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from typing import Any, Callable, Optional, Protocol
 import zmq
 
 from eventbus.bus import wire
-from eventbus.bus.protocol import MAX_REPLAY_REPLY_BYTES, MAX_REPLAY_SPAN, Op, Request, parse_request
+from eventbus.bus.protocol import (
+    MAX_HEADER_HYPERPARAMETER_BYTES,
+    MAX_REPLAY_REPLY_BYTES,
+    MAX_REPLAY_SPAN,
+    Op,
+    Request,
+    parse_request,
+)
 from eventbus.bus.publish.history import History
 from eventbus.bus.publish.leases import Leases
 from eventbus.errors import ProtocolError
@@ -111,10 +119,12 @@ class RequestService:
 
     def __init__(self, router: zmq.Socket, history: History, leases: Leases, stats: PublisherStats,
                  subscribers: SubscriberTable, publish_metrics: Callable[[dict[str, Any]], None],
-                 staging: Optional[StagingArea], max_message_bytes: int):
+                 staging: Optional[StagingArea], max_message_bytes: int,
+                 publish_hyperparameters: Optional[Callable[[dict[str, Any], Optional[int]], bool]] = None):
         self._router, self._history, self._leases = router, history, leases
         self._stats, self.subscribers = stats, subscribers
         self._publish_metrics = publish_metrics
+        self._publish_hyperparameters = publish_hyperparameters or (lambda hyperparameters, limit: False)
         self._staging = staging
         self._max_bytes = max_message_bytes
         self._logged: dict[str, tuple[float, int]] = {}  # refusal reason -> (last logged, refused since)
@@ -123,7 +133,7 @@ class RequestService:
             Op.HELLO: self._ignore, Op.PROGRESS: self._ignore, Op.STATS: self._stats_reply,
             Op.SNAPSHOT: self._snapshot, Op.REPLAY: self._replay, Op.PING: self._ping, Op.STOP: self._stop,
             Op.METRICS: self._metrics, Op.CAPTURE: self._capture, Op.CHECKPOINT_ACK: self._checkpoint_ack,
-            Op.CHECKPOINT_FETCH: self._checkpoint_fetch,
+            Op.CHECKPOINT_FETCH: self._checkpoint_fetch, Op.HYPERPARAMETERS: self._hyperparameters,
         }
 
     def serve(self, frames: list[bytes]) -> None:
@@ -225,6 +235,14 @@ class RequestService:
         self._stats.control_messages += 1
         self._publish_metrics({"metrics": request.get("metrics"), "step": request.get("step"),
                                "source": request.source or "subscriber"})
+
+    def _hyperparameters(self, route: list[bytes], request: Request) -> None:
+        """Merged into the run header and re-published, once per content: a restarted worker sending
+        the same values again changes nothing."""
+        self._stats.control_messages += 1
+        if not self._publish_hyperparameters(request.get("hyperparameters"), MAX_HEADER_HYPERPARAMETER_BYTES):
+            self._refuse(route, "hyperparameters too large", f"hyperparameters from {_peer(route, request)} "
+                         f"refused: the run's would exceed {MAX_HEADER_HYPERPARAMETER_BYTES} bytes")
 
     def _capture(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1

@@ -68,6 +68,8 @@ class RunView:
         """Update the header or the current snapshot from a message; returns the snapshot."""
         if envelope.kind == Kind.HEADER:
             self.header = envelope.payload
+            if self.state is not None:  # re-published mid-run: what follows sees its hyperparameters
+                self.state = self.state.with_header(self.header)
             return self.state
         if envelope.kind == Kind.EVENT:
             self.state = self._snapshot(envelope, envelope.event, envelope.payload)

@@ -125,6 +125,10 @@ class ServiceClient:
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
         self.send(Op.METRICS, metrics=plain, step=step, source=source or self.identity)
 
+    def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:
+        self.send(Op.HYPERPARAMETERS, hyperparameters={str(k): _plain_data(v) for k, v in hyperparameters.items()},
+                  source=source or self.identity)
+
     def hello(self, stats: dict[str, Any], callbacks: Sequence[str] = (), applied: Optional[int] = None,
               topics: Optional[Sequence[str]] = None, run_id: Optional[str] = None) -> None:
         extra: dict[str, Any] = {"applied": applied} if applied is not None else {}
@@ -222,3 +226,16 @@ class ServiceClient:
 def _plain_number(value: Any) -> Any:
     item = getattr(value, "item", None)
     return item() if item is not None else value
+
+
+def _plain_data(value: Any, depth: int = 4) -> Any:
+    """Hyperparameters as the protocol carries them: numbers, bools, strings, maps and lists of
+    them; anything else (a tensor's number aside) as its ``str``, and deeper nesting as text."""
+    value = _plain_number(value)
+    if value is None or type(value) in (int, float, bool, str):
+        return value
+    if depth > 1 and isinstance(value, dict):
+        return {str(k): _plain_data(v, depth - 1) for k, v in value.items()}
+    if depth > 1 and isinstance(value, (list, tuple)):
+        return [_plain_data(v, depth - 1) for v in value]
+    return str(value)

@@ -86,6 +86,12 @@ class Snapshot:
         setattr_(self, "_fetch", fetch)
         setattr_(self, "_cache", {})
 
+    def with_header(self, header: dict[str, Any]) -> "Snapshot":
+        """The same state under a re-published header (hyperparameters logged during the run)."""
+        return Snapshot(run_id=self.run_id, rank=self.rank, seq=self.seq, event=self.event,
+                        wall_time=self.wall_time, mono_time=self.mono_time, header=header,
+                        payload=self._payload, control=self._control, fetch=self._fetch)
+
     def _cached(self, name: str, build: Callable[[], Any]) -> Any:
         if name not in self._cache:
             self._cache[name] = build()
@@ -162,8 +168,11 @@ class Snapshot:
     def model(self) -> ModelView:
         """Parameters (names, shapes, dtypes from the header) with ``.grad`` norms where captured."""
         model = self.header.get(Key.MODEL) or {}
+        staged = self._payload.get(Key.WEIGHTS)
+        weights = (lambda: self._cached("weights", lambda: StagedCheckpoint(staged, None, self._fetch).load())) \
+            if isinstance(staged, dict) else None
         return self._cached("model", lambda: named_view(ModelView, model.get("class"))(
-            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu"))
+            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu", weights))
 
     @property
     def optimizers(self) -> list[OptimizerView]:

@@ -240,6 +240,11 @@ class Subscriber:
         """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
         self._service.log_metrics(metrics, step, source)
 
+    def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:
+        """Send hyperparameters to the trainer, which merges them into the run header and re-publishes
+        it (once: the same values again change nothing), so every logger and the journal get them."""
+        self._service.log_hyperparameters(hyperparameters, source)
+
     def hello(self, callbacks: Sequence[str] = (), applied: Optional[int] = None,
               run_id: Optional[str] = None) -> None:
         """A heartbeat with this subscriber's stats; the trainer's ``stats`` request reports it."""
