@@ -6,6 +6,7 @@ speaks the request protocol, as any local user could.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -13,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from eventbus import BusConfig
+from eventbus import BusConfig, Subscriber
 from eventbus.bus import wire
 from eventbus.bus.proxy import RankProxy
 from eventbus.bus.publish.leases import Leases
@@ -200,3 +201,22 @@ def test_checkpoints_skipped_for_want_of_a_worker_are_reported_once_per_ten_seco
     # 16 batches, the first staged and held: at least 14 skipped (FIT_END waits for a buffer instead).
     assert len(lines) <= 1 + int(elapsed // 10)
     assert trainer.publisher.stats().protocol_errors == 0
+
+
+async def test_a_subscriber_without_keys_says_why_its_stop_did_nothing(tmp_path, caplog):
+    """stop is one-way: the subscriber reads the trainer's refusal with its next reply and logs it."""
+    trainer = make_trainer(tmp_path, bus=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="eventbus.bus.subscribe.service_client"):
+            async with Subscriber(trainer.publisher.address, request_timeout=5.0) as sub:
+                sub.stop_training("from a keyless subscriber")
+                for _ in range(1000):  # the stop is sent by this loop: wait here without blocking it
+                    if trainer.publisher.stats().refused.get("needs authentication") == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                assert await sub.trainer_stats() is not None  # the refusal is read on the way to this reply
+        refusals = [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
+        assert len(refusals) == 1 and "stop needs an authenticated client" in refusals[0]
+        assert not trainer.publisher.wants_stop()
+    finally:
+        trainer.close()
