@@ -28,7 +28,8 @@ class BusConfig:
     ``tcp://127.0.0.1:PORT``); None binds ``ipc://<run folder>/bus``. The
     request service (snapshot, replay, control) listens on
     ``service_address_for(address)``: the next TCP port, or the ipc path plus
-    ``.ctl``.
+    ``.ctl``. On tcp without ``server_key``/``authorized_keys`` any local user
+    can connect, so clients there are read-only (:func:`is_trusted_endpoint`).
     """
 
     address: Optional[str] = None
