@@ -273,8 +273,9 @@ def _run_proxy(args: argparse.Namespace) -> int:
     print(f"eventbus proxy: {len(ranks)} ranks on {args.bind} (requests on {proxy.service_address})",
           file=sys.stderr, flush=True)
     proxy.run()
-    print(f"eventbus proxy: stopped; {proxy.forwarded_requests} requests forwarded, {proxy.bad_requests} refused",
-          file=sys.stderr, flush=True)
+    refused = proxy.bad_requests + proxy.refused_requests
+    print(f"eventbus proxy: stopped; {proxy.forwarded_requests} requests forwarded, {refused} refused "
+          f"({proxy.refused_requests} needed an authenticated client)", file=sys.stderr, flush=True)
     return 0
 
 

@@ -15,7 +15,7 @@ from eventbus.bus import wire
 from eventbus.errors import ConfigError
 
 __all__ = ["BusConfig", "service_address_for", "address_for_rank", "advertised", "check_bindable",
-           "default_address"]
+           "default_address", "is_trusted_endpoint"]
 
 _MAX_IPC_PATH = 100  # the kernel's sun_path limit is 107 bytes
 
@@ -28,7 +28,8 @@ class BusConfig:
     ``tcp://127.0.0.1:PORT``); None binds ``ipc://<run folder>/bus``. The
     request service (snapshot, replay, control) listens on
     ``service_address_for(address)``: the next TCP port, or the ipc path plus
-    ``.ctl``.
+    ``.ctl``. On tcp without ``server_key``/``authorized_keys`` any local user
+    can connect, so clients there are read-only (:func:`is_trusted_endpoint`).
     """
 
     address: Optional[str] = None
@@ -122,6 +123,14 @@ def primary_ip() -> str:
             return str(probe.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+def is_trusted_endpoint(address: str, secured: bool) -> bool:
+    """Whether every client of a socket bound at ``address`` is authenticated: CURVE (``secured``: the
+    handshake let in only allowed keys) or ipc (the socket file is owner-only, in the private run
+    folder). A tcp socket without keys, or an abstract ``ipc://@name`` one (no file, no permissions),
+    may be reached by any local user: read-only requests only."""
+    return secured or (address.startswith("ipc://") and not address.startswith("ipc://@"))
 
 
 def check_bindable(address: str, secured: bool) -> None:

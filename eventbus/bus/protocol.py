@@ -22,7 +22,7 @@ from eventbus.errors import ConfigError, ProtocolError
 __all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
            "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE",
-           "WEIGHTS_EVENTS"]
+           "WEIGHTS_EVENTS", "NEEDS_TRUST", "untrusted_refusal"]
 
 MAX_SOURCE_CHARS = 100
 MAX_REASON_CHARS = 1_000
@@ -60,6 +60,22 @@ class Op(str, enum.Enum):
     CHECKPOINT_ACK = "checkpoint_ack"  # a staged checkpoint buffer was written; it may be reused
     CHECKPOINT_FETCH = "checkpoint_fetch"  # send a staged checkpoint buffer (worker on another host)
     HYPERPARAMETERS = "hyperparameters"  # hyperparameters a subscriber-side callback logged, re-published once
+
+
+# What only an authenticated client may ask: anything that changes the run (stop, leases that make
+# the trainer capture or stage, metrics journaled as the run's) or reads its staged state (checkpoint
+# fetch). A client is authenticated when the service socket it reached is trusted: CURVE (every
+# client got through the handshake with an allowed key) or ipc (the run folder's permissions).
+# Everything else is read-only: hello and progress are heartbeats that update one bounded entry of the
+# subscriber table (what ``eventbus status`` shows; progress holds the run's end for at most
+# BusConfig.drain_timeout), so a keyless logger or monitor still works and is waited for.
+NEEDS_TRUST = frozenset({Op.STOP, Op.METRICS, Op.HYPERPARAMETERS, Op.CAPTURE, Op.CHECKPOINT_ACK, Op.CHECKPOINT_FETCH})
+
+
+def untrusted_refusal(op: str) -> str:
+    """The error a keyless tcp client gets for an operation in :data:`NEEDS_TRUST`."""
+    return (f"{op} needs an authenticated client: CURVE keys (eventbus keys generate) "
+            "or the run's ipc address")
 
 
 # A metrics request is journaled and re-published: its size bounds what a client can add per request.

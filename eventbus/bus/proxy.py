@@ -12,6 +12,11 @@ default 0) through one DEALER per rank, keeping the client's identity in front,
 and returns the reply to that client. Snapshot replies are marked
 ``via_proxy`` so that a subscriber asks for the other ranks here too.
 
+The proxy is the ranks' client, so it passes on its own clients' trust only
+where it has the same: a proxy bound on tcp without CURVE keys forwards only the
+read-only requests and answers the others (stop, capture, metrics, checkpoint
+fetch and ack) with the error a keyless client gets from a rank.
+
 The ranks are read from rank 0's run header; the proxy waits for rank 0.
 """
 
@@ -26,7 +31,8 @@ from typing import Any, Optional
 import zmq
 
 from eventbus.bus import wire
-from eventbus.bus.config import check_bindable, service_address_for
+from eventbus.bus.config import check_bindable, is_trusted_endpoint, service_address_for
+from eventbus.bus.protocol import NEEDS_TRUST, untrusted_refusal
 from eventbus.bus.security import ClientKeys, ServerKeys
 from eventbus.errors import ConfigError, ProtocolError
 
@@ -76,6 +82,9 @@ class RankProxy:
         self._stopping = threading.Event()
         self.forwarded_requests = 0
         self.bad_requests = 0
+        self.refused_requests = 0  # needed an authenticated client, and this proxy's clients are not
+        self._trusted = is_trusted_endpoint(self.service_address, server_keys is not None)
+        self._needs_trust = frozenset(op.value for op in NEEDS_TRUST)
 
     def _socket(self, kind: int, server: bool) -> zmq.Socket:
         sock = self._context.socket(kind)
@@ -139,7 +148,7 @@ class RankProxy:
                 for sock, _ in poller.poll(100):
                     frames = sock.recv_multipart(copy=False)
                     if sock is router:
-                        self._to_rank(frames, dealers)
+                        self._to_rank(frames, dealers, router)
                     else:
                         self._to_client(frames, router, by_socket[sock])
         finally:
@@ -147,12 +156,20 @@ class RankProxy:
             for dealer in dealers.values():
                 dealer.close(linger=0)
 
-    def _to_rank(self, frames: list[zmq.Frame], dealers: dict[int, zmq.Socket]) -> None:
+    def _to_rank(self, frames: list[zmq.Frame], dealers: dict[int, zmq.Socket], router: zmq.Socket) -> None:
         try:
             request = wire.decode_request(frames[-1].bytes, self._max_request_bytes)
         except ProtocolError as err:
             self.bad_requests += 1
             log.warning("bad request ignored: %s", err)
+            return
+        op = request.get("op")
+        if op in self._needs_trust and not self._trusted:
+            self.refused_requests += 1
+            if self.refused_requests == 1 or self.refused_requests % 1000 == 0:  # a flood logs little
+                log.warning("%s request refused (%d so far): %s", op, self.refused_requests, untrusted_refusal(op))
+            reply = wire.encode_request(op, id=request.get("id"), error=untrusted_refusal(op))
+            router.send_multipart([*(frame.bytes for frame in frames[:-1]), reply])
             return
         rank = request.get("rank", 0)
         if rank not in dealers:

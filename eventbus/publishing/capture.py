@@ -46,6 +46,7 @@ _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEF
 # next BATCH_START too (one capture per batch instead of two).
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
 _PLAIN = (int, float, bool, str, type(None))
+_SKIPPED_REPORT_SECONDS = 10.0  # skipped checkpoints are reported (log line and metric) at most this often
 
 
 def _is_hyperparameter(value: Any) -> bool:
@@ -156,6 +157,8 @@ class EventCapture(EventSink):
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
         self._last_train_values: Any = None  # the trainer replaces the dict whenever it computes them
+        self._skipped_reported = -_SKIPPED_REPORT_SECONDS  # monotonic time of the last report
+        self._skipped_since = 0  # checkpoints skipped since that report, not yet reported
 
     def announce_checkpoint(self, staged: Staged) -> None:
         """A checkpoint the trainer staged itself (a Lightning ``CheckpointIO`` save): it rides on the next
@@ -343,9 +346,18 @@ class EventCapture(EventSink):
         return Staged({"shards": descriptors, "rank": 0, **meta}) if self.publisher.rank == 0 else None
 
     def _report_skipped(self, batch: int) -> None:
-        log.warning(
-            "checkpoint at batch %d skipped: the checkpoint worker has not finished the previous ones", batch)
-        self.log_metrics({"checkpoint/skipped": batch})
+        """At most one log line and one metric per ``_SKIPPED_REPORT_SECONDS``, with how many were
+        skipped since: a save_interval faster than the worker (or a lease with no worker behind it)
+        must not turn every batch into a log line and a journaled message."""
+        self._skipped_since += 1
+        now = time.monotonic()
+        if now - self._skipped_reported < _SKIPPED_REPORT_SECONDS:
+            return
+        count, self._skipped_since, self._skipped_reported = self._skipped_since, 0, now
+        more = f" ({count} checkpoints skipped since the last such line)" if count > 1 else ""
+        log.warning("checkpoint at batch %d skipped: the checkpoint worker has not finished the previous ones%s",
+                    batch, more)
+        self.log_metrics({"checkpoint/skipped": batch, "checkpoint/skipped_count": count})
 
     def _checkpoint_is_due(self, event: Event, state: CaptureSource) -> bool:
         wanted = self.leases.checkpoint_options.get("save_interval", "1ep")

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from eventbus import Callback
+from eventbus import BusConfig, Callback
 from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
+from eventbus.bus.security import generate_keys
 from tests.support import bus_address, free_port, make_trainer
 from workers.checkpoint import CheckpointSaver
 
@@ -152,12 +153,19 @@ def test_in_process_saver_writes_on_the_training_thread(tmp_path):
 
 
 def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spawn):
-    """--transfer fetch: the worker never maps the trainer's shared memory; bytes come over tcp."""
+    """--transfer fetch: the worker never maps the trainer's shared memory; bytes come over tcp, to a
+    worker with CURVE keys (on tcp, only an authenticated client may lease or fetch checkpoints)."""
     watcher = WeightsAt()
     port = free_port()
-    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[watcher], bus=f"tcp://127.0.0.1:{port}")
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    bus = BusConfig(address=f"tcp://127.0.0.1:{port}", server_key=str(keys / "server.key_secret"),
+                    authorized_keys=str(keys / "authorized"))
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[watcher], bus=bus)
     worker = spawn("-m", "workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
-                   "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"))
+                   "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"),
+                   env={"EVENTBUS_CLIENT_SECRET_KEY": str(keys / "client.key_secret"),
+                        "EVENTBUS_SERVER_PUBLIC_KEY": str(keys / "server.key")})
     worker.wait_for("following")
     wait_for_lease(trainer)
     trainer.fit()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from eventbus import AllRanks, Event
+from eventbus.bus.security import generate_keys
 from tests.support import REPO_ROOT, bus_address, free_port
 from tests.training.test_trainer_events import fit_counts
 
@@ -106,7 +107,16 @@ def test_two_ranks_with_the_three_daemons_and_a_monitor(tmp_path, spawn):
         assert again["losses"] == ranks[rank]["losses"][8:]
 
 
-def test_a_proxy_gives_one_address_for_all_ranks(tmp_path, spawn):
+def test_a_proxy_gives_one_address_for_all_ranks(tmp_path, spawn, monkeypatch):
+    # Steering over tcp needs an authenticated client: the ranks, the proxy, the worker and this test's
+    # subscriber take CURVE keys from the environment (the ranks serve on ports port and port + 2).
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    for name, value in {"EVENTBUS_SERVER_SECRET_KEY": keys / "server.key_secret",
+                        "EVENTBUS_AUTHORIZED_KEYS": keys / "authorized",
+                        "EVENTBUS_CLIENT_SECRET_KEY": keys / "client.key_secret",
+                        "EVENTBUS_SERVER_PUBLIC_KEY": keys / "server.key"}.items():
+        monkeypatch.setenv(name, str(value))
     port = free_port()
     trainer = torchrun(tmp_path, tmp_path / "out", f"tcp://127.0.0.1:{port}", wait_for="viaproxy")
     proxy_port = free_port()

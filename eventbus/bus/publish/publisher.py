@@ -33,6 +33,7 @@ from eventbus.bus.config import (
     advertised,
     check_bindable,
     default_address,
+    is_trusted_endpoint,
     service_address_for,
 )
 from eventbus.bus.journal import JOURNAL_NAME, JournalWriter
@@ -185,6 +186,8 @@ class _BusThread(threading.Thread):
         router.setsockopt(zmq.SNDTIMEO, 0)
         router.bind(self.publisher.service_address)
         self._bound_at = time.monotonic()
+        for address in (self.publisher.address, self.publisher.service_address):
+            _owner_only(address)
         self._monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in (pub, router)]
         journal_path = self.publisher.journal_path
         journal = JournalWriter(journal_path, segment_bytes=self.config.journal_segment_bytes) if journal_path else None
@@ -210,7 +213,8 @@ class _BusThread(threading.Thread):
                                 self.config.replay_cache_bytes)
         self._service = RequestService(self._router, self._history, publisher.leases, self._stats,
                                        self._subscribers, self._publish_metrics, publisher.staging,
-                                       self.config.max_message_bytes, self._publish_hyperparameters)
+                                       self.config.max_message_bytes, self._publish_hyperparameters,
+                                       trusted=is_trusted_endpoint(publisher.service_address, self._keys is not None))
         self._emit(Kind.HEADER, None, resolve(self._header))
         self._started.set()
         try:
@@ -379,3 +383,11 @@ class _BusThread(threading.Thread):
 
 def _is_batch_end(record: Record) -> bool:
     return isinstance(record, EventRecord) and record.event == "batch_end"
+
+
+def _owner_only(address: str) -> None:
+    """An ipc socket file that only its owner may connect to (connecting needs write permission):
+    local trust on ipc rests on this, and on the run folder's 0700, also for an ipc address given
+    outside the run folder."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: abstract, no file
+        os.chmod(address[len("ipc://"):], 0o600)

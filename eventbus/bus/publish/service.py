@@ -7,6 +7,11 @@ it, and dropped. A handler that fails is counted and logged too: nothing a
 client sends can stop the bus thread or reach the training thread except as a
 validated stop request or capture lease.
 (Metrics and hyperparameters a subscriber sends are journaled and re-published, bounded.)
+
+Operations that change the run or read its staged state
+(:data:`eventbus.bus.protocol.NEEDS_TRUST`) are answered only on a trusted
+socket (ipc, or CURVE); elsewhere they get an error reply saying what they need,
+are counted under "needs authentication" and logged at most once per 10 s.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from eventbus.bus.protocol import (
     MAX_HEADER_HYPERPARAMETER_BYTES,
     MAX_REPLAY_REPLY_BYTES,
     MAX_REPLAY_SPAN,
+    NEEDS_TRUST,
     Op,
     Request,
     parse_request,
+    untrusted_refusal,
 )
 from eventbus.bus.publish.history import History
 from eventbus.bus.publish.leases import Leases
@@ -120,13 +127,17 @@ class RequestService:
     def __init__(self, router: zmq.Socket, history: History, leases: Leases, stats: PublisherStats,
                  subscribers: SubscriberTable, publish_metrics: Callable[[dict[str, Any]], None],
                  staging: Optional[StagingArea], max_message_bytes: int,
-                 publish_hyperparameters: Optional[Callable[[dict[str, Any], Optional[int]], bool]] = None):
+                 publish_hyperparameters: Optional[Callable[[dict[str, Any], Optional[int]], bool]] = None, *,
+                 trusted: bool):
+        """``trusted``: every client of ``router`` is authenticated (an ipc socket in the private run
+        folder, or CURVE); otherwise only read-only operations are answered."""
         self._router, self._history, self._leases = router, history, leases
         self._stats, self.subscribers = stats, subscribers
         self._publish_metrics = publish_metrics
         self._publish_hyperparameters = publish_hyperparameters or (lambda hyperparameters, limit: False)
         self._staging = staging
         self._max_bytes = max_message_bytes
+        self._trusted = trusted
         self._logged: dict[str, tuple[float, int]] = {}  # refusal reason -> (last logged, refused since)
         self._silenced: dict[bytes, float] = {}  # clients that do not read their replies -> refused until
         self._handlers: dict[Op, Handler] = {
@@ -155,6 +166,14 @@ class RequestService:
         if request.rank is not None and request.rank != rank:
             self._refuse(route, "wrong rank",
                          f"a {request.op.value} request for rank {request.rank} reached rank {rank}")
+            return
+        if request.op in NEEDS_TRUST and not self._trusted:
+            refusal = untrusted_refusal(request.op.value)
+            self._refuse(route, "needs authentication", f"a {request.op.value} request refused: {refusal}")
+            try:  # told why, so that a worker or `eventbus stop` says so instead of waiting
+                self._reply(route, request.op, request, error=refusal)
+            except zmq.ZMQError:
+                pass  # it does not read its replies, or left: it was counted and refused all the same
             return
         self.subscribers.seen(request)
         try:

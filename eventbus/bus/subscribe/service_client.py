@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
@@ -23,6 +24,8 @@ from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError, TransferError
 
 __all__ = ["ServiceClient", "SOCKET_SLACK"]
+
+log = logging.getLogger(__name__)
 
 # ZeroMQ drops a connection beyond MAXMSGSIZE; a little over the decoder's limit so that a
 # slightly oversized message is counted as a ProtocolError instead.
@@ -58,6 +61,7 @@ class ServiceClient:
         self._dealer: Optional[zmq.asyncio.Socket] = None
         self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
         self._turn = asyncio.Lock()
+        self._refusals_logged: set[str] = set()  # errors answered to one-way messages, each logged once
 
     def connect(self, context: zmq.asyncio.Context) -> None:
         """Open the request socket; from the event loop that will use it."""
@@ -98,6 +102,16 @@ class ServiceClient:
                 continue
             if reply.get("id") == request_id:
                 return [frames[0], *frames[1:]]
+            self._note_refusal(reply)
+
+    def _note_refusal(self, reply: dict[str, Any]) -> None:
+        """A one-way message (stop, metrics, capture) the trainer refused, e.g. from a client without
+        keys on tcp: say why once, instead of the lease or stop silently never happening."""
+        error = reply.get("error")
+        if reply.get("id") is None and isinstance(error, str) and error not in self._refusals_logged \
+                and len(self._refusals_logged) < 16:
+            self._refusals_logged.add(error)
+            log.warning("the trainer at %s refused a request: %s", self.service_address, error[:300])
 
     async def trainer_stats(self) -> Optional[dict[str, Any]]:
         """The publisher's counters and the subscribers it heard from recently; None if it does not answer."""
