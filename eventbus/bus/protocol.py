@@ -21,8 +21,7 @@ from eventbus.errors import ConfigError, ProtocolError
 
 __all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
-           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE",
-           "WEIGHTS_EVENTS", "NEEDS_TRUST", "untrusted_refusal"]
+           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "NEEDS_TRUST", "untrusted_refusal"]
 
 MAX_SOURCE_CHARS = 100
 MAX_REASON_CHARS = 1_000
@@ -37,10 +36,7 @@ MAX_CALLBACKS = 100
 # A subscriber that may stop training leases ``stops``: the bus sends each BATCH_END at once, not
 # at the end of its batching window, so a hosted stopper's request lands about as soon as in process.
 STOPS_LEASE = "stops"
-# ``weights``: the model's state_dict, staged at WEIGHTS_EVENTS for ``state.model.state_dict()`` in a worker.
-WEIGHTS_LEASE = "weights"
-WEIGHTS_EVENTS = ("eval_end", "epoch_end", "fit_end")  # where a leased trainer stages its weights
-CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint", STOPS_LEASE, WEIGHTS_LEASE})
+CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint", STOPS_LEASE})
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024
 CHECKPOINT_OPTIONS = frozenset({"save_interval"})
 

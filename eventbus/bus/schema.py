@@ -45,7 +45,6 @@ class Key:
     MEMORY: Final = "memory"  # torch.cuda.memory_stats()
     BATCH_FLOPS: Final = "batch_flops"
     CHECKPOINT: Final = "checkpoint"  # a staged checkpoint's descriptor
-    WEIGHTS: Final = "weights"  # the model's staged state_dict at this event (a ``weights`` lease), or absent
     # Run header: what does not change during a run, sent once.
     MODEL: Final = "model"  # {"class": name, "params": [[name, shape, dtype, requires_grad]]}
     EVALUATORS: Final = "evaluators"  # [[label, [metric name]]]

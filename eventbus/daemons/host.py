@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
-from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_LEASE
+from eventbus.bus.protocol import STOPS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import LiveState, calling_callback
 from eventbus.bus.subscribe.subscriber import Message
@@ -55,8 +55,7 @@ from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, is_logger_destination
 
-__all__ = ["CallbackHost", "Cursor", "declare_captures", "may_stop_training", "reads_weights",
-           "subscription"]
+__all__ = ["CallbackHost", "Cursor", "declare_captures", "may_stop_training", "subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -149,23 +148,13 @@ def may_stop_training(callback: Any) -> bool:
     declared = getattr(callback, "stops_training", None)
     if isinstance(declared, bool):
         return declared
-    return STOPS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "stop_training")
-
-
-def reads_weights(callback: Any) -> bool:
-    """Whether a hosted callback reads ``state.model.state_dict()`` (a best-weights saver): it
-    declares ``weights`` in its ``captures``, or its class's own code calls ``model.state_dict``.
-    The worker then leases ``weights``: the trainer stages them at EVAL_END, EPOCH_END, FIT_END."""
-    return WEIGHTS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "model.state_dict")
-
-
-def _in_source(callback: Any, text: str) -> bool:
-    """``text`` appears in the code of the callback's class or a base class (not eventbus's Callback)."""
+    if STOPS_LEASE in (getattr(callback, "captures", None) or ()):
+        return True
     for cls in type(callback).__mro__:
         if cls in (Callback, object) or cls.__module__ in ("builtins", "abc"):
             continue
         try:
-            if text in inspect.getsource(cls):
+            if "stop_training" in inspect.getsource(cls):
                 return True
         except (OSError, TypeError):  # no source (compiled, interactive): only a declaration tells
             continue

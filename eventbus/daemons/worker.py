@@ -17,13 +17,13 @@ import signal
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
-from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_LEASE
+from eventbus.bus.protocol import STOPS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
-from eventbus.daemons.host import CallbackHost, Cursor, may_stop_training, reads_weights, subscription
+from eventbus.daemons.host import CallbackHost, Cursor, may_stop_training, subscription
 from eventbus.errors import EventBusError
 
 __all__ = ["run_worker", "replay_journal", "bus_status"]
@@ -107,8 +107,6 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
             intervals[name] = min(intervals.get(name, 1 << 30), int(getattr(cb, "capture_interval", 1)))
         if may_stop_training(cb):
             intervals[STOPS_LEASE] = 1  # BATCH_END without waiting for the bus window (no capture cost)
-        if reads_weights(cb):
-            intervals[WEIGHTS_LEASE] = 1  # a copy of the weights at each of WEIGHTS_EVENTS
     by_interval: dict[int, list[str]] = {}
     for name, interval in sorted(intervals.items()):
         by_interval.setdefault(interval, []).append(name)

@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from eventbus.bus.protocol import WEIGHTS_EVENTS, WEIGHTS_LEASE
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
@@ -40,7 +39,6 @@ log = logging.getLogger(__name__)
 _EVAL_EVENTS = frozenset(e for e in Event if e.is_eval)
 _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT,
                                 Event.FIT_END})
-_WEIGHTS_EVENTS = frozenset(Event(name) for name in WEIGHTS_EVENTS)
 _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
 # Where hyperparameters can have changed: schedulers step inside the batch, so BATCH_END covers the
 # next BATCH_START too (one capture per batch instead of two).
@@ -148,7 +146,6 @@ class EventCapture(EventSink):
         self._hyperparameter_keys: dict[int, tuple[str, ...]] = {}  # id(param group) -> its plain keys
         self._agreed_stop = self._agreed_checkpoint = False
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
-        self._weights: Optional[Staged] = None  # the model's weights as staged at the last weights event
         self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
         self._checkpoint_interval: Optional[str] = None
         # Last values captured, compared by identity (cheap).
@@ -190,7 +187,6 @@ class EventCapture(EventSink):
 
     def close(self) -> None:
         """The engine closed: end the run on the bus (drains, journals ``end``, removes staged buffers)."""
-        self._release_weights()  # nothing overwrites them now; the file goes once the workers drained
         self.publisher.close()
 
     def publish(self, event: Event, state: CaptureSource) -> None:
@@ -207,36 +203,12 @@ class EventCapture(EventSink):
                 changes = dict(changes or {}, **captured)
         if staged is None and self._announced and event in _CHECKPOINT_EVENTS:
             staged = self._announced.popleft()
-        weights = None
-        if event in _WEIGHTS_EVENTS and self.leases.captures and self.leases.holds(WEIGHTS_LEASE):
-            weights = self._stage_weights(event, state)
         length = state.dataloader_len
         self._put(EventRecord(
             event.value, time.time(), time.monotonic(), state.timestamp,
             state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
             length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
-            changes, staged, state.previous_timestamp, weights))
-
-    def _stage_weights(self, event: Event, state: CaptureSource) -> Optional[Staged]:
-        """The model's ``state_dict()`` copied into a staging buffer (the copy is the whole stall; CUDA
-        tensors on the side stream), for ``state.model.state_dict()`` in a worker. One buffer at a time:
-        the previous event's is released here, its readers having had until this event."""
-        if self.sharded or self.publisher.rank != 0:
-            return None  # rank 0's model is the whole model; FSDP shards are not staged as weights (yet)
-        self._release_weights()
-        ts = state.timestamp
-        with torch.no_grad():
-            self._weights = self.staging.stage(state.model.state_dict(),
-                                               {"batch": ts.batch.value, "event": event.value, "rank": 0})
-        if self._weights is None:
-            log.warning("the weights at %s of batch %d were not staged: every staging buffer is busy",
-                        event.value, ts.batch.value)
-        return self._weights
-
-    def _release_weights(self) -> None:
-        if self._weights is not None:
-            self.staging.release(self._weights.descriptor["buffer"])
-            self._weights = None
+            changes, staged, state.previous_timestamp))
 
     def _apply_stop_request(self, state: CaptureSource) -> None:
         if self.distributed:

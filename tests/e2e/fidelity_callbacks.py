@@ -60,29 +60,3 @@ class HyperparameterDump(InMemoryLogger):
         if self.state is not None:
             with open(self.path.replace("{run_name}", str(self.state.run_name)), "w") as file:
                 json.dump(self.hyperparameters, file)
-
-
-class WeightsAtEval(Callback):
-    """Keeps ``state.model.state_dict()`` at each EVAL_END (what a best-weights saver keeps) and tries it
-    at the first BATCH_END too; writes both with torch.save at FIT_END."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.weights: dict[int, Any] = {}
-        self.at_batch_end: Any = None
-
-    def eval_end(self, state: Any, logger: Any) -> None:
-        self.weights[int(state.timestamp.batch)] = {k: v.clone() for k, v in state.model.state_dict().items()}
-
-    def batch_end(self, state: Any, logger: Any) -> None:
-        if self.at_batch_end is None:
-            try:
-                self.at_batch_end = sorted(state.model.state_dict())
-            except Exception as err:  # out of process no weights are staged at BATCH_END: say why
-                self.at_batch_end = f"{type(err).__name__}: {err}"
-
-    def fit_end(self, state: Any, logger: Any) -> None:
-        import torch
-
-        torch.save({"weights": self.weights, "at_batch_end": self.at_batch_end},
-                   self.path.replace("{run_name}", str(state.run_name)))

@@ -60,7 +60,7 @@ class PayloadBuilder:
             self._packed = None
         key = (record.timestamp, record.previous_timestamp, record.dataloader_label, record.dataloader_len,
                record.batch_num_samples, record.batch_num_tokens)
-        reusable = record.checkpoint is None and record.eval_timestamp is None and record.weights is None
+        reusable = record.checkpoint is None and record.eval_timestamp is None
         if reusable and self._packed is not None and _same(key, self._packed_key):
             return self._packed
         packed = pack_payload(self._build(record))
@@ -88,10 +88,6 @@ class PayloadBuilder:
             if record.checkpoint.copied is not None:
                 record.checkpoint.copied.synchronize()  # the device-to-host staging copy; releases the GIL
             payload[Key.CHECKPOINT] = record.checkpoint.descriptor
-        if record.weights is not None:
-            if record.weights.copied is not None:
-                record.weights.copied.synchronize()
-            payload[Key.WEIGHTS] = record.weights.descriptor
         if record.eval_timestamp is not None:
             payload[Key.EVAL_TIMESTAMP] = record.eval_timestamp.state_dict()
         return payload

@@ -46,7 +46,6 @@ class EventRecord:
     changes: Optional[dict[str, Any]] = None  # Key -> captured value (may be Deferred)
     checkpoint: Optional[StagedCheckpointRef] = None
     previous_timestamp: Any = None  # the live (immutable) previous Timestamp, by reference
-    weights: Optional[StagedCheckpointRef] = None  # the model's state_dict, staged (a ``weights`` lease)
 
 
 @dataclasses.dataclass(slots=True)

@@ -168,11 +168,8 @@ class Snapshot:
     def model(self) -> ModelView:
         """Parameters (names, shapes, dtypes from the header) with ``.grad`` norms where captured."""
         model = self.header.get(Key.MODEL) or {}
-        staged = self._payload.get(Key.WEIGHTS)
-        weights = (lambda: self._cached("weights", lambda: StagedCheckpoint(staged, None, self._fetch).load())) \
-            if isinstance(staged, dict) else None
         return self._cached("model", lambda: named_view(ModelView, model.get("class"))(
-            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu", weights))
+            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu"))
 
     @property
     def optimizers(self) -> list[OptimizerView]:

@@ -13,14 +13,8 @@ import math
 import sys
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
-from eventbus.bus.protocol import WEIGHTS_EVENTS, WEIGHTS_LEASE
-
 __all__ = ["Scalar", "GradView", "ParameterView", "ModelView", "OptimizerView", "SchedulerView",
-           "MetricView", "EvaluatorView", "DeviceView", "ReadOnlyDict", "named_view", "WeightsNotCaptured"]
-
-
-class WeightsNotCaptured(RuntimeError):
-    """``state.model.state_dict()`` at an event where the trainer staged no weights."""
+           "MetricView", "EvaluatorView", "DeviceView", "ReadOnlyDict", "named_view"]
 
 
 def _read_only(obj: object, name: str) -> NoReturn:
@@ -176,32 +170,18 @@ def named_view(base: type, name: Optional[str]) -> type:
 
 
 class ModelView:
-    """The model's parameters as the run header describes them, with this batch's gradient norms,
-    and ``state_dict()``: the weights as the trainer staged them at this event, under a ``weights``
-    lease (``weights`` loads them; None: none were staged here)."""
+    """The model's parameters as the run header describes them, with this batch's gradient norms."""
 
-    __slots__ = ("_params", "_grad_norms", "_device", "_weights")
+    __slots__ = ("_params", "_grad_norms", "_device")
     _params: Sequence[Sequence[Any]]
     _grad_norms: Mapping[str, float]
     _device: str
-    _weights: Optional[Callable[[], Any]]
 
     def __init__(self, params: Sequence[Sequence[Any]], grad_norms: Optional[Mapping[str, float]],
-                 device: str = "cpu", weights: Optional[Callable[[], Any]] = None):
+                 device: str = "cpu"):
         object.__setattr__(self, "_params", params)
         object.__setattr__(self, "_grad_norms", grad_norms or {})
         object.__setattr__(self, "_device", device)
-        object.__setattr__(self, "_weights", weights)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's weights as they were at this event (a copy, on the CPU); a clear error where
-        the trainer staged none: the callback must declare the ``weights`` capture."""
-        if self._weights is None:
-            raise WeightsNotCaptured(
-                "state.model.state_dict() in a subscriber needs the weights captured at this event: declare "
-                f"captures = {{'{WEIGHTS_LEASE}'}} on the callback (the worker then leases them, and the "
-                f"trainer stages a copy at {', '.join(e.upper() for e in WEIGHTS_EVENTS)})")
-        return self._weights()
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, ParameterView]]:
         norms = self._grad_norms
