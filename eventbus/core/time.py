@@ -9,11 +9,11 @@ from __future__ import annotations
 import datetime
 import enum
 import re
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from eventbus.errors import ConfigError
 
-__all__ = ["TimeUnit", "Time", "Timestamp", "as_time", "ensure_time", "foreign_value"]
+__all__ = ["TimeUnit", "Time", "Timestamp", "as_time", "ensure_time", "elapsed_duration", "foreign_value"]
 
 
 def foreign_value(obj: object, class_name: str) -> Any:
@@ -404,3 +404,14 @@ class Timestamp:
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={getattr(self, '_' + f)}" for f in _COUNTERS)
         return f"Timestamp({fields}, total_wct={self._total_wct})"
+
+
+def elapsed_duration(timestamp: Timestamp, max_duration: Optional[Time]) -> Optional[Time]:
+    """Composer's ``get_elapsed_duration``: the fraction of ``max_duration`` trained so far, as a
+    ``dur`` Time (at most 1); None without a duration. One rule for the State, a Snapshot and an
+    adapter's RunState."""
+    if max_duration is None:
+        return None
+    total = max_duration.value
+    done = timestamp.get(max_duration.unit).value
+    return Time(min(done / total, 1.0) if total else 1.0, TimeUnit.DURATION)

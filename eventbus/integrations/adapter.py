@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Mapping, Optional, Union
 
 from eventbus.core.events import Event
-from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.core.time import Time, Timestamp, elapsed_duration
 from eventbus.publishing.capture import EventCapture
 from eventbus.publishing.session import BusArgument, open_bus
 
@@ -77,11 +77,7 @@ class RunState:
 
     def get_elapsed_duration(self) -> Optional[Time]:
         """Fraction of ``max_duration`` trained so far, as a ``dur`` Time; None without a duration."""
-        if self.max_duration is None:
-            return None
-        done = self.timestamp.get(self.max_duration.unit).value
-        total = self.max_duration.value
-        return Time(min(done / total, 1.0) if total else 1.0, TimeUnit.DURATION)
+        return elapsed_duration(self.timestamp, self.max_duration)
 
     def stop_training(self, reason: Optional[str] = None) -> None:
         """Called by capture at BATCH_END when a worker asked to stop; the adapter passes it on."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.core.time import Time, Timestamp, TimeUnit, elapsed_duration
 from eventbus.training.precision import Precision
 
 if TYPE_CHECKING:
@@ -112,10 +112,7 @@ class State:
 
     def get_elapsed_duration(self) -> Optional[Time]:
         """Fraction of ``max_duration`` trained so far, as a ``dur`` Time; None without a duration."""
-        if self.max_duration is None:
-            return None
-        done = self.timestamp.get(self.max_duration.unit).value
-        return Time(min(done / self.max_duration.value, 1.0) if self.max_duration.value else 1.0, TimeUnit.DURATION)
+        return elapsed_duration(self.timestamp, self.max_duration)
 
     def stop_training(self, reason: Optional[str] = None) -> None:
         """End ``fit`` after the current batch: max_duration becomes "now", in its own unit

@@ -24,7 +24,7 @@ from eventbus.bus.subscribe.views import (
     named_view,
 )
 from eventbus.checkpoint.handle import StagedCheckpoint
-from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.core.time import Time, Timestamp, TimeUnit, elapsed_duration
 
 __all__ = ["Snapshot", "LiveState", "calling_callback"]
 
@@ -207,11 +207,8 @@ class Snapshot:
         return self.learning_rates
 
     def get_elapsed_duration(self) -> Optional[Time]:
-        if self.max_duration is None:
-            return None
-        done = self.timestamp.get(self.max_duration.unit).value
-        total = self.max_duration.value
-        return Time(min(done / total, 1.0) if total else 1.0, TimeUnit.DURATION)
+        """Fraction of ``max_duration`` trained so far, as a ``dur`` Time; None without a duration."""
+        return elapsed_duration(self.timestamp, self.max_duration)
 
     def stop_training(self, reason: Optional[str] = None) -> None:
         """Ask the trainer to stop at its next BATCH_END (sent over the control channel)."""
