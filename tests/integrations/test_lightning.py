@@ -32,9 +32,16 @@ def run_script(cwd: pathlib.Path, *args: str) -> Process:
 
 def worker(cwd: pathlib.Path, bus: str, *callbacks: str, identity: str) -> Process:
     specs = [arg for spec in callbacks for arg in ("--callback", spec)]
-    process = Process(["-m", "eventbus", "worker", "--connect", bus, "--identity", identity,
-                       "--state-dir", str(cwd / f"state-{identity}"), *specs], cwd=cwd, env=ENV)
-    return process
+    return Process(["-m", "eventbus", "worker", "--connect", bus, "--identity", identity,
+                    "--state-dir", str(cwd / f"state-{identity}"), *specs], cwd=cwd, env=ENV)
+
+
+def following(*processes: Process) -> None:
+    """Workers started first, as a user would: a worker still importing when a short run ends has
+    not been heard from, so the run cannot wait for it (it gets the run from the journal, and what
+    its callbacks send back then comes after the run's end)."""
+    for process in processes:
+        process.wait_for("following", timeout=120)
 
 
 def journal_messages(path: pathlib.Path) -> list:
@@ -63,6 +70,7 @@ def lightning_run(tmp_path_factory):
                identity="composer"),
     ]
     try:
+        following(*processes)
         trainer = run_script(folder, "--bus", bus, "--accumulate", "2", "--hold-at", "2")
         trainer.wait_for("held", timeout=300)
         monitor = subprocess.run([sys.executable, "-m", "eventbus", "monitor", bus, "--once"], cwd=folder,
@@ -140,6 +148,7 @@ def test_a_worker_stops_the_run_and_its_checkpoints_resume_it(tmp_path):
     stopper = worker(tmp_path, bus, 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}',
                      'tests.integrations.worker_callbacks:EventLog:{"path": "events.json"}', identity="stopper")
     try:
+        following(saver, stopper)
         trainer = run_script(tmp_path, "--bus", bus, "--epochs", "20", "--batches", "8", "--sleep", "0.03",
                              "--checkpoints", "ckpt", "--wait-checkpoint-worker", "--await-stop-at", "5")
         output = finished(trainer)
@@ -178,6 +187,7 @@ def test_two_ddp_ranks_publish_and_stop_at_the_same_step(tmp_path):
     bus = bus_address(tmp_path)
     stopper = worker(tmp_path, bus, 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}', identity="stopper")
     try:
+        following(stopper)
         trainer = run_script(tmp_path, "--bus", bus, "--devices", "2", "--epochs", "20", "--batches", "8",
                              "--sleep", "0.03")
         finished(trainer)
