@@ -119,22 +119,35 @@ class JournalWriter:
 
     def append(self, message: bytes, seq: Optional[int] = None) -> int:
         """Write one record (``seq`` defaults to the previous one + 1); returns its offset in ``self.path``."""
-        seq = self.seq + 1 if seq is None else seq
-        if self.segment_bytes is not None and self.offset >= self.segment_bytes and self.offset > _SEGMENT.size:
-            self.flush(fsync=True)
-            self._file.close()
-            self._file = self._open_segment()
-        offset = self.offset
-        if offset - self._indexed_at >= _INDEX_EVERY:
-            self._index_seq.append(seq)
-            self._index_segment.append(len(self._segments) - 1)
-            self._index_offset.append(offset)
-            self._indexed_at = offset
-        crc = zlib.crc32(message, zlib.crc32(_CHECKED.pack(len(message), seq)))
-        self._file.write(_RECORD.pack(SYNC, len(message), crc, seq) + message)
-        self.offset += _RECORD.size + len(message)
-        self.seq = seq
+        offset = self.offset if not self._segment_full() else _SEGMENT.size
+        self.append_many([(message, self.seq + 1 if seq is None else seq)])
         return offset
+
+    def append_many(self, records: list[tuple[bytes, int]]) -> None:
+        """Write ``(message, seq)`` records in one write: the bus thread journals a window at a time."""
+        parts: list[bytes] = []
+        pack, checked, crc32, header = _RECORD.pack, _CHECKED.pack, zlib.crc32, _RECORD.size
+        for message, seq in records:
+            if self._segment_full():
+                self._file.write(b"".join(parts))
+                parts = []
+                self.flush(fsync=True)
+                self._file.close()
+                self._file = self._open_segment()
+            if self.offset - self._indexed_at >= _INDEX_EVERY:
+                self._index_seq.append(seq)
+                self._index_segment.append(len(self._segments) - 1)
+                self._index_offset.append(self.offset)
+                self._indexed_at = self.offset
+            length = len(message)
+            parts.append(pack(SYNC, length, crc32(message, crc32(checked(length, seq))), seq))
+            parts.append(message)
+            self.offset += header + length
+            self.seq = seq
+        self._file.write(b"".join(parts))
+
+    def _segment_full(self) -> bool:
+        return self.segment_bytes is not None and self.offset >= self.segment_bytes and self.offset > _SEGMENT.size
 
     def read_range(self, first_seq: int, last_seq: int, max_bytes: Optional[int] = None) -> list[bytes]:
         """This writer's records ``first_seq..last_seq`` in seq order, stopping before the first

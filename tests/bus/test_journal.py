@@ -47,3 +47,18 @@ def test_journal_holds_every_event_the_trainer_fired_in_seq_order():
     losses = [m.payload["metrics"]["loss/train/total"] for m in messages
               if m.kind == "metrics" and "loss/train/total" in m.payload["metrics"]]
     assert len(losses) == 8 and all(isinstance(x, float) for x in losses)
+
+
+def test_a_window_written_at_once_splits_across_segments_and_reads_back_by_seq(tmp_path):
+    """The bus thread journals a window of records in one write: records still never span two
+    segments, and the writer's seq index serves any range of them."""
+    path = tmp_path / "events.journal"
+    writer = JournalWriter(path, segment_bytes=4096)
+    records = [(f"message {seq}".encode() * 40, seq) for seq in range(1, 61)]
+    writer.append_many(records[:25])
+    writer.append_many(records[25:])
+    writer.flush()
+    assert len(list(tmp_path.iterdir())) > 5  # ~440-byte records, 4 KiB segments
+    assert writer.read_range(17, 44) == [message for message, _ in records[16:44]]
+    writer.close()
+    assert list(read_journal(path)) == [message for message, _ in records]

@@ -115,3 +115,31 @@ def test_sigkill_inside_the_commit_window_applies_each_message_at_most_once_more
     if repeated:  # only the uncommitted tail before the kill, contiguous among the worker's seqs
         window = expected[expected.index(repeated[0]):expected.index(repeated[-1]) + 1]
         assert repeated == window
+
+
+def test_topics_nobody_receives_are_journaled_but_never_sent(tmp_path):
+    """The publisher hands ZeroMQ only what some subscriber receives (it learns the subscriptions
+    from its XPUB socket); a subscriber of every topic that attaches later gets them all again."""
+    address = bus_address(tmp_path)
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="unsent", bus=address)
+    seqs, _ = asyncio.run(batch_ends(address, trainer))
+    stats = trainer.publisher.stats()
+    journaled = list(map(wire.decode, read_journal(trainer.publisher.journal_path)))
+    assert stats.published == len(journaled) and len(seqs) == len(journal_events(trainer, Event.BATCH_END))
+    # What was sent: the batch ends, the end of the run, and the header (a moment after the bind,
+    # nobody had subscribed yet); nothing of the ~14 other messages of each batch.
+    assert len(seqs) <= stats.sent <= len(seqs) + 2 < stats.published / 5
+
+    trainer = Trainer(make_model(), make_loader(), max_duration="1ep", run_name="everything",
+                      bus=bus_address(tmp_path, "bus2"))
+
+    async def everything() -> list[int]:
+        async with Subscriber(bus_address(tmp_path, "bus2"), start="beginning") as sub:
+            background = BackgroundTrainer(trainer).start()
+            received = [message.seq async for message in sub]
+            background.join()
+        return received
+
+    received = asyncio.run(everything())
+    journaled = [m.seq for m in map(wire.decode, read_journal(trainer.publisher.journal_path))]
+    assert received == journaled and trainer.publisher.stats().sent >= len(journaled) - 1

@@ -39,9 +39,15 @@ class History:
         self._cache_size, self._cache_max_bytes, self.cache_bytes = cache_size, cache_bytes, 0
         self._latest: dict[str, bytes] = {}  # the latest message of each event / kind, for joiners
         self.header_bytes = b""
-        self._pending: list[tuple[bytes, bytes]] = []  # (topic frame, message)
+        self._pending: list[tuple[bytes, int]] = []  # (message, seq): journaled and sent by flush_and_send
+        self._pending_topics: list[int] = []
         self._last_by_topic = array.array("I", bytes(wire.LINKS_BYTES))  # each topic's latest seq
         self._topic_frames = [bytes([i]) for i in range(len(wire.TOPICS))]
+        # Topics some subscriber receives (ZeroMQ tells an XPUB socket); the others are journaled, not sent.
+        self._subscribed = bytearray(len(wire.TOPICS))
+        self._everything = False  # someone subscribed to the empty prefix
+        self._wanted = self._subscribed
+        self.sent = 0  # messages handed to ZeroMQ (a topic nobody receives is journaled only)
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float,
                payload: Union[dict[str, Any], bytes]) -> None:
@@ -53,8 +59,6 @@ class History:
         message = wire.encode(kind, self.run_id, self.rank, self.seq, event, wall, mono, payload, links)
         if links is not None:
             self._last_by_topic[topic] = self.seq
-        if self.journal is not None:
-            self.journal.append(message, self.seq)
         self._cache.append((self.seq, message))
         self.cache_bytes += len(message)
         while len(self._cache) > self._cache_size or self.cache_bytes > self._cache_max_bytes:
@@ -63,23 +67,51 @@ class History:
             self.header_bytes = message
         else:
             self._latest[event or kind] = message
-        self._pending.append((self._topic_frames[topic], message))
+        self._pending.append((message, self.seq))
+        self._pending_topics.append(topic)
 
     def flush_and_send(self, pub: zmq.Socket) -> int:
-        """Journal first, then the wire (never blocking: at the high-water mark ZeroMQ drops for
-        that slow subscriber, who recovers the gap by replay). Returns how many were sent."""
+        """Journal first (one write), then the wire (never blocking: at the high-water mark ZeroMQ
+        drops for that slow subscriber, who recovers the gap by replay); a topic no subscriber
+        receives is not handed to ZeroMQ at all. Returns how many messages were published."""
         if not self._pending:
             return 0
         if self.journal is not None:
+            self.journal.append_many(self._pending)
             self.journal.flush()
-        send = pub.send
+        self._read_subscriptions(pub)
+        send, wanted, frames = pub.send, self._wanted, self._topic_frames
         more, dontwait = zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
-        for topic, message in self._pending:
-            send(topic, more)
-            send(message, dontwait)
-        sent = len(self._pending)
-        self._pending = []
-        return sent
+        sent = 0
+        for (message, _), topic in zip(self._pending, self._pending_topics):
+            if wanted[topic]:
+                send(frames[topic], more)
+                send(message, dontwait)
+                sent += 1
+        self.sent += sent
+        published = len(self._pending)
+        self._pending, self._pending_topics = [], []
+        return published
+
+    def _read_subscriptions(self, pub: zmq.Socket, budget: int = 256) -> None:
+        """Apply the (un)subscriptions the XPUB socket passed up: ZeroMQ passes a topic's first
+        subscription and its last unsubscription (a subscriber that leaves unsubscribes), so a flag
+        per topic is the whole state. An empty prefix is every topic; longer ones match none (topic
+        frames are one byte). Bounded per turn: a flood of them delays a subscriber's first messages,
+        which it then recovers by replay, never the bus."""
+        recv, again = pub.recv, zmq.Again
+        for _ in range(budget):
+            try:
+                note = recv(zmq.NOBLOCK)
+            except again:
+                return
+            if not note or note[0] > 1 or len(note) > 2:
+                continue
+            if len(note) == 1:
+                self._everything = note[0] == 1
+            elif note[1] < len(self._subscribed):
+                self._subscribed[note[1]] = note[0]
+            self._wanted = bytearray(b"\x01" * len(self._subscribed)) if self._everything else self._subscribed
 
     def latest(self) -> list[bytes]:
         return list(self._latest.values())

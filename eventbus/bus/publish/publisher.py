@@ -166,7 +166,7 @@ class _BusThread(threading.Thread):
                 from self._start_error
 
     def _open(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, Optional[JournalWriter]]:
-        pub = context.socket(zmq.PUB)
+        pub = context.socket(zmq.XPUB)  # a PUB that says which topics are subscribed (History sends only those)
         router = context.socket(zmq.ROUTER)
         for sock in (pub, router):
             if self._keys is not None:
@@ -378,6 +378,7 @@ class _BusThread(threading.Thread):
 
     def _send(self) -> None:
         self._stats.published += self._history.flush_and_send(self._pub)
+        self._stats.sent = self._history.sent
         self._stats.replay_cache_bytes = self._history.cache_bytes
 
 

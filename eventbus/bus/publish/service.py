@@ -54,6 +54,7 @@ class PublisherStats:
 
     captured: int = 0
     published: int = 0
+    sent: int = 0  # published messages handed to ZeroMQ: those of topics some subscriber receives
     dropped_queue_full: int = 0
     replay_requests: int = 0
     replayed_messages: int = 0
