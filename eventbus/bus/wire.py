@@ -5,7 +5,11 @@ Envelope (a msgpack array, in this order)::
     [version, kind, run_id, rank, seq, event, wall_time, mono_time, payload]
     [version, kind, run_id, rank, seq, event, wall_time, mono_time, links, payload]
 
-* ``version``  -- :data:`PROTOCOL_VERSION`; anything else is rejected.
+* ``version``  -- :data:`MESSAGE_VERSION` (2) is written; 1 is still read (journals
+  written before). In version 2 the payload is a msgpack *bin* holding the packed
+  map: a reader decodes the header fields without it, and the map only when
+  something reads it (:attr:`Envelope.payload`); a subscriber that looks at the
+  event and seq alone never decodes a snapshot. Anything else is rejected.
 * ``kind``     -- ``header`` (run metadata, first of a run), ``event`` (an Event
   and a state snapshot), ``metrics`` (logged metrics), ``end`` (the run closed).
 * ``run_id``   -- 32 hex chars shared by every rank of a run.
@@ -28,7 +32,6 @@ anything else raises :class:`ProtocolError`.
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 import msgpack
@@ -38,12 +41,14 @@ from eventbus.core.events import Event
 from eventbus.errors import ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
+    "PROTOCOL_VERSION", "MESSAGE_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
     "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of", "pack_payload",
     "check_payload",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # of requests, and of the first message format (still read)
+MESSAGE_VERSION = 2
+_MESSAGE_VERSIONS = (PROTOCOL_VERSION, MESSAGE_VERSION)
 KINDS = frozenset({Kind.HEADER, Kind.EVENT, Kind.METRICS, Kind.END})
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 8
@@ -82,36 +87,87 @@ def links_of(last_seqs: "array.array[int]") -> bytes:
     return last_seqs.tobytes()
 
 
-@dataclass(frozen=True, slots=True)
 class Envelope:
-    kind: str
-    run_id: str
-    rank: int
-    seq: int
-    event: Optional[str]
-    wall_time: float
-    mono_time: float
-    payload: dict[str, Any]
-    links: bytes = b""
+    """One decoded message. A version-2 payload stays packed until :attr:`payload` is first read
+    (then decoded, and checked unless the envelope was decoded with ``check_payload=False``)."""
+
+    __slots__ = ("kind", "run_id", "rank", "seq", "event", "wall_time", "mono_time", "links", "_payload", "_packed",
+                 "_check")
+
+    def __init__(self, kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
+                 mono_time: float, payload: dict[str, Any], links: bytes = b""):
+        self.kind, self.run_id, self.rank, self.seq, self.event = kind, run_id, rank, seq, event
+        self.wall_time, self.mono_time, self.links = wall_time, mono_time, links
+        self._payload: Optional[dict[str, Any]] = payload
+        self._packed: Optional[bytes] = None
+        self._check = False
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The payload map; ProtocolError (naming the seq) if a packed one is malformed."""
+        payload = self._payload
+        if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
+            payload = self._payload = _unpack_payload(self._packed or b"", self.seq, self._check)
+        return payload
+
+    @property
+    def payload_decoded(self) -> bool:
+        return self._payload is not None
 
     @property
     def topic(self) -> int:
         return topic_index(self.kind, self.event)
 
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.kind, self.run_id, self.rank, self.seq, self.event, self.wall_time, self.mono_time,
+                self.payload, self.links)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Envelope) and self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # the payload is a dict
+
+    def __repr__(self) -> str:
+        payload = self.payload if self._payload is not None else f"<{len(self._packed or b'')} bytes packed>"
+        return (f"Envelope(kind={self.kind!r}, run_id={self.run_id!r}, rank={self.rank}, seq={self.seq}, "
+                f"event={self.event!r}, wall_time={self.wall_time}, mono_time={self.mono_time}, payload={payload!r})")
+
+
+#: How many packed payloads were decoded in this process (lazily, on first read): what a
+#: subscriber that reads only headers is shown not to pay for.
+payload_decodes = 0
+
+
+def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
+    global payload_decodes
+    payload_decodes += 1
+    payload = _unpack(packed, f"message {seq} payload")
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"message {seq}: payload must be a map")
+    if check:
+        _check_plain(payload, 1, f"message {seq} payload")
+    return payload
+
 
 def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
            mono_time: float, payload: Union[dict[str, Any], bytes], links: Optional[bytes] = None) -> bytes:
-    """One envelope. ``payload`` may be already packed (``pack_payload``): most events of a batch
-    carry the same snapshot, so the bus thread packs it once and reuses the bytes."""
-    fields: list[Any] = [PROTOCOL_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time]
+    """One version-2 envelope. ``payload`` may be already packed (``pack_payload``): most events of
+    a batch carry the same snapshot, so the bus thread packs it once and reuses the bytes."""
+    fields: list[Any] = [MESSAGE_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time]
     if links is not None:
         fields.append(links)
-    if isinstance(payload, bytes):
-        # A fixarray's first byte is 0x90 | length: the same array with one more element, then the payload.
-        head = _packer.pack(fields)
-        return bytes([0x90 | (len(fields) + 1)]) + head[1:] + payload
-    fields.append(payload)
-    return _packer.pack(fields)
+    packed = payload if isinstance(payload, bytes) else _packer.pack(payload)
+    # A fixarray's first byte is 0x90 | length: the same array with one more element, the payload as bin.
+    head = _packer.pack(fields)
+    return b"".join((bytes([0x90 | (len(fields) + 1)]), head[1:], _bin_header(len(packed)), packed))
+
+
+def _bin_header(length: int) -> bytes:
+    if length < 0x100:
+        return bytes((0xC4, length))
+    if length < 0x10000:
+        return b"\xc5" + length.to_bytes(2, "big")
+    return b"\xc6" + length.to_bytes(4, "big")
 
 
 def pack_payload(payload: dict[str, Any]) -> bytes:
@@ -155,12 +211,14 @@ def _check_plain(value: Any, depth: int, where: str) -> None:
         raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
 
 
-def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True) -> Envelope:
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True,
+           lazy: bool = False) -> Envelope:
     """Parse and validate one message; raises ProtocolError saying what is wrong.
 
     ``check_payload=False`` skips the per-value walk of the payload: msgpack's own limits
     (container sizes, its nesting stack, no extension types, string keys) already bound it,
-    and a subscriber's hot path saves most of its decoding time."""
+    and a subscriber's hot path saves most of its decoding time. ``lazy``: a version-2 payload
+    is decoded when first read (its errors are raised then), not here."""
     obj = _unpack(data, "message", max_bytes)
     if not isinstance(obj, list) or len(obj) not in (9, 10):
         raise ProtocolError("message: expected a 9-field envelope array (10 with links)")
@@ -168,10 +226,10 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool 
     if not isinstance(links, bytes) or len(links) not in (0, LINKS_BYTES):
         raise ProtocolError(f"message: links must be {LINKS_BYTES} bytes")
     version, kind, run_id, rank, seq, event, wall, mono, payload = obj
-    if version != PROTOCOL_VERSION:
+    if version not in _MESSAGE_VERSIONS:
         raise ProtocolError(
-            f"message: protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION}); "
-            "upgrade the older side"
+            f"message: protocol version {version!r} is not supported (this side reads "
+            f"{' and '.join(map(str, _MESSAGE_VERSIONS))}); upgrade the older side"
         )
     if kind not in KINDS:
         raise ProtocolError(f"message: unknown kind {kind!r}")
@@ -185,6 +243,15 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool 
         raise ProtocolError(f"message: unknown event {str(event)[:40]!r}")
     if not isinstance(wall, (int, float)) or not isinstance(mono, (int, float)):
         raise ProtocolError("message: wall_time and mono_time must be numbers")
+    if version == MESSAGE_VERSION:
+        if not isinstance(payload, bytes):
+            raise ProtocolError("message: payload must be a packed map")
+        envelope = Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), None, links)  # type: ignore[arg-type]
+        if lazy:
+            envelope._packed, envelope._check = payload, check_payload
+        else:  # decoded and checked now: errors are raised here
+            envelope._payload = _unpack_payload(payload, seq, check_payload)
+        return envelope
     if not isinstance(payload, dict):
         raise ProtocolError("message: payload must be a map")
     if check_payload:

@@ -143,3 +143,30 @@ def test_topics_nobody_receives_are_journaled_but_never_sent(tmp_path):
     received = asyncio.run(everything())
     journaled = [m.seq for m in map(wire.decode, read_journal(trainer.publisher.journal_path))]
     assert received == journaled and trainer.publisher.stats().sent >= len(journaled) - 1
+
+
+def test_a_subscriber_that_reads_no_state_decodes_no_snapshot(tmp_path):
+    """Payloads stay packed until read: following the events of a run costs no snapshot decode;
+    reading a state field decodes that message's payload once."""
+    address = bus_address(tmp_path)
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="lazy", bus=address)
+
+    async def follow() -> tuple[list, int, list]:
+        messages, read = [], []
+        async with Subscriber(address, start="beginning") as sub:
+            background = BackgroundTrainer(trainer).start()
+            before = wire.payload_decodes
+            async for message in sub:
+                messages.append((message.kind, message.event, message.seq))
+                if message.event is Event.FIT_END:
+                    decodes = wire.payload_decodes - before
+                    read = [message.state.timestamp.epoch.value, message.state.timestamp.batch.value]
+            background.join()
+        return messages, decodes, read + [wire.payload_decodes - before - decodes]
+
+    messages, decodes, (epochs, batches, more) = asyncio.run(follow())
+    events = sum(kind == "event" for kind, _, _ in messages)
+    assert events > 100 and messages[-1][0] == "end"
+    # Only the header and the metrics (a Message carries their values) were decoded.
+    assert decodes == sum(kind in ("header", "metrics") for kind, _, _ in messages[:-1])
+    assert (epochs, more) == (2, 1) and batches == trainer.state.timestamp.batch.value

@@ -23,7 +23,8 @@ def test_round_trip_is_one_frame_of_plain_msgpack():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda f: f.__setitem__(0, 2), "protocol version 2 is not supported"),
+    (lambda f: f.__setitem__(0, 3), "protocol version 3 is not supported"),
+    (lambda f: f.__setitem__(0, 2), "payload must be a packed map"),
     (lambda f: f.__setitem__(1, "gossip"), "unknown kind"),
     (lambda f: f.__setitem__(4, 0), "seq"),
     (lambda f: f.__setitem__(4, "7"), "seq"),
@@ -36,6 +37,31 @@ def test_bad_envelopes_say_what_is_wrong(mutate, message):
     mutate(fields)
     with pytest.raises(ProtocolError, match=message):
         wire.decode(msgpack.packb(fields))
+
+
+@pytest.mark.fast
+def test_a_payload_is_decoded_when_first_read_and_a_malformed_one_says_so_then():
+    before = wire.payload_decodes
+    envelope = wire.decode(wire.encode(**valid()), lazy=True)
+    assert (envelope.seq, envelope.event) == (7, "batch_end") and wire.payload_decodes == before
+    assert envelope.payload == valid()["payload"] and envelope.payload is envelope.payload
+    assert wire.payload_decodes == before + 1
+    packed = wire.pack_payload(valid()["payload"])
+    damaged = wire.encode(**valid(payload=packed[:-2] + b"\xc1\xc1"))  # 0xc1: never valid msgpack
+    envelope = wire.decode(damaged, lazy=True)
+    with pytest.raises(ProtocolError, match="message 7 payload: not valid msgpack"):
+        _ = envelope.payload
+    with pytest.raises(ProtocolError, match="message 7 payload: not valid msgpack"):
+        wire.decode(damaged)  # not lazily: on decoding
+
+
+@pytest.mark.fast
+def test_messages_of_the_first_format_still_decode():
+    """Journals written before the payload became a packed bin."""
+    fields = valid()
+    old = msgpack.packb([1, fields["kind"], fields["run_id"], fields["rank"], fields["seq"], fields["event"],
+                         fields["wall_time"], fields["mono_time"], fields["payload"]])
+    assert wire.decode(old) == wire.Envelope(**fields) == wire.decode(old, lazy=True)
 
 
 @pytest.mark.fast

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from eventbus.bus import wire
 from eventbus.bus.protocol import Op
@@ -72,7 +72,7 @@ class RunView:
                 self.state = self.state.with_header(self.header)
             return self.state
         if envelope.kind == Kind.EVENT:
-            self.state = self._snapshot(envelope, envelope.event, envelope.payload)
+            self.state = self._snapshot(envelope, envelope.event, envelope)  # its payload read when used
         return self.state
 
     def deliver(self, item: Decoded) -> Optional[Message]:
@@ -86,14 +86,15 @@ class RunView:
             return None
         self._stats.delivered += 1
         self._stats.lag_seconds = max(0.0, time.time() - envelope.wall_time)
-        payload = envelope.payload
+        payload = envelope.payload if envelope.kind == Kind.METRICS else {}
         return Message(
             kind=envelope.kind, event=event, state=state, seq=envelope.seq, run_id=envelope.run_id,
             rank=envelope.rank, metrics=payload.get("metrics") if envelope.kind == Kind.METRICS else None,
             step=payload.get("step"), source=payload.get("source"), recovered=item.recovered,
         )
 
-    def _snapshot(self, envelope: wire.Envelope, event: Optional[str], payload: dict[str, Any]) -> Snapshot:
+    def _snapshot(self, envelope: wire.Envelope, event: Optional[str],
+                  payload: Union[dict[str, Any], wire.Envelope]) -> Snapshot:
         return Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=event,
                         wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
                         payload=payload, control=self._control, fetch=self._fetch)

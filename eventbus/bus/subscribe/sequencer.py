@@ -34,7 +34,7 @@ class Decoded:
 def decode(frame: bytes, max_bytes: int, stats: SubscriberStats) -> Optional[Decoded]:
     """The decoded message, or None for a malformed one (counted as a protocol error)."""
     try:
-        return Decoded(wire.decode(frame, max_bytes, check_payload=False))
+        return Decoded(wire.decode(frame, max_bytes, check_payload=False, lazy=True))
     except ProtocolError as err:
         stats.protocol_errors += 1
         log.debug("malformed message skipped: %s", err)

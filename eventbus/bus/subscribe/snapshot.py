@@ -9,8 +9,9 @@ control request; the trainer applies it at its next BATCH_END.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
+from eventbus.bus import wire
 from eventbus.bus.protocol import Op
 from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.views import (
@@ -55,7 +56,7 @@ class Snapshot:
     that looks at two fields does not pay for fourteen).
     """
 
-    __slots__ = ("run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "_payload", "_control",
+    __slots__ = ("run_id", "rank", "seq", "event", "wall_time", "mono_time", "header", "_source", "_control",
                  "_fetch", "_cache")
     run_id: str
     rank: int
@@ -64,13 +65,13 @@ class Snapshot:
     wall_time: float
     mono_time: float
     header: dict[str, Any]
-    _payload: dict[str, Any]
+    _source: Union[dict[str, Any], "wire.Envelope"]  # the payload, or the message that holds it still packed
     _control: Optional[Callable[[str, dict[str, Any]], None]]
     _fetch: Optional[Callable[[dict[str, Any]], Any]]
     _cache: dict[str, Any]
 
     def __init__(self, *, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-                 mono_time: float, header: dict[str, Any], payload: dict[str, Any],
+                 mono_time: float, header: dict[str, Any], payload: Union[dict[str, Any], "wire.Envelope"],
                  control: Optional[Callable[[str, dict[str, Any]], None]] = None,
                  fetch: Optional[Callable[[dict[str, Any]], Any]] = None):
         setattr_ = object.__setattr__
@@ -81,7 +82,7 @@ class Snapshot:
         setattr_(self, "wall_time", wall_time)
         setattr_(self, "mono_time", mono_time)
         setattr_(self, "header", header)
-        setattr_(self, "_payload", payload)
+        setattr_(self, "_source", payload)
         setattr_(self, "_control", control)
         setattr_(self, "_fetch", fetch)
         setattr_(self, "_cache", {})
@@ -90,7 +91,18 @@ class Snapshot:
         """The same state under a re-published header (hyperparameters logged during the run)."""
         return Snapshot(run_id=self.run_id, rank=self.rank, seq=self.seq, event=self.event,
                         wall_time=self.wall_time, mono_time=self.mono_time, header=header,
-                        payload=self._payload, control=self._control, fetch=self._fetch)
+                        payload=self._source, control=self._control, fetch=self._fetch)
+
+    @property
+    def _payload(self) -> dict[str, Any]:
+        """The message's payload, decoded when the first field is read (a callback that reads no
+        state costs no decode)."""
+        source = self._source
+        if isinstance(source, dict):
+            return source
+        payload = source.payload
+        object.__setattr__(self, "_source", payload)
+        return payload
 
     def _cached(self, name: str, build: Callable[[], Any]) -> Any:
         if name not in self._cache:
