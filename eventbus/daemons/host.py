@@ -1,10 +1,13 @@
 """CallbackHost: runs ordinary Callback instances on a subscriber's message stream.
 
-Each callback has its own bounded inbox, so a slow callback delays only itself.
-A plain callback runs on a thread of its own that takes its messages straight
-from its inbox (its events stay in order, the event loop stays free, and the
-loop never waits for it); ``async def`` methods are awaited in a task of their
-own. An exception is logged with the event and seq and the callback keeps
+Plain callbacks share one thread, the lane: each burst of messages wakes it
+once and it applies the burst to each callback in turn (their events stay in
+order, the event loop stays free and never waits for them). A thread per
+callback would cost a wake-up and a GIL hand-off per callback and burst, most
+of a worker's CPU for cheap callbacks. A callback that proves slow (one call of
+``SLOW_BURST`` seconds or more on one burst) leaves the lane for a thread of its own, fed by
+the lane in order, so it delays the others at most once. ``async def`` methods
+are awaited in a task of their own. An exception is logged with the event and seq and the callback keeps
 receiving, unless ``fail_fast`` is set. At the end of the stream (or on
 ``stop()``) every queue drains, then every ``close`` runs, then every
 ``post_close``.
@@ -15,9 +18,10 @@ LoggerDestinations receive like every other logged metric. Its
 ``logger.log_hyperparameters`` goes to the trainer too, which merges them into
 the run header and re-publishes it once: every destination gets them.
 
-Messages reach a callback's thread without a round trip through the event loop:
-whatever queued up while it was busy is taken in one wake-up, so a fast
-callback costs one thread switch per burst of messages, not per message.
+Messages reach the lane without a round trip through the event loop per
+message: whatever queued up while it was busy is taken in one wake-up. The
+stream is held back, not buffered without bound, while a callback has
+``queue_size`` messages it has not applied.
 
 With a cursor file, each callback's last applied seq and its ``state_dict()``
 are committed together (group commit): after a message, once the time spent
@@ -63,6 +67,7 @@ _END = object()  # the stream ended: commit
 _STOP = object()  # the callback is closed: its thread returns
 COMMIT_RATIO = 10.0  # apply at least this many times a commit's cost between two commits...
 COMMIT_INTERVAL = 0.25  # ...or commit when this many seconds passed since the last one
+SLOW_BURST = 0.02  # a callback taking this long on one burst gets a thread of its own
 
 
 class Cursor:
@@ -75,32 +80,39 @@ class Cursor:
         self.journal: Optional[str] = None
         self.seqs: dict[str, int] = {}
         self.states: dict[str, Any] = {}
+        self.ended: set[str] = set()  # callbacks that applied the run's end
         if self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
                 self.run_id, self.seqs = data["run_id"], {k: int(v) for k, v in data["seqs"].items()}
                 self.journal = data.get("journal")
                 self.states = dict(data.get("states", {}))
+                self.ended = {str(name) for name in data.get("ended", [])}
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("cursor file %s is unreadable; starting without it", self.path)
 
     def resume_point(self, names: Sequence[str]) -> Optional[tuple[str, int]]:
-        if self.run_id is None or not self.seqs:
+        """Where to continue: None when there is no run to continue (none recorded, or every
+        callback applied its end: the next run is applied from its start)."""
+        if self.run_id is None or not self.seqs or all(name in self.ended for name in names):
             return None
         return self.run_id, min(self.seqs.get(name, 0) for name in names)
 
-    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None) -> None:
-        """Commit that ``name`` applied ``seq``, with its ``state_dict()`` as of then.
-        Thread-safe: each callback commits from its own thread."""
+    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None,
+               ended: bool = False) -> None:
+        """Commit that ``name`` applied ``seq`` (the run's end, with ``ended``), with its
+        ``state_dict()`` as of then. Thread-safe: callbacks may commit from different threads."""
         with self._lock:
             if run_id != self.run_id:
-                self.run_id, self.seqs, self.states = run_id, {}, {}
+                self.run_id, self.seqs, self.states, self.ended = run_id, {}, {}, set()
             self.seqs[name] = seq
             self.states[name] = state
+            if ended:
+                self.ended.add(name)
             self.journal = journal or self.journal
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
-                                       "journal": self.journal}, default=str))
+                                       "journal": self.journal, "ended": sorted(self.ended)}, default=str))
             os.replace(tmp, self.path)
 
 
@@ -240,6 +252,7 @@ class _Slot:
         self.errors = 0
         self.applied = 0
         self.last_seq = 0
+        self.ended = False  # it applied the run's end
         self.committed_seq = 0
         self.run_id: Optional[str] = None
         self.commit_cost = 0.0  # seconds the last commit took
@@ -248,17 +261,42 @@ class _Slot:
         self.runs_async = any(inspect.iscoroutinefunction(getattr(callback, name, None))
                               for name in ("run_event", "log_metrics", "log_hyperparameters",
                                            *(event.value for event in Event)))
-        # A plain callback: messages and calls for its own thread. An async one: a queue for its task,
-        # and one thread for the plain methods it also has.
+        # A plain callback: applied by its lane, or by a thread of its own that the lane feeds once it
+        # proved slow. An async one: a queue for its task, and one thread for its plain methods.
+        self.lane: Optional[_Lane] = None
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.thread: Optional[threading.Thread] = None
-        self.pending: list[Any] = []  # messages for its thread, handed over once per turn of the event loop
-        self.handing_over = False  # a hand-over is scheduled
-        self.fed = 0  # messages handed to its thread (written by the event loop)...
-        self.done = 0  # ...and taken care of there (written by its thread): the difference is bounded
+        self.done = 0  # items of its lane taken care of (written by the thread that applies them)
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cb-{name}") \
             if self.runs_async else None
+
+
+class _Lane:
+    """The thread that applies messages to the plain callbacks, and what waits to be handed to it."""
+
+    def __init__(self, slots: list[_Slot]):
+        self.slots = slots
+        for slot in slots:
+            slot.lane = self
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: Optional[threading.Thread] = None
+        self.pending: list[Any] = []  # items for its thread, handed over once per turn of the event loop
+        self.handing_over = False  # a hand-over is scheduled
+        self.fed = 0  # items handed to it (written by the event loop); each slot counts those it took care of
+
+    def backlog(self) -> int:
+        """Items handed over or pending that some callback of the lane has not taken care of yet."""
+        return self.fed + len(self.pending) - min(slot.done for slot in self.slots)
+
+
+class _SlotCall:
+    """A method of one callback (close, post_close), run in order with that callback's messages."""
+
+    __slots__ = ("slot", "call")
+
+    def __init__(self, slot: _Slot, call: "_Call"):
+        self.slot, self.call = slot, call
 
 
 class CallbackHost:
@@ -274,6 +312,8 @@ class CallbackHost:
         ]
         for callback in callbacks:
             declare_captures(callback)  # before the worker's heartbeat reads what to lease
+        plain = [slot for slot in self.slots if not slot.runs_async]
+        self.lane = _Lane(plain) if plain else None
         self.fail_fast = fail_fast
         self.cursor = cursor
         self.failure: Optional[BaseException] = None
@@ -311,18 +351,17 @@ class CallbackHost:
                 tasks.append(asyncio.create_task(self._consume(slot), name=f"callback-{slot.name}"))
                 if self.cursor:
                     committers.append(asyncio.create_task(self._commit_when_idle(slot)))
-            else:
-                slot.thread = threading.Thread(target=self._serve, args=(slot, loop), name=f"cb-{slot.name}",
-                                               daemon=True)
-                slot.thread.start()
+        if self.lane is not None:
+            self.lane.thread = threading.Thread(target=self._serve_lane, args=(self.lane, loop), name="cb-lane",
+                                                daemon=True)
+            self.lane.thread.start()
         feeder = asyncio.create_task(self._feed(messages))
         stopper = asyncio.create_task(self._stopping.wait())
         try:
             await asyncio.wait([feeder, stopper], return_when=asyncio.FIRST_COMPLETED)
             feeder.cancel()
             stopper.cancel()
-            for slot in self.slots:
-                await self._put(slot, _END)
+            await self._put(_END)
             await asyncio.gather(*tasks)
         finally:
             for committer in committers:
@@ -338,40 +377,79 @@ class CallbackHost:
     async def _feed(self, messages: AsyncIterator[Message]) -> None:
         async for message in messages:
             self.run_id = message.run_id
-            for slot in self.slots:
-                if message.run_id == self._resumed_run and message.seq <= slot.skip_through:
-                    slot.last_seq = message.seq
-                    continue  # applied before a restart
-                await self._put(slot, message)
+            await self._put(message)
             if message.kind == Kind.END:
                 return
 
-    async def _put(self, slot: _Slot, item: Any) -> None:
-        """Hand ``item`` to the callback; a full inbox holds back the stream (the worker's memory stays
-        bounded) instead of growing. A plain callback's thread gets what arrived in one turn of the
-        event loop as one list: one wake-up of its thread per burst, not per message (a wake-up costs
-        more than a fast callback does)."""
-        if slot.runs_async:
-            await slot.queue.put(item)
+    async def _put(self, item: Any) -> None:
+        """Hand ``item`` to every callback; a callback with ``queue_size`` items it has not applied
+        holds back the stream (the worker's memory stays bounded) instead of growing. The lane gets
+        what arrived in one turn of the event loop as one list: one wake-up of its thread per burst,
+        not per message (a wake-up costs more than a fast callback does)."""
+        for slot in self.slots:
+            if not slot.runs_async:
+                continue
+            if item is not _END and item.run_id == self._resumed_run and item.seq <= slot.skip_through:
+                slot.last_seq = item.seq  # applied before a restart
+            else:
+                await slot.queue.put(item)
+        lane = self.lane
+        if lane is None:
             return
-        while slot.fed + len(slot.pending) - slot.done >= slot.queue_size:
-            self._hand_over(slot)
+        while lane.backlog() >= lane.slots[0].queue_size:
+            self._hand_over(lane)
             await asyncio.sleep(0.005)
-        slot.pending.append(item)
-        if not slot.handing_over:
-            slot.handing_over = True
-            asyncio.get_running_loop().call_soon(self._hand_over, slot)
+        lane.pending.append(item)
+        if not lane.handing_over:
+            lane.handing_over = True
+            asyncio.get_running_loop().call_soon(self._hand_over, lane)
 
     @staticmethod
-    def _hand_over(slot: _Slot) -> None:
-        slot.handing_over = False
-        if slot.pending:
-            batch, slot.pending = slot.pending, []
-            slot.fed += len(batch)
-            slot.inbox.put(batch)
+    def _hand_over(lane: _Lane) -> None:
+        lane.handing_over = False
+        if lane.pending:
+            batch, lane.pending = lane.pending, []
+            lane.fed += len(batch)
+            lane.inbox.put(batch)
+
+    def _serve_lane(self, lane: _Lane, loop: asyncio.AbstractEventLoop) -> None:
+        """The lane's thread: each burst applied to each callback in turn, until ``_STOP``. A callback
+        that proved slow is handed its part instead, in order, on a thread of its own. Idle for
+        ``COMMIT_INTERVAL`` with progress not yet committed, each callback commits."""
+        wait = COMMIT_INTERVAL if self.cursor is not None else None
+        while True:
+            try:
+                item = lane.inbox.get(timeout=wait)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                for slot in lane.slots:
+                    if slot.thread is not None:
+                        slot.inbox.put(_STOP)
+                return
+            if isinstance(item, _SlotCall):
+                if item.slot.thread is not None:
+                    item.slot.inbox.put(item.call)
+                else:
+                    calling_callback.set(item.slot.name)
+                    item.call.run()
+                continue
+            for slot in lane.slots:
+                if slot.thread is not None:
+                    if item is not None:
+                        slot.inbox.put(item)
+                    continue
+                calling_callback.set(slot.name)  # whose captures and requests these are
+                spent = self._serve_guarded(slot, item, loop)
+                if spent >= SLOW_BURST and len(lane.slots) > 1:
+                    log.info("%s took %.0f ms on one burst of messages: it runs on a thread of its own from now on",
+                             slot.name, spent * 1e3)
+                    slot.thread = threading.Thread(target=self._serve, args=(slot, loop), name=f"cb-{slot.name}",
+                                                   daemon=True)
+                    slot.thread.start()
 
     def _serve(self, slot: _Slot, loop: asyncio.AbstractEventLoop) -> None:
-        """A plain callback's own thread: its messages and calls in order, until ``_STOP``. Idle for
+        """A slow callback's own thread: what its lane hands it, in order, until ``_STOP``. Idle for
         ``COMMIT_INTERVAL`` with progress not yet committed, it commits (group commit waits for a
         next message that may not come)."""
         calling_callback.set(slot.name)  # this thread runs only this callback
@@ -383,28 +461,40 @@ class CallbackHost:
                 item = None  # idle: commit what it applied
             if item is _STOP:
                 return
-            try:
-                self._serve_one(slot, item, loop)
-            except Exception as err:  # a commit that cannot be written: the worker stops, with this error
-                log.exception("%s: its progress could not be committed; stopping", slot.name)
-                self.broken = self.broken or err
-                loop.call_soon_threadsafe(self.stop)
+            if isinstance(item, _Call):
+                item.run()
+            else:
+                self._serve_guarded(slot, item, loop)
 
-    def _serve_one(self, slot: _Slot, item: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def _serve_guarded(self, slot: _Slot, item: Any, loop: asyncio.AbstractEventLoop) -> float:
+        """Apply a burst (or commit, for None); returns the seconds its messages took. A commit that
+        cannot be written stops the worker, with that error."""
+        try:
+            return self._serve_one(slot, item, loop)
+        except Exception as err:
+            log.exception("%s: its progress could not be committed; stopping", slot.name)
+            self.broken = self.broken or err
+            loop.call_soon_threadsafe(self.stop)
+            return 0.0
+
+    def _serve_one(self, slot: _Slot, item: Any, loop: asyncio.AbstractEventLoop) -> float:
+        spent = 0.0
         if item is None:
             self._commit(slot)
-        elif isinstance(item, _Call):
-            item.run()
-        else:
-            for message in item:
-                if message is _END:
-                    self._commit(slot, force=True)
-                elif (self.failure is None or not self.fail_fast) and self.broken is None:
-                    self._apply(slot, message, loop)
-            slot.done += len(item)
+            return spent
+        for message in item:
+            if message is _END:
+                self._commit(slot, force=True)
+            elif message.run_id == self._resumed_run and message.seq <= slot.skip_through:
+                slot.last_seq = message.seq  # applied before a restart
+            elif (self.failure is None or not self.fail_fast) and self.broken is None:
+                spent += self._apply(slot, message, loop)
+        slot.done += len(item)
+        return spent
 
-    def _apply(self, slot: _Slot, message: Message, loop: asyncio.AbstractEventLoop) -> None:
-        """On the callback's own thread; a failure under fail_fast stops the host (on its loop)."""
+    def _apply(self, slot: _Slot, message: Message, loop: asyncio.AbstractEventLoop) -> float:
+        """On the lane's thread or the callback's own; a failure under fail_fast stops the host (on
+        its loop). Returns the seconds it took."""
         started = time.perf_counter()
         try:
             for method, args in self._calls(slot, message):
@@ -415,8 +505,10 @@ class CallbackHost:
                 if self.failure is None:
                     self.failure = err
                 loop.call_soon_threadsafe(self.stop)
-                return
-        self._applied(slot, message, time.perf_counter() - started)
+                return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self._applied(slot, message, seconds)
+        return seconds
 
     async def _consume(self, slot: _Slot) -> None:
         """An async callback's task: its messages in order, awaited one by one."""
@@ -460,6 +552,7 @@ class CallbackHost:
     def _applied(self, slot: _Slot, message: Message, seconds: float) -> None:
         slot.applied += 1
         slot.last_seq = message.seq
+        slot.ended = message.kind == Kind.END
         slot.since_commit += seconds
         if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or \
                 time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:
@@ -475,7 +568,7 @@ class CallbackHost:
         flush = getattr(slot.callback, "flush", None)
         if callable(flush):
             flush()  # a tracker's buffered writes are durable before they are recorded as applied
-        self.cursor.record(run_id, slot.name, slot.last_seq, slot.callback.state_dict(), journal)
+        self.cursor.record(run_id, slot.name, slot.last_seq, slot.callback.state_dict(), journal, slot.ended)
         slot.commit_cost = time.perf_counter() - started
         slot.committed_seq, slot.since_commit, slot.committed_at = slot.last_seq, 0.0, time.monotonic()
 
@@ -512,10 +605,10 @@ class CallbackHost:
         """Run ``method`` where the callback's methods run: awaited, on its thread, or its executor."""
         if inspect.iscoroutinefunction(method):
             await method(*args)
-        elif slot.thread is not None:
+        elif slot.lane is not None:
             call = _Call(method, args)
-            CallbackHost._hand_over(slot)  # after every message already given to it
-            slot.inbox.put(call)
+            CallbackHost._hand_over(slot.lane)  # after every message already given to it
+            slot.lane.inbox.put(_SlotCall(slot, call))
             await asyncio.wrap_future(call.future)
         else:
             await loop.run_in_executor(slot.executor, method, *args)
@@ -533,8 +626,11 @@ class CallbackHost:
                 await self._call(slot, slot.callback.post_close, loop)
             except Exception:
                 log.exception("error in %s.post_close(); continuing", slot.name)
-            if slot.thread is not None:
-                slot.inbox.put(_STOP)
-                await asyncio.to_thread(slot.thread.join)
             if slot.executor is not None:
                 slot.executor.shutdown(wait=False)
+        if self.lane is not None and self.lane.thread is not None:
+            self.lane.inbox.put(_STOP)  # the lane stops the threads of the slow ones after their calls
+            await asyncio.to_thread(self.lane.thread.join)
+            for slot in self.lane.slots:
+                if slot.thread is not None:
+                    await asyncio.to_thread(slot.thread.join)

@@ -53,14 +53,18 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
         directory = state_dir or pathlib.Path.home() / ".cache" / "eventbus" / "subscribers"
         directory.mkdir(parents=True, exist_ok=True)
         cursor = Cursor(directory / f"{identity}.cursor.json")
-    journal = journal or (cursor.journal if cursor else None)
+    resume = cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None
+    if cursor is not None and resume is None and cursor.run_id is not None:
+        print(f"eventbus worker: run {cursor.run_id} (in {cursor.path}) was applied to its end; the next run is "
+              f"applied from its start", file=sys.stderr, flush=True)
+    journal = journal or (cursor.journal if resume is not None and cursor is not None else None)
     handled, metrics = subscription(current)  # the publisher sends only these events
     if events:
         handled = frozenset(Event(e) for e in events) & handled if handled is not None else \
             frozenset(Event(e) for e in events)
     subscriber = Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
                             journal=journal, follow=follow, reports_progress=True,
-                            resume=cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None)
+                            resume=resume)
     # After the arguments and keys were checked (a bad one is a one-line error, exit 2).
     print(f"eventbus worker: connecting to {address} (if no trainer is up yet, its next run is applied "
           f"from its start)", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, AsyncIterator
 
 import pytest
@@ -136,10 +137,34 @@ async def test_a_restarted_host_resumes_from_its_cursor_applying_each_message_ex
     assert Cursor(tmp_path / "cursor.json").seqs["BatchEnds"] == messages[-1].seq
 
 
-async def test_plain_callbacks_run_on_their_own_thread_and_async_ones_are_awaited_on_the_loop(journal):
-    plain, awaited = BatchEnds(), AsyncBatchEnds()
-    host = CallbackHost([plain, awaited])
+async def test_plain_callbacks_share_one_thread_and_async_ones_are_awaited_on_the_loop(journal):
+    plain, other, awaited = BatchEnds(), Everything(), AsyncBatchEnds()
+    host = CallbackHost([plain, other, awaited])
     await host.run(journal_messages(journal))
     assert plain.batches == awaited.batches == list(range(1, 9))
-    assert plain.threads == {"cb-BatchEnds"}
+    assert plain.threads == other.threads == {"cb-lane"}  # one wake-up per burst for both
     assert awaited.threads == {threading.current_thread().name}
+
+
+class SlowBatchEnds(BatchEnds):
+    def batch_end(self, state: Any, logger: Any) -> None:
+        time.sleep(0.05)
+        super().batch_end(state, logger)
+
+
+async def paced(journal: str) -> AsyncIterator[Message]:
+    """The run as a live worker gets it: a burst at a time (here, one message each 10 ms)."""
+    async for message in journal_messages(journal):
+        await asyncio.sleep(0.01)
+        yield message
+
+
+async def test_a_slow_callback_leaves_the_shared_thread_and_keeps_its_order(journal, tmp_path):
+    slow, fast = SlowBatchEnds(), Everything()
+    cursor = Cursor(tmp_path / "cursor.json")
+    host = CallbackHost([slow, fast], cursor=cursor)
+    await host.run(paced(journal))
+    assert slow.batches == list(range(1, 9)) and slow.threads == {"cb-lane", "cb-SlowBatchEnds"}
+    assert fast.threads == {"cb-lane"} and [e for e, _ in fast.seen].count(Event.BATCH_END) == 8 and fast.closed
+    messages = await messages_of(journal)
+    assert Cursor(tmp_path / "cursor.json").seqs == {"SlowBatchEnds": messages[-1].seq, "Everything": messages[-1].seq}

@@ -22,6 +22,8 @@ from eventbus.core.events import Event
 
 __all__ = ["Message", "RunView"]
 
+_EVENTS = {event.value: event for event in Event}  # a dict lookup: Event(name) costs an enum call per message
+
 
 @dataclasses.dataclass(frozen=True)
 class Message:
@@ -81,7 +83,7 @@ class RunView:
         state = self.absorb(envelope)
         if state is None:
             state = self._snapshot(envelope, None, {})
-        event = Event(envelope.event) if envelope.kind == Kind.EVENT else None
+        event = _EVENTS[envelope.event or ""] if envelope.kind == Kind.EVENT else None  # checked by decode
         if event is not None and self._events is not None and event not in self._events:
             return None
         self._stats.delivered += 1

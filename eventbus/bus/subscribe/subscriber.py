@@ -294,7 +294,7 @@ class Subscriber:
         """Wait for messages once, then take everything the socket holds without waiting again
         (one await per batch instead of per message: most of a subscriber's cost otherwise)."""
         assert self._sub is not None, "use 'async with Subscriber(...)'"
-        if not await self._sub.poll(self._idle_check * 1000):
+        if not await self._readable(self._idle_check):
             if not self._sequencer.joined:  # still waiting for a trainer: ask again
                 await self._join()
             else:
@@ -311,6 +311,35 @@ class Subscriber:
             if len(frames) == 2 and len(frames[0]) == 1:
                 self._received_topics[frames[0][0]] += 1
             await self._accept(frames[-1])  # [topic, envelope]; a one-frame message is its envelope
+
+    async def _readable(self, timeout: float) -> bool:
+        """Whether a message is waiting, within ``timeout`` seconds. The event loop watches the
+        socket's file descriptor itself: pyzmq's awaitable poll costs a future, a poller and
+        several callbacks per wake-up, paid once per burst. ZeroMQ's descriptor only says that
+        something changed, so the socket's events are asked after every wake-up."""
+        drain, pollin = self._drain, int(zmq.POLLIN)
+        if int(drain.getsockopt(zmq.EVENTS)) & pollin:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def changed() -> None:
+            if not waiter.done() and int(drain.getsockopt(zmq.EVENTS)) & pollin:
+                waiter.set_result(True)
+
+        def timed_out() -> None:
+            if not waiter.done():
+                waiter.set_result(False)
+
+        fd = int(drain.getsockopt(zmq.FD))
+        loop.add_reader(fd, changed)
+        timer = loop.call_later(timeout, timed_out)
+        try:
+            changed()  # a message that arrived before the reader was added
+            return await waiter
+        finally:
+            timer.cancel()
+            loop.remove_reader(fd)
 
     async def _accept(self, frame: bytes) -> None:
         self._stats.received += 1
