@@ -92,11 +92,13 @@ class Cursor:
                 log.warning("cursor file %s is unreadable; starting without it", self.path)
 
     def resume_point(self, names: Sequence[str]) -> Optional[tuple[str, int]]:
-        """Where to continue: None when there is no run to continue (none recorded, or every
-        callback applied its end: the next run is applied from its start)."""
-        if self.run_id is None or not self.seqs or all(name in self.ended for name in names):
+        if self.run_id is None or not self.seqs:
             return None
         return self.run_id, min(self.seqs.get(name, 0) for name in names)
+
+    def applied_to_end(self, names: Sequence[str]) -> bool:
+        """Every one of ``names`` applied the end of the cursor's run."""
+        return self.run_id is not None and bool(names) and all(name in self.ended for name in names)
 
     def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None,
                ended: bool = False) -> None:

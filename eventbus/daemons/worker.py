@@ -53,11 +53,13 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
         directory = state_dir or pathlib.Path.home() / ".cache" / "eventbus" / "subscribers"
         directory.mkdir(parents=True, exist_ok=True)
         cursor = Cursor(directory / f"{identity}.cursor.json")
-    resume = cursor.resume_point([type(cb).__name__ for cb in current]) if cursor else None
-    if cursor is not None and resume is None and cursor.run_id is not None:
-        print(f"eventbus worker: run {cursor.run_id} (in {cursor.path}) was applied to its end; the next run is "
-              f"applied from its start", file=sys.stderr, flush=True)
-    journal = journal or (cursor.journal if resume is not None and cursor is not None else None)
+    names = [type(cb).__name__ for cb in current]
+    resume = cursor.resume_point(names) if cursor else None
+    if cursor is not None and cursor.applied_to_end(names) and not follow:
+        print(f"eventbus worker: its cursor {cursor.path} holds run {cursor.run_id}, applied to its end: with no "
+              f"trainer up it finds that end and exits; for a run that starts later, use --follow or another "
+              f"--identity", file=sys.stderr, flush=True)
+    journal = journal or (cursor.journal if cursor else None)
     handled, metrics = subscription(current)  # the publisher sends only these events
     if events:
         handled = frozenset(Event(e) for e in events) & handled if handled is not None else \
@@ -123,9 +125,10 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
     while True:
         run_id = host.run_id if follow else None
         if loop.time() >= next_hello:
-            subscriber.hello(names, applied=host.applied_seq, run_id=run_id)
+            # Leases first: a trainer that waits for this worker's heartbeat then holds them.
             for interval, names_at_interval in by_interval.items():
                 subscriber.request_capture(names_at_interval, interval=interval, ttl=every * 3, options=options)
+            subscriber.hello(names, applied=host.applied_seq, run_id=run_id)
             next_hello = loop.time() + every
         elif host.applied_seq != reported:
             subscriber.progress(host.applied_seq, run_id)

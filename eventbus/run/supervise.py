@@ -79,8 +79,10 @@ def _forward_lines(source: IO[bytes]) -> None:
 
 def wait_for_subscribers(trainer: Trainer, names: Sequence[str], timeout: float,
                          children: Sequence[subprocess.Popen] = ()) -> None:
-    """Wait until each named subscriber sent a heartbeat, so none misses a checkpoint lease; after
-    ``timeout`` seconds say which are missing and go on (they catch up from the journal)."""
+    """Wait until each named subscriber sent a heartbeat, so none misses a checkpoint lease (a worker
+    sends its leases just before its heartbeat; any earlier request, such as the progress a worker
+    reports when it joins, does not count); after ``timeout`` seconds say which are missing and go
+    on (they catch up from the journal)."""
     assert trainer.publisher is not None
     deadline = time.monotonic() + timeout
     waiting = set(names)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from eventbus import Trainer
 from tests.support import REPO_ROOT, bus_address, make_loader, make_model
@@ -77,32 +76,25 @@ def test_a_run_event_callback_waiting_for_the_trainer_sees_every_epoch(tmp_path)
     assert seen_epochs == [[0, 1, 2]] * RUNS
 
 
-def test_a_worker_restarted_after_its_run_ended_applies_the_next_run(tmp_path):
-    """Its cursor says it applied the last run to its end (and that run's journal is still there):
-    started again with the same identity, it waits for the next run and applies all of it."""
+def test_a_worker_restarted_after_its_run_ended_says_why_it_stops(tmp_path):
+    """Its cursor says it applied its run to the end: started again with no trainer up, it finds
+    that end in the run's journal and exits (tests/trackers/test_logger_worker.py), saying so first,
+    with what to do for a run that starts later (it used to end with '0 messages' and no word)."""
     counts = tmp_path / "counts.json"
-    callback = f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}'
-    seen, said = [], []
-    for attempt in range(2):
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback", callback,
-             "--identity", "counter", "--state-dir", str(tmp_path / "state")],
-            cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
-        assert worker.stderr is not None
-        early = []
-        for line in worker.stderr:
-            early.append(line)
-            if "eventbus worker: connecting to" in line:
-                break
-        time.sleep(2)  # the worker has read the old run's journal to its end by now: it must not stop there
-        said.append(any("was applied to its end; the next run is applied from its start" in line for line in early))
-        trainer = Trainer(make_model(), make_loader(num_samples=BATCHES * 4, batch_size=4),
-                          max_duration=f"{BATCHES}ba", device="cpu", bus=bus_address(tmp_path),
-                          run_folder=tmp_path / f"run{attempt}", run_name=f"tiny{attempt}")
-        trainer.fit()
-        trainer.close()
-        finish(worker)
-        counted = json.loads(counts.read_text())
-        seen.append((counted.get("init"), counted.get("batch_end"), counted.get("fit_end")))
-    assert seen == [(1, BATCHES, 1)] * 2
-    assert said == [False, True]
+    args = [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback",
+            f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}', "--identity", "counter",
+            "--state-dir", str(tmp_path / "state")]
+    worker = subprocess.Popen(args, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert worker.stderr is not None
+    for line in worker.stderr:
+        if "eventbus worker: connecting to" in line:
+            break
+    tiny_run(tmp_path, run_name="tiny")
+    finish(worker)
+    assert json.loads(counts.read_text())["batch_end"] == BATCHES
+    again = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert again.returncode == 0, again.stderr
+    assert "applied to its end: with no trainer up it finds that end and exits; for a run that starts later, " \
+           "use --follow or another --identity" in again.stderr

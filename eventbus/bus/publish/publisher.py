@@ -122,7 +122,8 @@ class Publisher:
             self.put(HyperparametersRecord(dict(hyperparameters)))
 
     def subscribers(self, within: float = 15.0) -> list[str]:
-        """Identities heard from in the last ``within`` seconds (workers send a heartbeat every 3 s)."""
+        """Subscribers whose heartbeat arrived in the last ``within`` seconds (workers send one every
+        3 s, just after their leases: a worker listed here holds them)."""
         return self._subscribers.live(within)
 
     def stats(self) -> PublisherStats:

@@ -105,8 +105,12 @@ class SubscriberTable:
             del self.entries[next(iter(self.entries))]
 
     def live(self, within: float = 15.0) -> list[str]:
+        """Identities whose heartbeat (hello) arrived and that were heard from in the last ``within``
+        seconds. A worker sends its leases just before its heartbeat; an earlier request (the
+        progress it reports when it joins) does not make it live yet."""
         now = time.time()
-        return [name for name, seen in list(self.entries.items()) if now - seen.get("last_seen", 0) <= within]
+        return [name for name, seen in list(self.entries.items())
+                if now - seen.get("last_seen", 0) <= within and "callbacks" in seen]
 
     def behind(self, history: History, within: float = 15.0) -> list[str]:
         """Live workers that report progress and have not applied the last message they receive
