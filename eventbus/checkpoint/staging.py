@@ -271,8 +271,8 @@ class StagingBuffers:
                     buffer.busy = False
                     buffer.readers = set()
                     return True
-                if buffer.stage != stage or not buffer.busy:
-                    return False
+                if buffer.stage != stage or not buffer.busy or not buffer.readers:
+                    return False  # a later stage, or a checkpoint's buffer: only its ack frees that
                 buffer.readers.discard(reader)
                 buffer.busy = bool(buffer.readers)
                 return True

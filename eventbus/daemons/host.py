@@ -413,8 +413,8 @@ class CallbackHost:
     async def _feed(self, messages: AsyncIterator[Message]) -> None:
         async for message in messages:
             self.run_id = message.run_id
-            if self._release_weights is not None and message.event is not None \
-                    and message.event.value in WEIGHTS_EVENTS and message.state is not None:
+            if self._release_weights is not None and message.event is not None and message.state is not None \
+                    and message.event.value in WEIGHTS_EVENTS and message.event.value in self.weights_events():
                 staged = message.state.staged_weights()  # held for this worker until it applied the event
                 if staged is not None:
                     with self._weights_lock:

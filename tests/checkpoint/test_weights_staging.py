@@ -90,6 +90,9 @@ def test_a_checkpoint_ack_still_frees_its_buffer_and_checkpoints_keep_the_buffer
         checkpoint = staging.stage({"model": model.state_dict()}, {"batch": 4, "event": "fit_end", "rank": 0})
         assert checkpoint is not None
         torch.testing.assert_close(_load(checkpoint.descriptor)["model"], model.state_dict())
+        # Only the checkpoint worker's ack frees a checkpoint's buffer, not a weights release naming it.
+        assert not staging.release(checkpoint.descriptor["buffer"], "w1", checkpoint.descriptor["stage"])
+        assert staging.is_staged(checkpoint.descriptor["buffer"])
         assert staging.release(checkpoint.descriptor["buffer"])
         assert not staging.is_staged(checkpoint.descriptor["buffer"])
     finally:
