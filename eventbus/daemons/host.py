@@ -19,7 +19,7 @@ Staged weights: a callback that reads ``state.model.state_dict()`` (it declares
 ``weights`` in its ``captures``, its class's code calls ``model.state_dict``, or it
 was found reading them) makes the worker lease them at the weights events it
 handles; once every hosted callback has applied such an event, the host releases
-its staged buffer (``release_weights``), and at the end it releases what is left.
+its staged buffer (``release_weights``), and once they are closed, what is left.
 
 Messages reach a callback's thread without a round trip through the event loop:
 whatever queued up while it was busy is taken in one wake-up, so a fast
@@ -353,7 +353,7 @@ class CallbackHost:
                 self._send_release(self._weights_held.popleft()[1])
 
     def _release_all(self) -> None:
-        """The stream ended or stopped: nothing here reads what is still held."""
+        """The callbacks are closed: nothing here reads what is still held."""
         with self._weights_lock:
             while self._weights_held:
                 self._send_release(self._weights_held.popleft()[1])
@@ -401,8 +401,8 @@ class CallbackHost:
         finally:
             for committer in committers:
                 committer.cancel()
-            self._release_all()
             await self._close_all()
+            self._release_all()  # after close: a callback may still read the last event's weights there
         if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
             raise feeder.exception()  # type: ignore[misc]
         if self.broken is not None:

@@ -139,13 +139,17 @@ def _composer_weights(folder: pathlib.Path) -> dict[str, Any]:
     return torch.load(folder / "composer.pt")
 
 
-def _weights_run(folder: pathlib.Path, run_name: str, spec: str, after_fit: Any = None) -> dict[str, Any]:
-    """The same job under eventbus, WeightsAtEval (or a variant) hosted by a worker; what it kept."""
+def _weights_run(folder: pathlib.Path, run_name: str, spec: str, after_fit: Any = None,
+                 keep_up: bool = False) -> dict[str, Any]:
+    """The same job under eventbus, WeightsAtEval (or a variant) hosted by a worker; what it kept.
+    ``keep_up``: the trainer waits at each evaluation for the worker to have applied the earlier ones."""
     import torch
     from composer.optim import CosineAnnealingScheduler
 
-    trainer = _trainer(folder, run_name, [], eval_dataloader=_data(32, seed=1), eval_interval="2ba",
-                       schedulers=CosineAnnealingScheduler(t_max="1dur"), **RUN)
+    waiter = _KeepUp()
+    trainer = _trainer(folder, run_name, [waiter] if keep_up else [], eval_dataloader=_data(32, seed=1),
+                       eval_interval="2ba", schedulers=CosineAnnealingScheduler(t_max="1dur"), **RUN)
+    waiter.trainer = trainer
     worker = _worker(folder, trainer.publisher.address, spec)
     try:
         # The host found model.state_dict in the callback's code and leased the weights.
@@ -168,6 +172,7 @@ def _assert_weights_of(batch: int, got: dict[str, Any], theirs: dict[int, Any]) 
     """``got`` is Composer's weights at ``batch``'s evaluation, and not those of any other evaluation."""
     import torch
 
+    assert isinstance(got, dict), f"batch {batch}: {got}"
     assert list(got) == list(theirs[batch])
     for key, value in theirs[batch].items():
         torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5)
@@ -178,7 +183,8 @@ def _assert_weights_of(batch: int, got: dict[str, Any], theirs: dict[int, Any]) 
 
 def test_hosted_callback_reads_the_weights_as_they_were_at_each_evaluation(tmp_path):
     theirs = _composer_weights(tmp_path)
-    ours = _weights_run(tmp_path, "weights", 'tests.e2e.fidelity_callbacks:WeightsAtEval:{"path": "{run_name}.pt"}')
+    ours = _weights_run(tmp_path, "weights", 'tests.e2e.fidelity_callbacks:WeightsAtEval:{"path": "{run_name}.pt"}',
+                        keep_up=True)
     assert sorted(ours["weights"]) == sorted(theirs["weights"]) == [2, 4, 6, 8]
     for batch, weights in ours["weights"].items():  # each as it was at that evaluation, not later
         _assert_weights_of(batch, weights, theirs["weights"])
@@ -204,17 +210,22 @@ def test_a_slow_worker_gets_each_evaluations_own_weights_or_an_error_never_a_lat
         assert "weights buffers were held by workers still applying earlier events" in ours[batch]
 
 
-class _WaitForWeightsLease(eventbus.Callback):
-    """In the trainer: at the second evaluation, wait until a worker leases the weights (found on its
-    first use, at the first evaluation), so the test does not race the worker's lease request."""
+class _KeepUp(eventbus.Callback):
+    """In the trainer, at each evaluation from ``from_batch`` on: wait until a worker leases the weights
+    (one found reading them on first use leases them after the first evaluation) and has applied the
+    earlier evaluations (no staged weights held), so a test of a worker that keeps up does not depend
+    on how fast a loaded machine runs it."""
 
-    def __init__(self) -> None:
+    def __init__(self, from_batch: int = 0) -> None:
+        self.from_batch = from_batch
         self.trainer: Any = None
 
     def eval_end(self, state: Any, logger: Any) -> None:
+        publisher = self.trainer.publisher
         deadline = time.monotonic() + DEADLINE
-        while int(state.timestamp.batch) == 4 and not self.trainer.publisher.leases.weights_readers("eval_end"):
-            assert time.monotonic() < deadline, "the worker never leased the weights"
+        while int(state.timestamp.batch) >= self.from_batch and \
+                (not publisher.leases.weights_readers("eval_end") or publisher.staging.busy()):
+            assert time.monotonic() < deadline, "the worker never leased the weights or never applied them"
             time.sleep(0.02)
 
 
@@ -223,10 +234,10 @@ def test_weights_read_without_a_declaration_are_found_on_first_use(tmp_path):
     from composer.optim import CosineAnnealingScheduler
 
     theirs = _composer_weights(tmp_path)["weights"]
-    waiter = _WaitForWeightsLease()
-    trainer = _trainer(tmp_path, "first-use", [waiter], eval_dataloader=_data(32, seed=1), eval_interval="2ba",
+    keep_up = _KeepUp(from_batch=4)
+    trainer = _trainer(tmp_path, "first-use", [keep_up], eval_dataloader=_data(32, seed=1), eval_interval="2ba",
                        schedulers=CosineAnnealingScheduler(t_max="1dur"), **RUN)
-    waiter.trainer = trainer
+    keep_up.trainer = trainer
     worker = _worker(tmp_path, trainer.publisher.address,
                      'tests.e2e.fidelity_callbacks:WeightsThroughAHelper:{"path": "{run_name}.pt"}')
     try:
