@@ -1,4 +1,8 @@
-"""4. Checkpoint stall on the training thread: staging vs torch.save vs a plain copy (the floor)."""
+"""4. Checkpoint stall on the training thread: staging vs torch.save vs a plain copy (the floor).
+
+4b. The stall of one ``weights`` capture (``state.model.state_dict()`` for a worker): staging a real
+model's state_dict at an EVAL_END for one reader, as the trainer does while a worker leases the weights,
+against a plain copy of the same tensors (on the GPU when there is one: a side-stream copy)."""
 
 from __future__ import annotations
 
@@ -51,5 +55,41 @@ def run(quick: bool) -> dict:
     largest = result[f"{sizes[-1]}MB"]
     result["target_floor_met"] = all(r["stall_over_floor"] <= 1.5 for r in result.values() if isinstance(r, dict))
     result["target_save_met"] = largest["save_over_stall"] >= 10 if sizes[-1] == 1000 else None
+    result["weights"] = _weights_stall(quick, repeats)
     emit("checkpoint_stall", result)
+    return result
+
+
+def _weights_stall(quick: bool, repeats: int) -> dict:
+    """What the training thread spends per weights event while a worker leases ``weights``: the model's
+    state_dict() and one staged copy into a buffer of that event's own (released by the reader)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, result = [], {}
+    for width, depth in [(1024, 2)] if quick else [(1024, 2), (2048, 6)]:
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).to(device)
+        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        staging = StagingBuffers(f"weights{width}", max_buffers=2)
+        floor_buffers = [torch.empty_like(t) for t in model.state_dict().values()]
+        stall, floor = [], []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for target, source in zip(floor_buffers, model.state_dict().values()):
+                target.copy_(source)
+            floor.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            with torch.no_grad():
+                staged = staging.stage(model.state_dict(), {"batch": 0, "event": "eval_end", "rank": 0},
+                                       readers={"worker"}, reader_alive=lambda reader: True, max_held=2)
+            stall.append(time.perf_counter() - start)
+            if staged.copied is not None:
+                staged.copied.synchronize()  # the bus thread's wait, before it announces them
+            staging.wait_before_next_step()
+            staging.release(staged.descriptor["buffer"], "worker", staged.descriptor["stage"])  # it applied them
+        staging.close()
+        s, f = median(stall[1:]), median(floor[1:])  # the first stage allocates the buffer
+        rows.append((f"{megabytes:.0f} MB", 1000 * f, 1000 * s, s / f))
+        result[f"{megabytes:.0f}MB"] = {"floor_ms": 1000 * f, "stall_ms": 1000 * s, "stall_over_floor": s / f,
+                                       "device": device}
+    table(f"4b. weights capture stall per weights event while leased ({device}, ms)",
+          ["weights", "copy floor", "stage", "stage/floor"], rows)
     return result

@@ -87,13 +87,14 @@ _EXPORTS = {
     "Snapshot": "eventbus.bus.subscribe.snapshot",
     "Message": "eventbus.bus.subscribe.subscriber", "Subscriber": "eventbus.bus.subscribe.subscriber",
     "AllRanks": "eventbus.bus.subscribe.ranks",
+    "WeightsNotCaptured": "eventbus.errors",
 }
 
 __all__ = ["Algorithm", "AllRanks", "BusConfig", "Callback", "ComposerClassifier", "ComposerModel",
     "ConfigError", "ConsoleLogger", "CrossEntropy", "Engine", "Evaluator", "Event", "EventBusError",
     "GradientClipping", "InMemoryLogger", "Logger", "LoggerDestination", "Message", "Metric",
     "MulticlassAccuracy", "ProtocolError", "Snapshot", "State", "Subscriber", "Time", "TimeUnit", "Timestamp",
-    "Trainer"]
+    "Trainer", "WeightsNotCaptured"]
 
 
 def __getattr__(name: str) -> Any:
@@ -124,7 +125,7 @@ if TYPE_CHECKING:
         LoggerDestination,
     )
     from eventbus.core.time import Time, Timestamp, TimeUnit
-    from eventbus.errors import ConfigError, EventBusError, ProtocolError
+    from eventbus.errors import ConfigError, EventBusError, ProtocolError, WeightsNotCaptured
     from eventbus.training.algorithm import Algorithm, GradientClipping
     from eventbus.training.evaluator import Evaluator
     from eventbus.training.metrics import CrossEntropy, Metric, MulticlassAccuracy

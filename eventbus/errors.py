@@ -5,7 +5,7 @@ Every message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError", "ArtifactPathError"]
+__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError", "ArtifactPathError", "WeightsNotCaptured"]
 
 
 class EventBusError(Exception):
@@ -26,3 +26,9 @@ class TransferError(EventBusError):
 
 class ArtifactPathError(EventBusError, ValueError):
     """An uploaded file's name that would leave the run's ``artifacts/`` folder (``..``, a link)."""
+
+
+class WeightsNotCaptured(EventBusError, RuntimeError):
+    """``state.model.state_dict()`` in a subscriber where the trainer staged no weights for that
+    event (no ``weights`` lease then, every weights buffer held, another event): the message says
+    which event, why, and what to declare."""

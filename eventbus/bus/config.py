@@ -41,6 +41,9 @@ class BusConfig:
     replay_cache_bytes: int = 64 << 20  # ... and at most this many bytes of them
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     checkpoint_close_timeout: float = 60.0
+    # Staged weights (``state.model.state_dict()`` in workers) held at once; a weights event finding
+    # them all held by workers still applying earlier ones is not staged (its readers get an error).
+    weights_buffers: int = 2
     drain_timeout: float = 30.0  # at close, how long live workers may take to catch up
     # At close, a bus up for less than this keeps answering until it has been up this long before
     # it looks for workers to wait for: a worker waiting for the trainer reconnects every 20 ms

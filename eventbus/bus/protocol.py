@@ -21,7 +21,8 @@ from eventbus.errors import ConfigError, ProtocolError
 
 __all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
-           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "NEEDS_TRUST", "untrusted_refusal"]
+           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE", "WEIGHTS_EVENTS",
+           "NEEDS_TRUST", "untrusted_refusal"]
 
 MAX_SOURCE_CHARS = 100
 MAX_REASON_CHARS = 1_000
@@ -36,7 +37,11 @@ MAX_CALLBACKS = 100
 # A subscriber that may stop training leases ``stops``: the bus sends each BATCH_END at once, not
 # at the end of its batching window, so a hosted stopper's request lands about as soon as in process.
 STOPS_LEASE = "stops"
-CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint", STOPS_LEASE})
+# ``weights``: the model's state_dict staged at the WEIGHTS_EVENTS the lease names, one buffer per event,
+# held until every worker holding the lease then has applied that event (``weights_done``).
+WEIGHTS_LEASE = "weights"
+WEIGHTS_EVENTS = ("eval_end", "epoch_end", "fit_end")
+CAPTURABLE = frozenset({"grad_norms", "memory", "flops", "checkpoint", STOPS_LEASE, WEIGHTS_LEASE})
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024
 CHECKPOINT_OPTIONS = frozenset({"save_interval"})
 
@@ -56,6 +61,7 @@ class Op(str, enum.Enum):
     CHECKPOINT_ACK = "checkpoint_ack"  # a staged checkpoint buffer was written; it may be reused
     CHECKPOINT_FETCH = "checkpoint_fetch"  # send a staged checkpoint buffer (worker on another host)
     HYPERPARAMETERS = "hyperparameters"  # hyperparameters a subscriber-side callback logged, re-published once
+    WEIGHTS_DONE = "weights_done"  # this worker applied the event whose staged weights it held
 
 
 # What only an authenticated client may ask: anything that changes the run (stop, leases that make
@@ -65,7 +71,8 @@ class Op(str, enum.Enum):
 # Everything else is read-only: hello and progress are heartbeats that update one bounded entry of the
 # subscriber table (what ``eventbus status`` shows; progress holds the run's end for at most
 # BusConfig.drain_timeout), so a keyless logger or monitor still works and is waited for.
-NEEDS_TRUST = frozenset({Op.STOP, Op.METRICS, Op.HYPERPARAMETERS, Op.CAPTURE, Op.CHECKPOINT_ACK, Op.CHECKPOINT_FETCH})
+NEEDS_TRUST = frozenset({Op.STOP, Op.METRICS, Op.HYPERPARAMETERS, Op.CAPTURE, Op.CHECKPOINT_ACK, Op.CHECKPOINT_FETCH,
+                         Op.WEIGHTS_DONE})
 
 
 def untrusted_refusal(op: str) -> str:
@@ -234,12 +241,15 @@ SCHEMAS: dict[Op, dict[str, Field]] = {
     Op.METRICS: {"metrics": Field(_metrics, required=True), "step": Field(_int(0, 1 << 62), nullable=True)},
     Op.CAPTURE: {"what": Field(_texts(len(CAPTURABLE), 32, CAPTURABLE), required=True),
                  "interval": Field(_int(1, 1_000_000)), "ttl": Field(_number(0.0, MAX_TTL_SECONDS)),
-                 "options": Field(_options)},
+                 "options": Field(_options),
+                 # With ``weights``: the WEIGHTS_EVENTS this worker reads them at (absent: all of them).
+                 "events": Field(_texts(len(WEIGHTS_EVENTS), 32, frozenset(WEIGHTS_EVENTS)))},
     Op.CHECKPOINT_ACK: {"buffer": Field(_text(MAX_PATH_CHARS), required=True),
                         "path": Field(_text(MAX_PATH_CHARS, optional=True)),
                         "error": Field(_text(MAX_REASON_CHARS, optional=True)),
                         "batch": Field(_int(0))},
     Op.CHECKPOINT_FETCH: {"buffer": Field(_text(MAX_PATH_CHARS), required=True)},
+    Op.WEIGHTS_DONE: {"buffer": Field(_text(MAX_PATH_CHARS), required=True), "stage": Field(_int(1), required=True)},
     Op.HYPERPARAMETERS: {"hyperparameters": Field(_hyperparameters, required=True)},
 }
 

@@ -45,6 +45,9 @@ class Key:
     MEMORY: Final = "memory"  # torch.cuda.memory_stats()
     BATCH_FLOPS: Final = "batch_flops"
     CHECKPOINT: Final = "checkpoint"  # a staged checkpoint's descriptor
+    # The model's staged state_dict at this event only (a ``weights`` lease): its descriptor, or
+    # {"event", "batch", "missing": why} where a reader held the lease and nothing could be staged.
+    WEIGHTS: Final = "weights"
     # Run header: what does not change during a run, sent once.
     MODEL: Final = "model"  # {"class": name, "params": [[name, shape, dtype, requires_grad]]}
     EVALUATORS: Final = "evaluators"  # [[label, [metric name]]]

@@ -15,7 +15,7 @@ import mmap
 import os
 from typing import Any, Callable, Optional
 
-from eventbus.errors import ConfigError
+from eventbus.errors import ConfigError, TransferError
 
 __all__ = ["StagedCheckpoint", "TRANSFERS"]
 
@@ -82,14 +82,19 @@ class StagedCheckpoint:
             if self._fetch is None:
                 raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
                                   "trainer to fetch it from")
-            return unpack_buffer(buffer, self._fetch(buffer), copy=False)
+            data = self._fetch(buffer)
+            _check_stage(buffer, data)  # sent while staged: it cannot change in flight
+            return unpack_buffer(buffer, data, copy=False)
         if file is None:
             raise ConfigError(f"staged checkpoint buffer {path} is not visible here (a worker on another host "
                               "or in another pid namespace needs --transfer fetch, or the trainer's pids)")
         with file:
             view = mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_COPY)
         try:
-            return unpack_buffer(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
+            _check_stage(buffer, view)
+            loaded = unpack_buffer(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
+            _check_stage(buffer, view)  # still that stage once copied: nothing overwrote it meanwhile
+            return loaded
         finally:
             view.close()
 
@@ -100,6 +105,18 @@ class StagedCheckpoint:
         for buffer in self._buffers():
             self._send("checkpoint_ack", {"buffer": buffer["buffer"], "path": path, "error": error,
                                           "batch": self.batch, "rank": int(buffer.get("rank", 0))})
+
+
+def _check_stage(buffer: dict[str, Any], data: Any) -> None:
+    """The buffer holds the stage its descriptor names (a buffer reused for a later stage, after its
+    readers were given up on, would hand over another event's data)."""
+    from eventbus.checkpoint.layout import stage_in
+
+    expected = buffer.get("stage")
+    if isinstance(expected, int) and stage_in(data) != expected:
+        raise TransferError(f"staged buffer {buffer['buffer']} no longer holds stage {expected} (batch "
+                            f"{buffer.get('batch')}, {buffer.get('event')}): the trainer reused it for a later "
+                            "one after it stopped waiting for this reader")
 
 
 def _open_staged(buffer: dict[str, Any]) -> Optional[Any]:

@@ -5,7 +5,8 @@ tensors are replaced by indices (a DTensor keeps only its local shard, with
 where it goes); ``unpack_buffer`` turns the buffer and its descriptor back into
 tensors (views of the buffer, or copies); ``merge_shards`` joins every rank's
 shards into full tensors. Shared by the trainer (staging) and the checkpoint
-worker (loading).
+worker (loading). A buffer's first ``STAGE_BYTES`` name the stage it holds
+(``stage_in``), so a reader can tell that it still holds the one it was told of.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ import torch
 
 from eventbus.errors import ConfigError
 
-__all__ = ["ALIGN", "Shard", "flatten", "unflatten", "merge_shards", "unpack_buffer"]
+__all__ = ["ALIGN", "STAGE_BYTES", "Shard", "flatten", "unflatten", "merge_shards", "unpack_buffer", "stage_in"]
 
 ALIGN = 64  # every tensor starts on a cache line
+STAGE_BYTES = 8  # a buffer's first bytes: the stage it holds (tensors start at ALIGN)
+
+
+def stage_in(data: Any) -> int:
+    """The stage number a staged buffer (its bytes, or a map of them) holds now; 0 while being overwritten."""
+    return int.from_bytes(bytes(data[:STAGE_BYTES]), "little")
 
 
 class Shard:

@@ -12,6 +12,18 @@ A buffer is reused only when it is acknowledged *and* ZeroMQ has let go of
 every frame sent from it; when every buffer is busy, that checkpoint is skipped
 and reported.
 
+The model's weights for workers (``state.model.state_dict()``) are staged the
+same way, one buffer per weights event, held for its readers: the workers that
+held the ``weights`` lease at that event. Each reader's ``release`` (naming the
+buffer's stage) lets go of it; a reader whose lease expired is no longer waited
+for. At most ``max_held`` such buffers are held at once: a weights event finding
+none free is not staged (``stage`` returns None) rather than take another's.
+
+Every buffer starts with its stage number (a little-endian u64, unique per
+``StagingBuffers``), written as 0 before a new copy and as the number after it;
+the descriptor names it, so a reader checks, before and after it reads, that the
+buffer still holds that stage and never takes a later one's data for it.
+
 Nothing outlives the processes that use it: each buffer file is created
 exclusively (mode 0600, never through a symlink) as
 ``eventbus-<run_id>-<pid>-<n>-<size>`` and unlinked at once, on Linux; the memory
@@ -40,12 +52,12 @@ import re
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Collection, Optional
 
 import msgpack
 import torch
 
-from eventbus.checkpoint.layout import ALIGN, flatten
+from eventbus.checkpoint.layout import ALIGN, STAGE_BYTES, flatten
 from eventbus.checkpoint.ownership import NOFOLLOW, pid_namespace, writer_gone
 
 __all__ = ["StagingBuffers", "Staged", "remove_stale_buffers"]
@@ -89,9 +101,16 @@ class _Buffer:
     inode: int
     busy: bool = False  # staged and not yet acknowledged
     sending: list[Any] = dataclasses.field(default_factory=list)  # zmq.MessageTrackers of frames from it
+    stage: int = 0  # the stage it holds (also its first STAGE_BYTES)
+    readers: set[str] = dataclasses.field(default_factory=set)  # staged weights: who has yet to apply them
+    reader_alive: Optional[Callable[[str], bool]] = None  # False once a reader's lease expired
 
     def idle(self) -> bool:
-        """Free to overwrite: acknowledged, and no frame of it is still queued in ZeroMQ."""
+        """Free to overwrite: acknowledged (weights: by every reader still leasing them), and no frame
+        of it is still queued in ZeroMQ."""
+        if self.busy and self.readers and self.reader_alive is not None:
+            self.readers = {reader for reader in self.readers if self.reader_alive(reader)}
+            self.busy = bool(self.readers)
         if self.busy:
             return False
         self.sending = [tracker for tracker in self.sending if not tracker.done]
@@ -123,40 +142,53 @@ class StagingBuffers:
         self._device_copy: Optional[torch.cuda.Event] = None
         self.skipped = 0
         self._pid_namespace = pid_namespace()
+        self._stages = 0  # the last stage number given
 
-    def stage(self, state_dict: dict[str, Any], meta: dict[str, Any], wait: float = 0.0) -> Optional[Staged]:
+    def stage(self, state_dict: dict[str, Any], meta: dict[str, Any], wait: float = 0.0, *,
+              readers: Collection[str] = (), reader_alive: Optional[Callable[[str], bool]] = None,
+              max_held: Optional[int] = None) -> Optional[Staged]:
         """Copy ``state_dict`` into a free buffer; None (and ``skipped`` += 1) when every buffer is busy.
 
         ``wait`` > 0 waits up to that many seconds for a buffer to be acknowledged instead: for the
-        last checkpoint of a run, when training is over and skipping it would lose the final state."""
+        last checkpoint of a run, when training is over and skipping it would lose the final state.
+        ``readers``: staged weights, held until each reader released it or ``reader_alive(reader)`` is
+        False; None also when ``max_held`` buffers with readers are held already."""
         tensors: list[torch.Tensor] = []
         skeleton = flatten(state_dict, tensors)
-        layout, offset = [], 0
+        layout, offset = [], ALIGN  # the first ALIGN bytes hold the stage number
         for tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
             layout.append([str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes])
             offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        buffer = self._acquire(max(offset, ALIGN))
+        buffer = self._acquire(offset, max_held if readers else None)
         deadline = time.monotonic() + wait
         while buffer is None and time.monotonic() < deadline:
             time.sleep(0.01)  # acks arrive on the bus thread; ZeroMQ's trackers are polled
-            buffer = self._acquire(max(offset, ALIGN))
+            buffer = self._acquire(offset, max_held if readers else None)
         if buffer is None:
             self.skipped += 1
             return None
+        self._stages += 1
+        buffer.view[:STAGE_BYTES] = bytes(STAGE_BYTES)  # a reader of the stage it held sees it is gone
         copied = self._copy_into(buffer, tensors, layout)
+        buffer.view[:STAGE_BYTES] = self._stages.to_bytes(STAGE_BYTES, "little")
+        with self._lock:
+            buffer.stage, buffer.readers = self._stages, set(readers)
+            buffer.reader_alive = reader_alive if readers else None
         # The skeleton nests as deep as the state dict does: it travels as its own msgpack blob.
         descriptor = {"buffer": str(buffer.path), "size": buffer.size, "skeleton": msgpack.packb(skeleton),
                       "layout": layout, "pid": os.getpid(), "fd": buffer.file.fileno(), "inode": buffer.inode,
-                      "pid_namespace": self._pid_namespace, **meta}
+                      "pid_namespace": self._pid_namespace, "stage": buffer.stage, **meta}
         return Staged(descriptor, copied)
 
-    def _acquire(self, size: int) -> Optional[_Buffer]:
+    def _acquire(self, size: int, max_held: Optional[int] = None) -> Optional[_Buffer]:
         with self._lock:
             free = [b for b in self._buffers if b.idle()]
+            if max_held is not None and sum(1 for b in self._buffers if b.busy and b.readers) >= max_held:
+                return None  # weights: as many held as allowed (checkpoints keep the other buffers)
             for buffer in free:
                 if buffer.size >= size:
-                    buffer.busy = True
+                    buffer.busy, buffer.stage, buffer.readers = True, 0, set()  # no late release frees it now
                     return buffer
             if len(self._buffers) >= self.max_buffers and not free:
                 return None
@@ -169,7 +201,8 @@ class StagingBuffers:
             file.truncate(size)
             if _PROC_FDS.is_dir():  # readers open it as /proc/<pid>/fd/<fd>: no name to outlive us
                 path.unlink()
-            buffer = _Buffer(path, size, file, mmap.mmap(file.fileno(), size), os.fstat(fd).st_ino, busy=True)
+            buffer = _Buffer(path, size, file, mmap.mmap(file.fileno(), size), os.fstat(fd).st_ino, busy=True,
+                             readers=set())
             self._buffers.append(buffer)
             return buffer
 
@@ -226,12 +259,23 @@ class StagingBuffers:
         with self._lock:
             return any(str(buffer.path) == path and buffer.busy for buffer in self._buffers)
 
-    def release(self, path: str) -> bool:
+    def release(self, path: str, reader: Optional[str] = None, stage: Optional[int] = None) -> bool:
+        """Bus thread: the buffer at ``path`` may be reused (a checkpoint's ack). With ``reader`` and
+        ``stage``: that reader applied the weights of that stage (the buffer is free once every reader
+        did); False when the buffer holds another stage by now (a late release changes nothing)."""
         with self._lock:
             for buffer in self._buffers:
-                if str(buffer.path) == path:
+                if str(buffer.path) != path:
+                    continue
+                if reader is None:
                     buffer.busy = False
+                    buffer.readers = set()
                     return True
+                if buffer.stage != stage or not buffer.busy or not buffer.readers:
+                    return False  # a later stage, or a checkpoint's buffer: only its ack frees that
+                buffer.readers.discard(reader)
+                buffer.busy = bool(buffer.readers)
+                return True
         return False
 
     def _drop(self, buffer: _Buffer) -> None:

@@ -18,6 +18,12 @@ LoggerDestinations receive like every other logged metric. Its
 ``logger.log_hyperparameters`` goes to the trainer too, which merges them into
 the run header and re-publishes it once: every destination gets them.
 
+Staged weights: a callback that reads ``state.model.state_dict()`` (it declares
+``weights`` in its ``captures``, its class's code calls ``model.state_dict``, or it
+was found reading them) makes the worker lease them at the weights events it
+handles; once every hosted callback has applied such an event, the host releases
+its staged buffer (``release_weights``), and once they are closed, what is left.
+
 Messages reach the lane without a round trip through the event loop per
 message: whatever queued up while it was busy is taken in one wake-up. The
 stream is held back, not buffered without bound, while a callback has
@@ -39,6 +45,7 @@ flushed before each commit, so nothing counts as applied before it is durable.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
 import inspect
@@ -51,15 +58,15 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
-from eventbus.bus.protocol import STOPS_LEASE
+from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_EVENTS, WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
-from eventbus.bus.subscribe.snapshot import LiveState, calling_callback
+from eventbus.bus.subscribe.snapshot import LiveState, calling_callback, weights_wanted
 from eventbus.bus.subscribe.subscriber import Message
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, is_logger_destination
 
-__all__ = ["CallbackHost", "Cursor", "declare_captures", "may_stop_training", "subscription"]
+__all__ = ["CallbackHost", "Cursor", "declare_captures", "may_stop_training", "reads_weights", "subscription"]
 
 log = logging.getLogger(__name__)
 
@@ -162,13 +169,40 @@ def may_stop_training(callback: Any) -> bool:
     declared = getattr(callback, "stops_training", None)
     if isinstance(declared, bool):
         return declared
-    if STOPS_LEASE in (getattr(callback, "captures", None) or ()):
-        return True
+    return STOPS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "stop_training")
+
+
+def reads_weights(callback: Any) -> bool:
+    """Whether a hosted callback reads ``state.model.state_dict()`` (a best-weights saver): it declares
+    ``weights`` in its ``captures``, or its class's own code calls ``model.state_dict``. The worker then
+    leases ``weights`` at the WEIGHTS_EVENTS it handles (one found reading them later is leased then)."""
+    return WEIGHTS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "model.state_dict")
+
+
+def _weights_events(callback: Any) -> set[str]:
+    """The weights events a callback handles (defines itself, eventbus's or Composer's base no-ops aside):
+    where the trainer stages the weights for it; all of them for one that overrides ``run_event``."""
+    if _defines(callback, "run_event"):
+        return set(WEIGHTS_EVENTS)
+    return {name for name in WEIGHTS_EVENTS if _defines(callback, name)}
+
+
+def _defines(callback: Any, name: str) -> bool:
+    """The callback's own class, or a base of its own, defines ``name`` (not a base Callback's no-op)."""
+    for cls in type(callback).__mro__:
+        if name in vars(cls):
+            return not (cls in (Callback, object) or (cls.__module__.startswith("composer.")
+                                                      and cls.__name__ in ("Callback", "LoggerDestination")))
+    return False
+
+
+def _in_source(callback: Any, text: str) -> bool:
+    """``text`` appears in the code of the callback's class or a base class (not eventbus's Callback)."""
     for cls in type(callback).__mro__:
         if cls in (Callback, object) or cls.__module__ in ("builtins", "abc"):
             continue
         try:
-            if "stop_training" in inspect.getsource(cls):
+            if text in inspect.getsource(cls):
                 return True
         except (OSError, TypeError):  # no source (compiled, interactive): only a declaration tells
             continue
@@ -270,6 +304,7 @@ class _Slot:
         self.thread: Optional[threading.Thread] = None
         self.done = 0  # items of its lane taken care of (written by the thread that applies them)
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
+        self.reads_weights = reads_weights(callback)  # or found reading them (CallbackHost._wants_weights)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cb-{name}") \
             if self.runs_async else None
 
@@ -305,7 +340,10 @@ class CallbackHost:
     """Dispatches a Message stream to callbacks; ``run`` returns when the stream ends or ``stop()``."""
 
     def __init__(self, callbacks: Sequence[Callback], *, send_metrics: Any = None, fail_fast: bool = False,
-                 cursor: Optional[Cursor] = None, queue_size: int = 10_000, send_hyperparameters: Any = None):
+                 cursor: Optional[Cursor] = None, queue_size: int = 10_000, send_hyperparameters: Any = None,
+                 release_weights: Optional[Callable[[dict[str, Any]], None]] = None):
+        """``release_weights(descriptor)``: tell the trainer this worker applied the event whose staged
+        weights the descriptor names (a worker following a live run); None: nothing to release."""
         send = send_metrics or (lambda metrics, step, source: log.info("metrics from %s: %s", source, metrics))
         names = [type(cb).__name__ for cb in callbacks]
         self.slots = [
@@ -323,6 +361,9 @@ class CallbackHost:
         self._stopping = asyncio.Event()
         self._resumed_run = cursor.run_id if cursor is not None else None
         self.run_id: Optional[str] = None  # the run of the messages handed to the callbacks
+        self._release_weights = release_weights
+        self._weights_held: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()  # (seq, staged)
+        self._weights_lock = threading.Lock()  # callbacks' threads release; the event loop adds
         for slot in self.slots:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
             if cursor is not None and cursor.states.get(slot.name):
@@ -332,6 +373,39 @@ class CallbackHost:
     def applied_seq(self) -> int:
         """Every callback has applied every message up to this seq."""
         return min((slot.last_seq for slot in self.slots), default=0)
+
+    def weights_events(self) -> frozenset[str]:
+        """Where this worker's callbacks read the weights: what it leases ``weights`` at."""
+        return frozenset(name for slot in self.slots if slot.reads_weights for name in _weights_events(slot.callback))
+
+    def _wants_weights(self, slot: _Slot) -> None:
+        """A callback read ``state.model.state_dict()`` where none were leased: lease them from now on."""
+        if not slot.reads_weights:
+            slot.reads_weights = True
+            log.warning("%s reads state.model.state_dict(): leasing the weights from now on (declare "
+                        "captures = {'%s'} on it to have them from the first event)", slot.name, WEIGHTS_LEASE)
+
+    def _release_applied(self) -> None:
+        """Release the staged weights of every event each hosted callback has applied by now."""
+        if not self._weights_held:
+            return
+        applied = self.applied_seq
+        with self._weights_lock:
+            while self._weights_held and self._weights_held[0][0] <= applied:
+                self._send_release(self._weights_held.popleft()[1])
+
+    def _release_all(self) -> None:
+        """The callbacks are closed: nothing here reads what is still held."""
+        with self._weights_lock:
+            while self._weights_held:
+                self._send_release(self._weights_held.popleft()[1])
+
+    def _send_release(self, staged: dict[str, Any]) -> None:
+        if self._release_weights is not None:
+            try:
+                self._release_weights(staged)
+            except Exception:  # the trainer then stops waiting when this worker's lease expires
+                log.exception("could not release the weights staged at batch %s", staged.get("batch"))
 
     @property
     def names(self) -> list[str]:
@@ -369,6 +443,7 @@ class CallbackHost:
             for committer in committers:
                 committer.cancel()
             await self._close_all()
+            self._release_all()  # after close: a callback may still read the last event's weights there
         if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
             raise feeder.exception()  # type: ignore[misc]
         if self.broken is not None:
@@ -379,7 +454,14 @@ class CallbackHost:
     async def _feed(self, messages: AsyncIterator[Message]) -> None:
         async for message in messages:
             self.run_id = message.run_id
+            if self._release_weights is not None and message.event is not None and message.state is not None \
+                    and message.event.value in WEIGHTS_EVENTS and message.event.value in self.weights_events():
+                staged = message.state.staged_weights()  # held for this worker until it applied the event
+                if staged is not None:
+                    with self._weights_lock:
+                        self._weights_held.append((message.seq, staged))
             await self._put(message)
+            self._release_applied()
             if message.kind == Kind.END:
                 return
 
@@ -433,7 +515,7 @@ class CallbackHost:
                 if item.slot.thread is not None:
                     item.slot.inbox.put(item.call)
                 else:
-                    calling_callback.set(item.slot.name)
+                    self._calling(item.slot)
                     item.call.run()
                 continue
             for slot in lane.slots:
@@ -441,7 +523,7 @@ class CallbackHost:
                     if item is not None:
                         slot.inbox.put(item)
                     continue
-                calling_callback.set(slot.name)  # whose captures and requests these are
+                self._calling(slot)
                 spent = self._serve_guarded(slot, item, loop)
                 if spent >= SLOW_BURST and len(lane.slots) > 1:
                     log.info("%s took %.0f ms on one burst of messages: it runs on a thread of its own from now on",
@@ -454,7 +536,7 @@ class CallbackHost:
         """A slow callback's own thread: what its lane hands it, in order, until ``_STOP``. Idle for
         ``COMMIT_INTERVAL`` with progress not yet committed, it commits (group commit waits for a
         next message that may not come)."""
-        calling_callback.set(slot.name)  # this thread runs only this callback
+        self._calling(slot)  # this thread runs only this callback
         wait = COMMIT_INTERVAL if self.cursor is not None else None
         while True:
             try:
@@ -467,6 +549,11 @@ class CallbackHost:
                 item.run()
             else:
                 self._serve_guarded(slot, item, loop)
+
+    def _calling(self, slot: _Slot) -> None:
+        """What runs next on this thread is ``slot``'s: whose captures, requests and weights reads these are."""
+        calling_callback.set(slot.name)
+        weights_wanted.set(lambda: self._wants_weights(slot))
 
     def _serve_guarded(self, slot: _Slot, item: Any, loop: asyncio.AbstractEventLoop) -> float:
         """Apply a burst (or commit, for None); returns the seconds its messages took. A commit that
@@ -533,6 +620,7 @@ class CallbackHost:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         calling_callback.set(slot.name)  # in this slot's own task (its context), and its executor calls
+        weights_wanted.set(lambda: self._wants_weights(slot))
         try:
             for method, args in self._calls(slot, message):
                 if inspect.iscoroutinefunction(method):
@@ -555,6 +643,7 @@ class CallbackHost:
         slot.applied += 1
         slot.last_seq = message.seq
         slot.ended = message.kind == Kind.END
+        self._release_applied()
         slot.since_commit += seconds
         if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or \
                 time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:

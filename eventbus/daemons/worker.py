@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
-from eventbus.bus.protocol import STOPS_LEASE
+from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 from eventbus.bus.subscribe.subscriber import Subscriber
@@ -75,7 +75,8 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
         while True:
             host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
                                 send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source),
-                                send_hyperparameters=subscriber.log_hyperparameters)
+                                send_hyperparameters=subscriber.log_hyperparameters,
+                                release_weights=subscriber.weights_done)
             _install_signal_handlers(host)
             heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host, follow))
             print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
@@ -110,7 +111,8 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
     intervals: dict[str, int] = {}  # capture -> the most frequent interval any callback needs
     for cb in callbacks:
         for name in getattr(cb, "captures", ()):
-            intervals[name] = min(intervals.get(name, 1 << 30), int(getattr(cb, "capture_interval", 1)))
+            if name != WEIGHTS_LEASE:  # leased below, at the events this worker's readers handle
+                intervals[name] = min(intervals.get(name, 1 << 30), int(getattr(cb, "capture_interval", 1)))
         if may_stop_training(cb):
             intervals[STOPS_LEASE] = 1  # BATCH_END without waiting for the bus window (no capture cost)
     by_interval: dict[int, list[str]] = {}
@@ -122,12 +124,17 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
     names = [type(cb).__name__ for cb in callbacks]
     loop = asyncio.get_running_loop()
     next_hello, reported = 0.0, -1
+    weights_leased: frozenset[str] = frozenset()
     while True:
         run_id = host.run_id if follow else None
-        if loop.time() >= next_hello:
+        weights = host.weights_events()  # grows when a callback is found reading the weights
+        if loop.time() >= next_hello or weights != weights_leased:
             # Leases first: a trainer that waits for this worker's heartbeat then holds them.
             for interval, names_at_interval in by_interval.items():
                 subscriber.request_capture(names_at_interval, interval=interval, ttl=every * 3, options=options)
+            if weights:  # a staged copy at each of these events, held until this worker applied it
+                subscriber.request_capture([WEIGHTS_LEASE], ttl=every * 3, events=weights)
+            weights_leased = weights
             subscriber.hello(names, applied=host.applied_seq, run_id=run_id)
             next_hello = loop.time() + every
         elif host.applied_seq != reported:

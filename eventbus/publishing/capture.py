@@ -9,7 +9,9 @@ CUDA event; nothing waits), and puts one :class:`~eventbus.bus.publish.records.E
 on the publisher's queue. It never touches a socket or a file and never
 synchronises the device. What costs the trainer something (gradient norms,
 memory statistics, flops, checkpoints) is captured only while a subscriber
-holds a lease on it (:class:`~eventbus.bus.publish.leases.Leases`).
+holds a lease on it (:class:`~eventbus.bus.publish.leases.Leases`); the model's weights
+(``state.model.state_dict()`` in a worker) are staged like a checkpoint at the weights events
+its readers lease, one buffer per event (:meth:`EventCapture._stage_weights`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
@@ -39,7 +42,9 @@ log = logging.getLogger(__name__)
 _EVAL_EVENTS = frozenset(e for e in Event if e.is_eval)
 _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT,
                                 Event.FIT_END})
-_CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) | _CHECKPOINT_EVENTS
+_WEIGHTS_EVENTS = frozenset(Event(name) for name in WEIGHTS_EVENTS)
+_CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEFORE_FORWARD}) \
+    | _CHECKPOINT_EVENTS | _WEIGHTS_EVENTS
 # Where hyperparameters can have changed: schedulers step inside the batch, so BATCH_END covers the
 # next BATCH_START too (one capture per batch instead of two).
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
@@ -104,6 +109,20 @@ def stage(value: Any) -> Any:
     return value
 
 
+class _StagedWeights:
+    """The descriptor of weights staged at one event; the bus thread waits for their device copy."""
+
+    __slots__ = ("staged",)
+
+    def __init__(self, staged: Staged):
+        self.staged = staged
+
+    def resolve(self) -> dict[str, Any]:
+        if self.staged.copied is not None:
+            self.staged.copied.synchronize()  # the side stream's copy; releases the GIL
+        return self.staged.descriptor
+
+
 class _MetricsForwarder(LoggerDestination):
     """Puts the trainer's own logged metrics on the bus (a destination that ignores events)."""
 
@@ -156,6 +175,8 @@ class EventCapture(EventSink):
         self._last_train_values: Any = None  # the trainer replaces the dict whenever it computes them
         self._skipped_reported = -_SKIPPED_REPORT_SECONDS  # monotonic time of the last report
         self._skipped_since = 0  # checkpoints skipped since that report, not yet reported
+        self._weights_reported = -_SKIPPED_REPORT_SECONDS  # the same for weights events not staged
+        self._weights_skipped_since = 0
 
     def announce_checkpoint(self, staged: Staged) -> None:
         """A checkpoint the trainer staged itself (a Lightning ``CheckpointIO`` save): it rides on the next
@@ -256,6 +277,10 @@ class EventCapture(EventSink):
         """What costs the trainer something, captured only while a subscriber holds a lease on it."""
         captured: dict[str, Any] = {}
         batch = state.timestamp.batch.value
+        if event in _WEIGHTS_EVENTS and self.leases.weights_holders:
+            weights = self._stage_weights(event, state)
+            if weights is not None:
+                captured[Key.WEIGHTS] = weights
         if event is Event.AFTER_TRAIN_BATCH and self.leases.due("grad_norms", batch):
             named = [(n, p.grad) for n, p in state.model.named_parameters() if p.grad is not None]
             if named:
@@ -274,6 +299,40 @@ class EventCapture(EventSink):
             if flops is not None and self.leases.due("flops", batch):
                 captured[Key.BATCH_FLOPS] = stage(flops(state.batch))
         return captured, None
+
+    # ------------------------------------------------------------------ weights
+
+    def _stage_weights(self, event: Event, state: CaptureSource) -> Any:
+        """The model's ``state_dict()`` staged for the workers that read it at this event (a copy on
+        the training thread, device tensors on the side stream: the whole stall), in a buffer of its
+        own held until each of them applied this event. Never waits: with ``weights_buffers`` held by
+        workers still applying earlier events, this one is not staged and its readers are told why."""
+        readers = self.leases.weights_readers(event.value)
+        if not readers:
+            return None
+        ts = state.timestamp
+        where = {"event": event.value, "batch": ts.batch.value, "label": state.dataloader_label}
+        if self.sharded:
+            return dict(where, missing="an FSDP (sharded) run stages no weights for workers yet")
+        if self.publisher.rank != 0:
+            return dict(where, missing="only rank 0 stages the weights (every rank's model is the same): "
+                                       "read them in a worker following rank 0")
+        limit = self.publisher.config.weights_buffers
+        with torch.no_grad():
+            staged = self.staging.stage(state.model.state_dict(), dict(where, rank=0), readers=readers,
+                                        reader_alive=self.leases.holds_weights, max_held=limit)
+        if staged is not None:
+            return _StagedWeights(staged)
+        self._weights_skipped_since += 1
+        now = time.monotonic()
+        if now - self._weights_reported >= _SKIPPED_REPORT_SECONDS:
+            count, self._weights_skipped_since, self._weights_reported = self._weights_skipped_since, 0, now
+            log.warning("the weights at %s of batch %d were not staged: the %d weights buffers are held by "
+                        "workers still applying earlier events (%d such events since the last such line)",
+                        event.value, ts.batch.value, limit, count)
+        return dict(where, missing=f"all {limit} weights buffers were held by workers still applying earlier "
+                                   "events; a worker that keeps up, or a larger BusConfig.weights_buffers, "
+                                   "gets them")
 
     # ------------------------------------------------------------------ checkpoints
 

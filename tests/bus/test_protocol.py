@@ -27,11 +27,12 @@ VALID = {
     Op.REPLAY: {"id": 4, "run_id": "ab" * 16, "from": 1, "to": 50},
     Op.STOP: {"reason": "plateau"},
     Op.METRICS: {"metrics": {"throughput/samples_per_sec": 812.5, "note": "ok"}, "step": 4},
-    Op.CAPTURE: {"what": ["grad_norms", "checkpoint"], "interval": 2, "ttl": 9.0,
-                 "options": {"save_interval": "3ba"}},
+    Op.CAPTURE: {"what": ["grad_norms", "checkpoint", "weights"], "interval": 2, "ttl": 9.0,
+                 "options": {"save_interval": "3ba"}, "events": ["eval_end"]},
     Op.CHECKPOINT_ACK: {"buffer": "/dev/shm/x", "path": "ep0-ba3.pt", "error": None, "batch": 3},
     Op.CHECKPOINT_FETCH: {"id": 5, "buffer": "/dev/shm/x"},
     Op.HYPERPARAMETERS: {"hyperparameters": {"budget_seconds": 60, "sweep": {"id": "a1", "arms": [1, 2.5]}}},
+    Op.WEIGHTS_DONE: {"buffer": "/dev/shm/x", "stage": 3},
 }
 
 WRONG_VALUES = [[1], {"a": 1}, "text", -1, 1.5, True, b"\x00" * 10, "x" * 5000, [[[[1]]]], None]

@@ -55,15 +55,17 @@ class PayloadBuilder:
         if record.event == "batch_start" and any(self._current[key] is not None for key in PER_BATCH_KEYS):
             self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
             self._packed = None
+        weights = record.changes.pop(Key.WEIGHTS, None) if record.changes else None  # this event's only
         if record.changes:
             self._apply(record.changes)
             self._packed = None
         key = (record.timestamp, record.previous_timestamp, record.dataloader_label, record.dataloader_len,
                record.batch_num_samples, record.batch_num_tokens)
-        reusable = record.checkpoint is None and record.eval_timestamp is None
+        reusable = record.checkpoint is None and record.eval_timestamp is None and weights is None
         if reusable and self._packed is not None and _same(key, self._packed_key):
             return self._packed
-        packed = pack_payload(self._build(record))
+        packed = pack_payload(self._build(record) if weights is None else
+                              dict(self._build(record), **{Key.WEIGHTS: resolve(weights)}))
         if reusable:
             self._packed, self._packed_key = packed, key
         return packed

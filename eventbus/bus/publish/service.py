@@ -72,7 +72,7 @@ class PublisherStats:
 class StagingArea(Protocol):
     """The trainer's checkpoint staging buffers, as the bus thread sees them."""
 
-    def release(self, path: str) -> bool: ...
+    def release(self, path: str, reader: Optional[str] = None, stage: Optional[int] = None) -> bool: ...
     def send(self, socket: Any, envelope: list[bytes], path: str) -> bool: ...
     def busy(self) -> bool: ...
     def close(self) -> None: ...
@@ -150,6 +150,7 @@ class RequestService:
             Op.SNAPSHOT: self._snapshot, Op.REPLAY: self._replay, Op.PING: self._ping, Op.STOP: self._stop,
             Op.METRICS: self._metrics, Op.CAPTURE: self._capture, Op.CHECKPOINT_ACK: self._checkpoint_ack,
             Op.CHECKPOINT_FETCH: self._checkpoint_fetch, Op.HYPERPARAMETERS: self._hyperparameters,
+            Op.WEIGHTS_DONE: self._weights_done,
         }
 
     def serve(self, frames: list[bytes]) -> None:
@@ -272,7 +273,15 @@ class RequestService:
         self._stats.control_messages += 1
         options = request.get("options")
         self._leases.grant(request.get("what"), float(request.get("ttl", 10.0)), request.get("interval", 1),
-                           dict(options) if options is not None else None)
+                           dict(options) if options is not None else None, holder=_holder(route, request),
+                           events=request.get("events"))
+
+    def _weights_done(self, route: list[bytes], request: Request) -> None:
+        """A worker applied the event whose staged weights it held: the buffer is free once every
+        holder did. A late one (its lease had expired, the buffer holds a later stage) changes nothing."""
+        self._stats.control_messages += 1
+        if self._staging is not None:
+            self._staging.release(request.get("buffer"), _holder(route, request), request.get("stage"))
 
     def _checkpoint_ack(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1
@@ -293,6 +302,11 @@ class RequestService:
         if self._staging is None or not self._staging.send(self._router, envelope, request.get("buffer")):
             self._reply(route, Op.CHECKPOINT_FETCH, request,
                         error="no such staged checkpoint (already acknowledged, or from another run)")
+
+
+def _holder(route: list[bytes], request: Request) -> str:
+    """Who holds a lease: the name it sends (a worker's identity), else its routing identity."""
+    return request.source or (route[-1].hex() if route else "")
 
 
 def _peer(route: list[bytes], request: Optional[Request]) -> str:

@@ -157,8 +157,15 @@ class ServiceClient:
         self.send(Op.PROGRESS, applied=applied, source=self.identity, **extra)
 
     def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
-                        options: Optional[dict[str, Any]] = None) -> None:
+                        options: Optional[dict[str, Any]] = None, events: Optional[Iterable[str]] = None) -> None:
+        extra = {"events": sorted(events)} if events is not None else {}
         self.send(Op.CAPTURE, what=sorted(what), interval=interval, ttl=ttl, options=options or {},
+                  source=self.identity, **extra)
+
+    def weights_done(self, staged: dict[str, Any]) -> None:
+        """This subscriber applied the event whose staged weights ``staged`` describes: the trainer may
+        reuse their buffer once every worker that held the weights lease then did."""
+        self.send(Op.WEIGHTS_DONE, buffer=staged["buffer"], stage=staged["stage"], rank=int(staged.get("rank", 0)),
                   source=self.identity)
 
     # ------------------------------------------------------------------ checkpoint transfer

@@ -4,6 +4,9 @@ Each event message carries the full snapshot (so a late joiner needs only the
 latest message), and the run header carries what does not change (run name,
 world size, hyperparameters). ``stop_training()`` on a snapshot sends a
 control request; the trainer applies it at its next BATCH_END.
+``state.model.state_dict()`` reads the weights the trainer staged at this very
+event (a ``weights`` lease), checked to be this event's, or raises
+:class:`~eventbus.errors.WeightsNotCaptured` saying why and what to declare.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from contextvars import ContextVar
 from typing import Any, Callable, Optional, Union
 
 from eventbus.bus import wire
-from eventbus.bus.protocol import Op
+from eventbus.bus.protocol import WEIGHTS_EVENTS, WEIGHTS_LEASE, Op
 from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.views import (
     DeviceView,
@@ -26,13 +29,19 @@ from eventbus.bus.subscribe.views import (
 )
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit, elapsed_duration
+from eventbus.errors import EventBusError, WeightsNotCaptured
 
-__all__ = ["Snapshot", "LiveState", "calling_callback"]
+__all__ = ["Snapshot", "LiveState", "calling_callback", "weights_wanted"]
 
 #: The name of the hosted callback now being applied, set by the worker's CallbackHost on the thread
 #: or task that calls it: Composer's stoppers call ``stop_training()`` without a reason, and the
 #: trainer's stop reason should still say which callback asked.
 calling_callback: ContextVar[Optional[str]] = ContextVar("eventbus_calling_callback", default=None)
+
+#: Set by the worker's CallbackHost where a hosted callback runs: called when that callback reads
+#: ``state.model.state_dict()`` at an event with no weights leased, so the worker leases them from then on.
+weights_wanted: ContextVar[Optional[Callable[[], None]]] = ContextVar("eventbus_weights_wanted", default=None)
+_WEIGHTS_AT = ", ".join(event.upper() for event in WEIGHTS_EVENTS)
 
 
 def _time(text: Optional[str]) -> Optional[Time]:
@@ -178,10 +187,51 @@ class Snapshot:
 
     @property
     def model(self) -> ModelView:
-        """Parameters (names, shapes, dtypes from the header) with ``.grad`` norms where captured."""
+        """Parameters (names, shapes, dtypes from the header) with ``.grad`` norms where captured, and
+        ``state_dict()``: the weights staged at this event."""
         model = self.header.get(Key.MODEL) or {}
         return self._cached("model", lambda: named_view(ModelView, model.get("class"))(
-            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu"))
+            model.get("params", ()), self.grad_norms, self.header.get("device") or "cpu",
+            lambda: self._cached("weights", self._load_weights)))
+
+    def staged_weights(self) -> Optional[dict[str, Any]]:
+        """The descriptor of the weights staged at this very event (its event and batch checked against
+        this snapshot's), else None. What a worker releases once it applied this event."""
+        staged = self._payload.get(Key.WEIGHTS)
+        if isinstance(staged, dict) and isinstance(staged.get("buffer"), str) and isinstance(staged.get("stage"), int) \
+                and staged.get("event") == self.event and staged.get("batch") == self.timestamp.batch.value:
+            return staged
+        return None
+
+    def _load_weights(self) -> dict[str, Any]:
+        staged = self._payload.get(Key.WEIGHTS)
+        where = f"{(self.event or 'this event').upper()} of batch {int(self.timestamp.batch)}"
+        if not isinstance(staged, dict):
+            wanted = weights_wanted.get()
+            if wanted is not None:
+                wanted()  # found on first use: the worker leases the weights from now on
+            if self.event not in WEIGHTS_EVENTS:
+                raise WeightsNotCaptured(
+                    f"state.model.state_dict() at {where}: out of process the weights are staged only at "
+                    f"{_WEIGHTS_AT}; read them there (a callback that handles those events and declares "
+                    f"captures = {{'{WEIGHTS_LEASE}'}})")
+            later = "; this worker leases them from now on" if wanted is not None else ""
+            raise WeightsNotCaptured(
+                f"state.model.state_dict() at {where}: the trainer staged no weights here, as no worker held "
+                f"the '{WEIGHTS_LEASE}' lease for {str(self.event).upper()} then: declare captures = "
+                f"{{'{WEIGHTS_LEASE}'}} on the callback to have them from the first event{later}")
+        if "missing" in staged:
+            raise WeightsNotCaptured(f"state.model.state_dict() at {where}: the weights were not staged: "
+                                     f"{staged['missing']}")
+        if self.staged_weights() is None:  # never another event's weights
+            raise WeightsNotCaptured(f"state.model.state_dict() at {where}: the staged weights are of "
+                                     f"{str(staged.get('event')).upper()} of batch {staged.get('batch')}, "
+                                     "not this event's")
+        try:
+            return StagedCheckpoint(staged, None, self._fetch).load()
+        except (EventBusError, OSError) as err:
+            raise WeightsNotCaptured(f"state.model.state_dict() at {where}: the staged weights could not be "
+                                     f"read: {err}") from err
 
     @property
     def optimizers(self) -> list[OptimizerView]:

@@ -262,10 +262,15 @@ class Subscriber:
         return await self._service.trainer_stats()
 
     def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
-                        options: Optional[dict[str, Any]] = None) -> None:
-        """Lease costly captures (``grad_norms``, ``memory``, ``flops``, ``checkpoint``) for ``ttl``
-        seconds; renew to keep them. ``options`` carries e.g. the checkpoint ``save_interval``."""
-        self._service.request_capture(what, interval, ttl, options)
+                        options: Optional[dict[str, Any]] = None, events: Optional[Iterable[str]] = None) -> None:
+        """Lease costly captures (``grad_norms``, ``memory``, ``flops``, ``checkpoint``, ``weights``) for
+        ``ttl`` seconds; renew to keep them. ``options`` carries e.g. the checkpoint ``save_interval``;
+        ``events``, the weights events ``weights`` are read at (None: all of them)."""
+        self._service.request_capture(what, interval, ttl, options, events)
+
+    def weights_done(self, staged: dict[str, Any]) -> None:
+        """This worker applied the event of these staged weights (``Snapshot.staged_weights()``)."""
+        self._service.weights_done(staged)
 
     def fetch_checkpoint(self, descriptor: dict[str, Any], timeout: float = 600.0) -> memoryview:
         """The bytes of a staged checkpoint buffer (blocking, on the calling thread); see ServiceClient."""

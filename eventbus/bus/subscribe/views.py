@@ -13,6 +13,8 @@ import math
 import sys
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
+from eventbus.errors import WeightsNotCaptured
+
 __all__ = ["Scalar", "GradView", "ParameterView", "ModelView", "OptimizerView", "SchedulerView",
            "MetricView", "EvaluatorView", "DeviceView", "ReadOnlyDict", "named_view"]
 
@@ -170,18 +172,29 @@ def named_view(base: type, name: Optional[str]) -> type:
 
 
 class ModelView:
-    """The model's parameters as the run header describes them, with this batch's gradient norms."""
+    """The model's parameters as the run header describes them, with this batch's gradient norms,
+    and ``state_dict()``: the weights as they were at this event, where the trainer staged them."""
 
-    __slots__ = ("_params", "_grad_norms", "_device")
+    __slots__ = ("_params", "_grad_norms", "_device", "_weights")
     _params: Sequence[Sequence[Any]]
     _grad_norms: Mapping[str, float]
     _device: str
+    _weights: Optional[Callable[[], dict[str, Any]]]
 
     def __init__(self, params: Sequence[Sequence[Any]], grad_norms: Optional[Mapping[str, float]],
-                 device: str = "cpu"):
+                 device: str = "cpu", weights: Optional[Callable[[], dict[str, Any]]] = None):
         object.__setattr__(self, "_params", params)
         object.__setattr__(self, "_grad_norms", grad_norms or {})
         object.__setattr__(self, "_device", device)
+        object.__setattr__(self, "_weights", weights)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The model's weights as they were at this event (CPU tensors, this process's own copy);
+        :class:`~eventbus.errors.WeightsNotCaptured` where the trainer staged none, saying why."""
+        if self._weights is None:
+            raise WeightsNotCaptured("state.model.state_dict(): this snapshot has no weights (only a worker's "
+                                     "snapshots of a live run can have them)")
+        return dict(self._weights())
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, ParameterView]]:
         norms = self._grad_norms

@@ -1,0 +1,39 @@
+"""What a hosted callback needs from the trainer is found in its code or its declarations."""
+
+from __future__ import annotations
+
+import pytest
+from composer.callbacks import EarlyStopper, LRMonitor, SpeedMonitor, ThresholdStopper
+
+from bench.callbacks import StopAt
+from eventbus.daemons.host import may_stop_training, reads_weights
+from tests.e2e.fidelity_callbacks import StopAtBatch, WeightsAtEval
+
+
+@pytest.mark.parametrize("callback", [EarlyStopper("MulticlassAccuracy", "eval"),
+                                      ThresholdStopper("MulticlassAccuracy", "eval", 0.5), StopAtBatch(3)])
+def test_stoppers_are_found_in_their_code(callback):
+    assert may_stop_training(callback) and not reads_weights(callback)
+
+
+def test_monitors_neither_stop_nor_read_weights():
+    for callback in (LRMonitor(), SpeedMonitor()):
+        assert not may_stop_training(callback) and not reads_weights(callback)
+
+
+def test_a_declaration_wins_over_the_code():
+    assert may_stop_training(StopAt(3, fast=True)) and not may_stop_training(StopAt(3, fast=False))
+    monitor = LRMonitor()
+    monitor.captures = frozenset({"weights", "stops"})  # type: ignore[attr-defined]
+    assert reads_weights(monitor) and may_stop_training(monitor)
+    assert reads_weights(WeightsAtEval("x.pt")) and not may_stop_training(WeightsAtEval("x.pt"))
+
+
+def test_weights_are_leased_at_the_weights_events_the_readers_handle():
+    from eventbus.daemons.host import CallbackHost
+
+    assert CallbackHost([WeightsAtEval("x.pt"), LRMonitor()]).weights_events() == {"eval_end", "fit_end"}
+    assert CallbackHost([LRMonitor(), SpeedMonitor()]).weights_events() == frozenset()
+    declared = LRMonitor()  # declares weights, handles no weights event: nothing is staged for it
+    declared.captures = frozenset({"weights"})  # type: ignore[attr-defined]
+    assert CallbackHost([declared]).weights_events() == frozenset()
