@@ -37,7 +37,7 @@ from eventbus.bus import wire
 from eventbus.bus.journal import read_journal
 
 # Replay last: by then the run holds more seqs than one replay reply may carry.
-ORDER = ("hello", "metrics", "multipart", "zmtp", "replay")
+ORDER = ("hello", "metrics", "snapshot", "multipart", "oversize", "zmtp", "replay")
 assert sorted(ORDER) == sorted(FLOODS)
 
 

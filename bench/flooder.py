@@ -8,7 +8,10 @@ memory. Requests are packed here as the wire packs them (a msgpack map with ``v`
 Floods (the ones issue 14 measured before the bounds were built):
 
 * ``replay``    -- 4 DEALER clients ask for seqs 1..10**9 over and over and never read a reply.
-* ``multipart`` -- 100-frame messages of 4 MB frames to the request service (ROUTER).
+* ``snapshot``  -- one client asks for snapshots as fast as it can, reading the replies that come (issue 24).
+* ``multipart`` -- 396 MB messages of 4,000 frames, each frame under the request size limit, so
+  ZeroMQ takes in every message whole (issue 24: 13 such messages cost 43% of steps/s).
+* ``oversize``  -- 100-frame messages of 4 MB frames, each larger than any request (issue 14).
 * ``hello``     -- 400 forged 1 MB ``hello`` requests, each from its own identity, per round.
 * ``metrics``   -- 295 forged 2 MB ``metrics`` requests per round.
 * ``zmtp``      -- a raw ZMTP 3.0 peer connects to the PUB port and streams a frame that declares
@@ -27,7 +30,7 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq
 
-FLOODS = ("replay", "multipart", "hello", "metrics", "zmtp")
+FLOODS = ("replay", "snapshot", "multipart", "oversize", "hello", "metrics", "zmtp")
 MB = 1 << 20
 _started = False
 
@@ -78,7 +81,39 @@ def replay(context: zmq.Context, service: str, run_id: str) -> Callable[[], int]
     return round_
 
 
+def snapshot(context: zmq.Context, service: str, run_id: str) -> Callable[[], int]:
+    dealer = _dealer(context, service)
+    body = request("snapshot", id=1)
+
+    def round_() -> int:
+        """Requests until the send queue is full, then every reply that came: as many snapshots as
+        the trainer will serve, as fast as it serves them."""
+        sent = 0
+        while True:
+            try:
+                dealer.send(body, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            _flooding()
+            sent += 1
+        while dealer.poll(0 if sent else 1):
+            dealer.recv_multipart(copy=False)
+        return sent
+    return round_
+
+
 def multipart(context: zmq.Context, service: str, run_id: str) -> Callable[[], int]:
+    dealer = _dealer(context, service)
+    dealer.setsockopt(zmq.SNDHWM, 2)
+    frames = [b"\x00" * (99 * 1024)] * 4000 + [request("ping", id=1)]  # 396 MB; each frame passes MAXMSGSIZE
+
+    def round_() -> int:
+        _send(dealer, frames)
+        return 1
+    return round_
+
+
+def oversize(context: zmq.Context, service: str, run_id: str) -> Callable[[], int]:
     dealer = _dealer(context, service)
     dealer.setsockopt(zmq.SNDHWM, 2)
     frames = [b"\x00" * (4 * MB)] * 99 + [request("ping", id=1)]

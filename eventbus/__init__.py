@@ -36,7 +36,8 @@ only in its shared modules (``tests/test_layout.py`` checks both).
     ``proxy``.
   ``bus.publish`` -- the bus thread in the trainer: ``records``, ``payload``,
     ``publisher``, ``history`` (seq, journal before wire, replay cache),
-    ``service`` (one handler per request), ``leases`` (captures, stops).
+    ``service`` (one handler per request), ``budgets`` (what each client may make it
+    spend), ``leases`` (captures, stops).
   ``bus.subscribe`` -- the subscribing end: ``subscriber`` (:class:`Subscriber`),
     ``sequencer`` (seq order, gaps, duplicates), ``recovery`` and
     ``journal_source`` (gap filling), ``journal_stream`` (a journal as messages:

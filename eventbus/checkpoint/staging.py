@@ -181,6 +181,12 @@ class StagingBuffers:
                       "pid_namespace": self._pid_namespace, "stage": buffer.stage, **meta}
         return Staged(descriptor, copied)
 
+    def can_stage(self) -> bool:
+        """Whether :meth:`stage` would find a buffer now without waiting (one is idle, or there is room
+        for another): checked before building a state dict that would otherwise be dropped."""
+        with self._lock:
+            return len(self._buffers) < self.max_buffers or any(buffer.idle() for buffer in self._buffers)
+
     def _acquire(self, size: int, max_held: Optional[int] = None) -> Optional[_Buffer]:
         with self._lock:
             free = [b for b in self._buffers if b.idle()]

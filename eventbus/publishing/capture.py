@@ -346,13 +346,19 @@ class EventCapture(EventSink):
             due = distributed.broadcast_flag(due)  # the worker's interval reached rank 0 only
         if not due:
             return None
-        source = self.checkpoint_source()  # under torchrun, a collective (every rank's RNG state)
         ts = state.timestamp
-        meta = {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
-                "token": ts.token.value, "event": event.value, "run_name": state.run_name}
         # The run's last checkpoint waits for a free buffer: training is over, and skipping it
         # would lose the final state. Others are skipped rather than stall training.
         wait = self.publisher.config.checkpoint_close_timeout if event is Event.FIT_END else 0.0
+        if not wait and not self.distributed and not self.staging.can_stage():
+            # Skipped before the state dict is built: a lease due every batch with no worker
+            # acknowledging must cost the trainer a check per batch, not a state dict.
+            self.staging.skipped += 1
+            self._report_skipped(ts.batch.value)
+            return None
+        source = self.checkpoint_source()  # under torchrun, a collective (every rank's RNG state)
+        meta = {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
+                "token": ts.token.value, "event": event.value, "run_name": state.run_name}
         if self.sharded:
             return self._stage_shards(source, meta, wait)
         if self.publisher.rank != 0:

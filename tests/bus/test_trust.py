@@ -14,6 +14,7 @@ import time
 import pytest
 import zmq
 
+from bench.common import event_capture
 from eventbus import BusConfig, Subscriber
 from eventbus.bus import wire
 from eventbus.bus.proxy import RankProxy
@@ -181,10 +182,15 @@ def test_a_checkpoint_lease_nobody_renews_expires():
 
 
 def test_checkpoints_skipped_for_want_of_a_worker_are_reported_once_per_ten_seconds(tmp_path, caplog):
-    """A checkpoint lease at save_interval=1ba with no worker behind it: the first staged checkpoint is
-    never acknowledged, so every later one is skipped -- counted, not logged per batch."""
+    """A checkpoint lease at save_interval=1ba with no worker behind it: the staged checkpoints are
+    never acknowledged, so once every buffer is held each later one is skipped -- counted, not
+    logged per batch, and skipped before its state dict is built."""
     # The last checkpoint (FIT_END) waits this long for a buffer the worker never frees.
     trainer = make_trainer(tmp_path, "4ep", bus=BusConfig(address=bus_address(tmp_path), checkpoint_close_timeout=0.5))
+    capture = event_capture(trainer)
+    built: list[int] = []  # the trainer's own state-dict source, counted as it is called
+    source = capture.checkpoint_source
+    capture.checkpoint_source = lambda: built.append(1) or source()
     client = Client(trainer.publisher.service_address)
     try:
         client.dealer.send(wire.encode_request("capture", **STEERING["capture"]))
@@ -198,7 +204,11 @@ def test_checkpoints_skipped_for_want_of_a_worker_are_reported_once_per_ten_seco
         trainer.close()
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert lines and lines[0].startswith("checkpoint at batch")
-    # 16 batches, the first staged and held: at least 14 skipped (FIT_END waits for a buffer instead).
+    # 16 batches, one checkpoint each: the first ones fill the buffers and are held; the rest are
+    # skipped without a state dict.
+    buffers = capture.staging.max_buffers
+    assert len(built) == buffers
+    assert capture.staging.skipped == 16 - buffers
     assert len(lines) <= 1 + int(elapsed // 10)
     assert trainer.publisher.stats().protocol_errors == 0
 

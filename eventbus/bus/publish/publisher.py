@@ -349,7 +349,7 @@ class _BusThread(threading.Thread):
         budget = self.config.requests_per_turn if budget is None else budget
         served = 0
         while served < budget and poller.poll(timeout_ms):
-            self._service.serve(self._router.recv_multipart())
+            self._service.serve_next()
             served += 1
             timeout_ms = 0
         for monitor in self._monitors:
