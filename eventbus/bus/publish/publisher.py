@@ -144,6 +144,9 @@ class Publisher:
             self.staging.close()
 
 
+_MONITOR_EVENTS_PER_TURN = 64
+
+
 class _BusThread(threading.Thread):
     """Owns the sockets, the journal and the request service; see the module docstring."""
 
@@ -353,7 +356,11 @@ class _BusThread(threading.Thread):
             served += 1
             timeout_ms = 0
         for monitor in self._monitors:
-            while monitor.poll(0):
+            # Bounded per turn: a storm of connections must not keep the bus thread counting them
+            # (ZeroMQ drops the events its monitor queue cannot hold: the count is then a floor).
+            for _ in range(_MONITOR_EVENTS_PER_TURN):
+                if not monitor.poll(0):
+                    break
                 monitor.recv_multipart()
                 self._stats.disconnects += 1
         self._send()
