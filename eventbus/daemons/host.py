@@ -4,11 +4,11 @@ Plain callbacks share one thread, the lane: each burst of messages wakes it
 once and it applies the burst to each callback in turn (their events stay in
 order, the event loop stays free and never waits for them). A thread per
 callback would cost a wake-up and a GIL hand-off per callback and burst, most
-of a worker's CPU for cheap callbacks. A callback that proves slow (one call of
-``SLOW_BURST`` seconds or more on one burst) leaves the lane for a thread of its own, fed by
-the lane in order, so it delays the others at most once. ``async def`` methods
-are awaited in a task of their own. An exception is logged with the event and seq and the callback keeps
-receiving, unless ``fail_fast`` is set. At the end of the stream (or on
+of a worker's CPU for cheap callbacks. A callback that proves slow (``SLOW_BURST``
+seconds or more on one burst) leaves the lane for a thread of its own, fed by the
+lane in order, so it delays the others for one burst at most. ``async def``
+methods are awaited in a task of their own. An exception is logged with the
+event and seq and the callback keeps receiving, unless ``fail_fast`` is set. At the end of the stream (or on
 ``stop()``) every queue drains, then every ``close`` runs, then every
 ``post_close``.
 
