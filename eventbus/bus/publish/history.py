@@ -51,7 +51,7 @@ class History:
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float,
                payload: Union[dict[str, Any], bytes]) -> None:
-        """Number, encode and journal one message; it is sent by the next ``flush_and_send``."""
+        """Number and encode one message; the next ``flush_and_send`` journals it, then sends it."""
         self.seq += 1
         topic = wire.topic_index(kind, event)
         # Links are exact while seqs fit 32 bits; past that subscribers fall back to contiguous checks.
