@@ -144,9 +144,6 @@ class Publisher:
             self.staging.close()
 
 
-_MONITOR_EVENTS_PER_TURN = 64
-
-
 class _BusThread(threading.Thread):
     """Owns the sockets, the journal and the request service; see the module docstring."""
 
@@ -356,11 +353,7 @@ class _BusThread(threading.Thread):
             served += 1
             timeout_ms = 0
         for monitor in self._monitors:
-            # Bounded per turn: a storm of connections must not keep the bus thread counting them
-            # (ZeroMQ drops the events its monitor queue cannot hold: the count is then a floor).
-            for _ in range(_MONITOR_EVENTS_PER_TURN):
-                if not monitor.poll(0):
-                    break
+            while monitor.poll(0):
                 monitor.recv_multipart()
                 self._stats.disconnects += 1
         self._send()
