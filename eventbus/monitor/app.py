@@ -159,6 +159,9 @@ async def _watch(address: str, tracker: Tracker, screen: _Screen, refresh: float
                     return await asyncio.wait_for(_show_once(subscriber, tracker, screen, receive, stop),
                                                   ONCE_DEADLINE)
                 except asyncio.TimeoutError:
+                    tracker.set_trainer_stats(None)
+                    tracker.set_subscriber_stats(subscriber.stats())
+                    screen.draw(tracker.view(ascii_only=screen.ascii_only))  # the frame, "trainer not answering"
                     raise EventBusError(_no_answer(subscriber.address, ONCE_DEADLINE)) from None
             tasks.append(asyncio.create_task(_poll_trainer(subscriber, tracker)))
             return await _follow(subscriber, tracker, screen, refresh, receive, stop, tasks, timeout)

@@ -116,6 +116,8 @@ def test_a_monitor_without_the_right_key_says_nothing_arrived_and_exits_2(tmp_pa
             refused = monitor(plain, *args)
             assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
             assert "no answer from a trainer at" in refused.stderr and "Traceback" not in refused.stderr
+            if args == ["--once"]:  # its one frame, however long the trainer took not to answer
+                assert "not answering" in refused.stdout, refused.stdout
         admitted = monitor(with_keys, "--once")
         assert admitted.returncode == 0, admitted.stderr
         assert "secured" in admitted.stdout
