@@ -15,10 +15,11 @@ RUNS = 5  # the race is between the worker's connection and a run that is over a
 BATCHES = 40
 
 
-def waiting_worker(folder, callback: str) -> subprocess.Popen:
+def waiting_worker(folder, callback: str, *options: str) -> subprocess.Popen:
     """A worker process whose sockets are connecting to a bus nobody has bound yet."""
     worker = subprocess.Popen(
-        [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(folder), "--callback", callback],
+        [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(folder), "--callback", callback,
+         *options],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert worker.stderr is not None
     for line in worker.stderr:  # the worker says when it connects; from then on it waits for a trainer
@@ -81,20 +82,15 @@ def test_a_worker_restarted_after_its_run_ended_says_why_it_stops(tmp_path):
     that end in the run's journal and exits (tests/trackers/test_logger_worker.py), saying so first,
     with what to do for a run that starts later (it used to end with '0 messages' and no word)."""
     counts = tmp_path / "counts.json"
-    args = [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(tmp_path), "--callback",
-            f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}', "--identity", "counter",
-            "--state-dir", str(tmp_path / "state")]
-    worker = subprocess.Popen(args, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
-    assert worker.stderr is not None
-    for line in worker.stderr:
-        if "eventbus worker: connecting to" in line:
-            break
+    callback = f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}'
+    options = ("--identity", "counter", "--state-dir", str(tmp_path / "state"))
+    worker = waiting_worker(tmp_path, callback, *options)
     tiny_run(tmp_path, run_name="tiny")
     finish(worker)
     assert json.loads(counts.read_text())["batch_end"] == BATCHES
-    again = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    again = subprocess.run([sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(tmp_path),
+                            "--callback", callback, *options], cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert again.returncode == 0, again.stderr
     assert "applied to its end: with no trainer up it finds that end and exits; for a run that starts later, " \
            "use --follow or another --identity" in again.stderr
