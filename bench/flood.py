@@ -33,8 +33,7 @@ from bench.common import emit, median, python_env, table
 from bench.flooder import FLOODS
 from bench.models import classifier, loader
 from eventbus import Callback, Event, Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 
 # Replay last: by then the run holds more seqs than one replay reply may carry.
 ORDER = ("hello", "metrics", "snapshot", "multipart", "oversize", "zmtp", "replay")
@@ -186,7 +185,7 @@ def run(quick: bool) -> dict:
         bus_log.propagate = True
     if error:
         raise error[0]
-    records = [wire.decode(record) for record in read_journal(publisher.journal_path)]
+    records = list(read_messages(publisher.journal_path))
     complete = ([r.seq for r in records] == list(range(1, len(records) + 1)) and records[-1].kind == "end")
     stats = publisher.stats()
     if ended:

@@ -14,8 +14,7 @@ from bench.callbacks import SleepyCounter
 from bench.common import emit, median, spawn, table
 from bench.models import classifier, loader
 from eventbus import Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from workers.checkpoint import CheckpointSaver
 from workers.logger import MetricsFileLogger, ProgressLogger
 from workers.timing import SpeedMonitor
@@ -96,7 +95,7 @@ def run(quick: bool) -> dict:
             times["c"].append(trainer_loop(steps, folder, f"c{r}", bus=address, before_fit=before_fit))
             for worker in workers:
                 worker.wait(timeout=300)
-            published = sum(1 for rec in read_journal(journal_holder["path"]) if wire.decode(rec).kind == "event")
+            published = sum(1 for m in read_messages(journal_holder["path"]) if m.kind == "event")
             delivered = sum(json.loads(counts.read_text()).values()) if counts.exists() else -1
             delivered_ok &= delivered == published
     t = {k: median(v) for k, v in times.items()}

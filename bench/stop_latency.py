@@ -24,9 +24,8 @@ from bench.callbacks import Pace
 from bench.common import emit, median, python_env, table
 from bench.models import classifier, loader
 from eventbus import Trainer
-from eventbus.bus import wire
 from eventbus.bus.config import BusConfig
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 
 DECIDED_AT = 30
 STEPS = (0.0, 0.03)  # seconds a step lasts beyond the model's own ~1 ms
@@ -51,8 +50,7 @@ def _one(folder: str, name: str, step: float, fast: bool) -> tuple[float, int]:
     trainer.close()
     worker.wait(timeout=60)
     requested, stopped = None, None
-    for record in read_journal(trainer.publisher.journal_path):
-        message = wire.decode(record)
+    for message in read_messages(trainer.publisher.journal_path):
         if message.kind == "metrics" and "bench/stop_requested_at" in message.payload["metrics"]:
             requested = message.payload["metrics"]["bench/stop_requested_at"]
         if message.event == "batch_end" and message.payload.get("stop_reason"):

@@ -7,16 +7,18 @@ restarted run) starts a new segment, so a torn tail left by a crash stays a
 tail. With ``segment_bytes`` set, a writer also starts a new segment once the
 current one reaches that size; a record never spans two segments.
 
-Segment header: ``MAGIC2`` (12 bytes), ``u64`` writer token (random per
+Segment header: ``MAGIC3`` (12 bytes), ``u64`` writer token (random per
 writer: segments of one writer continue its seqs), ``u32`` ordinal of the
 segment within that writer. Record: ``SYNC`` (4 bytes), ``u32`` length,
-``u32`` CRC32 of (length, seq, message), ``u64`` seq, message bytes
-(little-endian).
+``u32`` CRC32 of (length, seq, count, message), ``u64`` seq, ``u32`` count,
+message bytes (little-endian). A record holds one frame: a window of ``count``
+messages, seqs ``seq..seq + count - 1`` (see :mod:`eventbus.bus.wire`).
+Segments of the ``MAGIC2`` format (a record per message, no count) are still read.
 
 Guarantees for readers (:class:`JournalReader`):
 
-* a damaged record (flipped byte, zeroed page, bad length) costs that record
-  only: the reader resynchronises on the next record whose ``SYNC`` and CRC
+* a damaged record (flipped byte, zeroed page, bad length) costs that record's
+  messages only: the reader resynchronises on the next record whose ``SYNC`` and CRC
   check out, and reports the damage (:class:`Damage`) with the seqs lost
   between the records around it;
 * a torn tail (a prefix of one record, as a crash mid-write leaves it) ends a
@@ -39,20 +41,24 @@ import os
 import pathlib
 import struct
 import zlib
-from typing import BinaryIO, Iterator, Optional, Union
+from typing import BinaryIO, Callable, Iterator, Optional, Union
 
+from eventbus.bus import wire
 from eventbus.errors import ConfigError
 
-__all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "read_journal", "read_record",
-           "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
+__all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "read_journal", "read_messages",
+           "read_record", "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
 
 JOURNAL_NAME = "events.journal"
 MAGIC = b"EVBJOURNAL1\n"  # the first format: [u32 length][u32 crc32][message], no seqs, no resync
-MAGIC2 = b"EVBJOURNAL2\n"
+MAGIC2 = b"EVBJOURNAL2\n"  # a record per message
+MAGIC3 = b"EVBJOURNAL3\n"  # a record per window, with its message count
 SYNC = b"\xa5EvR"  # starts every record: what a reader looks for to resynchronise after damage
 _SEGMENT = struct.Struct("<12sQI")  # magic, writer token, segment ordinal within the writer
-_RECORD = struct.Struct("<4sIIQ")  # sync, length, crc32, seq
-_CHECKED = struct.Struct("<IQ")  # the header fields the CRC covers with the message: a bad length fails it
+_RECORD = struct.Struct("<4sIIQI")  # sync, length, crc32, first seq, count
+_CHECKED = struct.Struct("<IQI")  # the header fields the CRC covers with the message: a bad length fails it
+_RECORD2 = struct.Struct("<4sIIQ")  # MAGIC2: sync, length, crc32, seq
+_CHECKED2 = struct.Struct("<IQ")
 _V1_RECORD = struct.Struct("<II")
 _MAX_RECORD = 1 << 30
 _SCAN_WINDOW = 1 << 20
@@ -110,24 +116,25 @@ class JournalWriter:
             except FileExistsError:
                 number += 1  # another writer took it first
         file = os.fdopen(fd, "wb")
-        file.write(_SEGMENT.pack(MAGIC2, self._token, len(self._segments)))
+        file.write(_SEGMENT.pack(MAGIC3, self._token, len(self._segments)))
         self._segments.append(path)
         self.path = path  # the segment being written
         self.offset = _SEGMENT.size
         self._indexed_at = -_INDEX_EVERY
         return file
 
-    def append(self, message: bytes, seq: Optional[int] = None) -> int:
-        """Write one record (``seq`` defaults to the previous one + 1); returns its offset in ``self.path``."""
+    def append(self, message: bytes, seq: Optional[int] = None, count: int = 1) -> int:
+        """Write one record of ``count`` messages from ``seq`` (by default the one after the last
+        written); returns its offset in ``self.path``."""
         offset = self.offset if not self._segment_full() else _SEGMENT.size
-        self.append_many([(message, self.seq + 1 if seq is None else seq)])
+        self.append_many([(message, self.seq + 1 if seq is None else seq, count)])
         return offset
 
-    def append_many(self, records: list[tuple[bytes, int]]) -> None:
-        """Write ``(message, seq)`` records in one write: the bus thread journals a window at a time."""
+    def append_many(self, records: list[tuple[bytes, int, int]]) -> None:
+        """Write ``(frame, first seq, count)`` records in one write."""
         parts: list[bytes] = []
         pack, checked, crc32, header = _RECORD.pack, _CHECKED.pack, zlib.crc32, _RECORD.size
-        for message, seq in records:
+        for message, seq, count in records:
             if self._segment_full():
                 self._file.write(b"".join(parts))
                 parts = []
@@ -140,18 +147,18 @@ class JournalWriter:
                 self._index_offset.append(self.offset)
                 self._indexed_at = self.offset
             length = len(message)
-            parts.append(pack(SYNC, length, crc32(message, crc32(checked(length, seq))), seq))
+            parts.append(pack(SYNC, length, crc32(message, crc32(checked(length, seq, count))), seq, count))
             parts.append(message)
             self.offset += header + length
-            self.seq = seq
+            self.seq = seq + count - 1
         self._file.write(b"".join(parts))
 
     def _segment_full(self) -> bool:
         return self.segment_bytes is not None and self.offset >= self.segment_bytes and self.offset > _SEGMENT.size
 
     def read_range(self, first_seq: int, last_seq: int, max_bytes: Optional[int] = None) -> list[bytes]:
-        """This writer's records ``first_seq..last_seq`` in seq order, stopping before the first
-        one missing (not written, or damaged on disk), or before going over ``max_bytes`` (at least
+        """This writer's records holding seqs ``first_seq..last_seq``, in seq order, stopping before
+        a seq missing (not written, or damaged on disk), or before going over ``max_bytes`` (at least
         one record); reads at most one index step before the first."""
         if first_seq > last_seq or not self._index_seq or first_seq > self.seq:
             return []
@@ -159,20 +166,21 @@ class JournalWriter:
         at = max(bisect.bisect_right(self._index_seq, first_seq) - 1, 0)
         segment, offset = self._index_segment[at], self._index_offset[at]
         out: list[bytes] = []
-        size = 0
+        wanted, size = first_seq, 0
         for number in range(segment, len(self._segments)):
             with _open_nofollow(self._segments[number]) as file:
-                size = os.fstat(file.fileno()).st_size
-                for _, _, seq, body in _scan_v2(file, offset if number == segment else _SEGMENT.size, size):
-                    if seq is None or body is None or seq < first_seq + len(out):
+                end = os.fstat(file.fileno()).st_size
+                for _, _, seq, last, body in _scan(file, offset if number == segment else _SEGMENT.size, end):
+                    if seq is None or last is None or body is None or last < wanted:
                         continue  # a damaged span, or a record before the range
-                    if seq > first_seq + len(out):
+                    if seq > wanted:
                         return out  # the next seq is missing: only a contiguous run is served
                     if out and max_bytes is not None and size + len(body) > max_bytes:
                         return out
                     out.append(body)
                     size += len(body)
-                    if seq >= last_seq:
+                    wanted = last + 1
+                    if last >= last_seq:
                         return out
         return out
 
@@ -196,30 +204,34 @@ def read_record(file: BinaryIO) -> Optional[bytes]:
     header = file.read(_RECORD.size)
     if len(header) < _RECORD.size:
         return None
-    sync, length, crc, seq = _RECORD.unpack(header)
+    sync, length, crc, seq, count = _RECORD.unpack(header)
     if sync != SYNC or length > _MAX_RECORD:
         return None
     body = file.read(length)
-    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq))) != crc:
+    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq, count))) != crc:
         return None
     return body
 
 
-def _parse(file: BinaryIO, offset: int, size: int) -> Optional[tuple[int, bytes]]:
-    """``(seq, message)`` of an intact record at ``offset``, else None."""
-    if size - offset < _RECORD.size:
+def _parse(file: BinaryIO, offset: int, size: int, v2: bool = False) -> Optional[tuple[int, int, bytes]]:
+    """``(first seq, last seq, frame)`` of an intact record at ``offset``, else None."""
+    record = _RECORD2 if v2 else _RECORD
+    if size - offset < record.size:
         return None
     file.seek(offset)
-    sync, length, crc, seq = _RECORD.unpack(file.read(_RECORD.size))
-    if sync != SYNC or length > _MAX_RECORD or offset + _RECORD.size + length > size:
+    fields = record.unpack(file.read(record.size))
+    sync, length, crc, seq = fields[:4]
+    count = 1 if v2 else fields[4]
+    if sync != SYNC or length > _MAX_RECORD or offset + record.size + length > size or count < 1:
         return None
     body = file.read(length)
-    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq))) != crc:
+    checked = _CHECKED2.pack(length, seq) if v2 else _CHECKED.pack(length, seq, count)
+    if len(body) < length or zlib.crc32(body, zlib.crc32(checked)) != crc:
         return None
-    return seq, body
+    return seq, seq + count - 1, body
 
 
-def _resync(file: BinaryIO, start: int, size: int) -> Optional[int]:
+def _resync(file: BinaryIO, start: int, size: int, v2: bool = False) -> Optional[int]:
     """Offset of the first intact record at or after ``start``; reads a window at a time."""
     window = start
     while window < size:
@@ -227,44 +239,53 @@ def _resync(file: BinaryIO, start: int, size: int) -> Optional[int]:
         chunk = file.read(min(_SCAN_WINDOW, size - window) + len(SYNC) - 1)
         found = chunk.find(SYNC)
         while found != -1 and window + found < size:
-            if _parse(file, window + found, size) is not None:
+            if _parse(file, window + found, size, v2) is not None:
                 return window + found
             found = chunk.find(SYNC, found + 1)
         window += _SCAN_WINDOW
     return None
 
 
-def _is_torn(file: BinaryIO, offset: int, size: int) -> bool:
+def _is_torn(file: BinaryIO, offset: int, size: int, v2: bool = False) -> bool:
     """Whether the bytes from ``offset`` to the end are a prefix of one record, as an interrupted
     write leaves it (rather than damage): a plausible header whose message runs past the end."""
+    record = _RECORD2 if v2 else _RECORD
     file.seek(offset)
-    head = file.read(min(size - offset, _RECORD.size))
-    if len(head) < _RECORD.size:
+    head = file.read(min(size - offset, record.size))
+    if len(head) < record.size:
         return head == SYNC[:len(head)] or head.startswith(SYNC)
-    sync, length, _, _ = _RECORD.unpack(head)
-    return sync == SYNC and length <= _MAX_RECORD and offset + _RECORD.size + length > size
+    sync, length = record.unpack(head)[:2]
+    return sync == SYNC and length <= _MAX_RECORD and offset + record.size + length > size
 
 
-def _scan_v2(file: BinaryIO, offset: int, size: int) -> Iterator[tuple[int, int, Optional[int], Optional[bytes]]]:
-    """``(offset, end, seq, message)`` per record from ``offset``; ``(offset, end, None, None)`` for a
-    damaged span; stops at the end or before a torn tail."""
+_Scanned = tuple[int, int, Optional[int], Optional[int], Optional[bytes]]
+
+
+def _scan(file: BinaryIO, offset: int, size: int, v2: bool = False) -> Iterator[_Scanned]:
+    """``(offset, end, first seq, last seq, frame)`` per record from ``offset``; ``(offset, end, None,
+    None, None)`` for a damaged span; stops at the end or before a torn tail."""
+    header = (_RECORD2 if v2 else _RECORD).size
     while offset < size:
-        parsed = _parse(file, offset, size)
+        parsed = _parse(file, offset, size, v2)
         if parsed is not None:
-            end = offset + _RECORD.size + len(parsed[1])
-            yield offset, end, parsed[0], parsed[1]
+            end = offset + header + len(parsed[2])
+            yield offset, end, parsed[0], parsed[1], parsed[2]
             offset = end
             continue
-        following = _resync(file, offset + 1, size)
+        following = _resync(file, offset + 1, size, v2)
         if following is None:
-            if not _is_torn(file, offset, size):
-                yield offset, size, None, None  # damage up to the end: not what a crash leaves
+            if not _is_torn(file, offset, size, v2):
+                yield offset, size, None, None, None  # damage up to the end: not what a crash leaves
             return
-        yield offset, following, None, None
+        yield offset, following, None, None, None
         offset = following
 
 
-def _scan_v1(file: BinaryIO, offset: int, size: int) -> Iterator[tuple[int, int, Optional[int], Optional[bytes]]]:
+def _scan_v2(file: BinaryIO, offset: int, size: int) -> Iterator[_Scanned]:
+    return _scan(file, offset, size, v2=True)
+
+
+def _scan_v1(file: BinaryIO, offset: int, size: int) -> Iterator[_Scanned]:
     """The first format: no sync marker, so reading stops at the first damaged record (reported)."""
     while offset < size:
         file.seek(offset)
@@ -276,9 +297,9 @@ def _scan_v1(file: BinaryIO, offset: int, size: int) -> Iterator[tuple[int, int,
             return  # torn tail
         body = file.read(length) if length <= _MAX_RECORD else b""
         if length > _MAX_RECORD or zlib.crc32(body) != crc:
-            yield offset, size, None, None
+            yield offset, size, None, None, None
             return
-        yield offset, offset + _V1_RECORD.size + length, 0, body
+        yield offset, offset + _V1_RECORD.size + length, 0, 0, body
         offset += _V1_RECORD.size + length
 
 
@@ -294,8 +315,9 @@ class Position:
 class Record:
     position: Position
     end: Position  # where the next record starts
-    seq: int  # 0 for the first format, which has no seqs in its framing
-    data: bytes
+    seq: int  # its first message's; 0 for the first format, which has no seqs in its framing
+    data: bytes  # a window, or (older formats) one envelope
+    last_seq: int = 0  # its last message's
 
 
 @dataclasses.dataclass
@@ -359,9 +381,9 @@ class _Losses:
         self.damage.append(damage)
         self._pending.append(damage)
 
-    def record(self, seq: int) -> None:
+    def record(self, seq: int, last: int) -> None:
         self._settle(seq)
-        self._last = seq if seq > 0 else None  # the first format has no seqs in its framing
+        self._last = last if seq > 0 else None  # the first format has no seqs in its framing
 
     def finish(self) -> None:
         self._settle(None)
@@ -427,27 +449,35 @@ class JournalReader:
         with file:
             size = os.fstat(file.fileno()).st_size
             head = file.read(_SEGMENT.size)
-            scan, start, token, ordinal = _scan_v2, 0, None, None
+            scan: Callable[[BinaryIO, int, int], Iterator[_Scanned]] = _scan
+            start, token, ordinal = 0, None, None
             if head.startswith(MAGIC):
                 scan, start = _scan_v1, len(MAGIC)
-            elif head.startswith(MAGIC2) and len(head) == _SEGMENT.size:
+            elif head[:len(MAGIC3)] in (MAGIC2, MAGIC3) and len(head) == _SEGMENT.size:
                 _, token, ordinal = _SEGMENT.unpack(head)
+                scan = _scan_v2 if head.startswith(MAGIC2) else _scan
                 start = _SEGMENT.size
-            elif len(head) < _SEGMENT.size and MAGIC2.startswith(head[:len(MAGIC2)]):
+            elif len(head) < _SEGMENT.size and MAGIC3.startswith(head[:len(MAGIC3)]):
                 return  # created, header not complete yet: nothing written
             elif _resync(file, 0, size) is None:
                 raise ConfigError(f"{str(path)!r} is not an eventbus journal (it does not start with the journal "
                                   f"header); point at <run folder>/{JOURNAL_NAME}")
             losses.segment(token, ordinal)
-            for at, end, seq, body in scan(file, max(offset, start), size):
-                if seq is None or body is None:
+            for at, end, seq, last, body in scan(file, max(offset, start), size):
+                if seq is None or last is None or body is None:
                     losses.damaged(Damage(str(path), at, end - at))
                     continue
-                losses.record(seq)
-                yield Record(Position(number, at), Position(number, end), seq, body)
+                losses.record(seq, last)
+                yield Record(Position(number, at), Position(number, end), seq, body, last)
 
 
 def read_journal(path: PathLike) -> Iterator[bytes]:
-    """Every intact record's message bytes, in order, across segments (damage skipped; see JournalReader)."""
+    """Every intact record's frame, in order, across segments (damage skipped; see JournalReader)."""
     for record in JournalReader(path).records():
         yield record.data
+
+
+def read_messages(path: PathLike) -> Iterator[wire.Envelope]:
+    """Every message of the intact records, in order, decoded and checked (ProtocolError if one is not)."""
+    for record in JournalReader(path).records():
+        yield from wire.decode_all(record.data)

@@ -1,6 +1,27 @@
-"""The wire format: one msgpack frame per message, a versioned envelope, bounded decoding.
+"""The wire format: msgpack frames of numbered messages, versioned, decoded within bounds.
 
-Envelope (a msgpack array, in this order)::
+What the publisher sends and journals is a *window* (version 3): every message
+the bus thread published in one turn (a few batches' worth), in seq order, with
+per-message headers stored as columns and each distinct payload stored once::
+
+    [3, run_id, rank, first_seq, topics, times, refs, payloads]
+
+* ``topics`` -- a bin of one byte per message: its index in :data:`TOPICS`, which
+  also gives its kind and event. A reader picks its topics from this column
+  without touching anything else.
+* ``times``  -- a bin of two little-endian f64 per message: wall time, mono time.
+* ``refs``   -- a bin of one little-endian u16 per message: the index of its payload.
+* ``payloads`` -- an array of bins, each a packed map. The events of a batch share
+  one snapshot, so most windows hold a few payloads for dozens of messages; a
+  payload is decoded when first read, once for all the messages that share it.
+
+Message ``n`` of a window has seq ``first_seq + n``: seqs stay per message, so
+gaps, replay, the journal's damage reports and exactly-once delivery are
+counted per message as before. A window holds every topic: a subscriber sees
+every seq (gap detection needs no links) and keeps its own topics.
+
+Single messages (a snapshot reply's latest message of each kind; journals
+written before windows) are envelopes, one per frame (a msgpack array)::
 
     [version, kind, run_id, rank, seq, event, wall_time, mono_time, payload]
     [version, kind, run_id, rank, seq, event, wall_time, mono_time, links, payload]
@@ -19,10 +40,9 @@ Envelope (a msgpack array, in this order)::
   previous message, as little-endian u32s indexed like :data:`TOPICS`. A subscriber
   that receives only some topics learns from them whether it missed one of its own.
 
-On the PUB socket each message is two frames, ``[topic, envelope]``: the topic is
-one byte, the index of the event (or kind) in :data:`TOPICS`, so the publisher's
-ZeroMQ filters what each subscriber receives. The journal and the replay service
-hold the envelope alone.
+On the PUB socket a window is two frames, ``[WINDOW_TOPIC, window]`` (envelopes of
+version 2 were ``[topic, envelope]``). The journal and the replay service hold the
+window alone.
 
 Control requests (subscriber to publisher) are msgpack maps with an ``op``.
 Decoding is bounded in bytes, container sizes, nesting depth and types;
@@ -32,6 +52,7 @@ anything else raises :class:`ProtocolError`.
 from __future__ import annotations
 
 import array
+import sys
 from typing import Any, Iterable, Optional, Union
 
 import msgpack
@@ -43,11 +64,14 @@ from eventbus.errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION", "MESSAGE_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
     "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of", "pack_payload",
-    "check_payload",
+    "check_payload", "WINDOW_VERSION", "WINDOW_TOPIC", "Window", "encode_window", "decode_window", "decode_all",
 ]
 
 PROTOCOL_VERSION = 1  # of requests, and of the first message format (still read)
 MESSAGE_VERSION = 2
+WINDOW_VERSION = 3
+WINDOW_TOPIC = b"w"  # the PUB socket's one topic: what a subscriber subscribes to
+MAX_WINDOW_MESSAGES = 0xFFFF  # refs are u16
 _MESSAGE_VERSIONS = (PROTOCOL_VERSION, MESSAGE_VERSION)
 KINDS = frozenset({Kind.HEADER, Kind.EVENT, Kind.METRICS, Kind.END})
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -99,15 +123,23 @@ class Envelope:
         self.kind, self.run_id, self.rank, self.seq, self.event = kind, run_id, rank, seq, event
         self.wall_time, self.mono_time, self.links = wall_time, mono_time, links
         self._payload: Optional[dict[str, Any]] = payload
-        self._packed: Optional[bytes] = None
+        self._packed: Union[bytes, _Shared, None] = None
         self._check = False
 
     @property
     def payload(self) -> dict[str, Any]:
-        """The payload map; ProtocolError (naming the seq) if a packed one is malformed."""
+        """The payload map; ProtocolError (naming the seq) if a packed one is malformed. The
+        messages of a window that share a payload share its map: read it, never change it."""
         payload = self._payload
         if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
-            payload = self._payload = _unpack_payload(self._packed or b"", self.seq, self._check)
+            packed = self._packed
+            if packed.__class__ is _Shared:
+                payload = packed.value  # type: ignore[union-attr]
+                if payload is None:
+                    payload = packed.value = _unpack_payload(packed.data, self.seq, self._check)  # type: ignore[union-attr]
+            else:
+                payload = _unpack_payload(packed or b"", self.seq, self._check)  # type: ignore[arg-type]
+            self._payload = payload
         return payload
 
     @property
@@ -128,9 +160,50 @@ class Envelope:
     __hash__ = None  # type: ignore[assignment]  # the payload is a dict
 
     def __repr__(self) -> str:
-        payload = self.payload if self._payload is not None else f"<{len(self._packed or b'')} bytes packed>"
+        packed = self._packed.data if isinstance(self._packed, _Shared) else self._packed or b""
+        payload = self.payload if self._payload is not None else f"<{len(packed)} bytes packed>"
         return (f"Envelope(kind={self.kind!r}, run_id={self.run_id!r}, rank={self.rank}, seq={self.seq}, "
                 f"event={self.event!r}, wall_time={self.wall_time}, mono_time={self.mono_time}, payload={payload!r})")
+
+
+class _Shared:
+    """A window's payload: decoded once, on first read, for every message that refers to it."""
+
+    __slots__ = ("data", "value")
+
+    def __init__(self, data: bytes):
+        self.data: bytes = data
+        self.value: Optional[dict[str, Any]] = None
+
+
+class Window:
+    """A decoded frame: the seqs ``first..last`` it covers, and the messages of them that were
+    kept (all, or those of the topics asked for). A single envelope is a window of one."""
+
+    __slots__ = ("run_id", "rank", "first", "last", "messages")
+
+    def __init__(self, run_id: str, rank: int, first: int, last: int, messages: list[Envelope]):
+        self.run_id, self.rank, self.first, self.last, self.messages = run_id, rank, first, last, messages
+
+    def __len__(self) -> int:
+        return self.last - self.first + 1
+
+
+# Per topic index: the (kind, event) of its messages.
+_TOPIC_MESSAGE: tuple[tuple[str, Optional[str]], ...] = tuple(
+    (name, None) if name in KINDS else (Kind.EVENT, name) for name in TOPICS)
+_NATIVE_LITTLE = sys.byteorder == "little"
+
+
+def encode_window(run_id: str, rank: int, first_seq: int, topics: bytes, times: "array.array[float]",
+                  refs: "array.array[int]", payloads: list[bytes]) -> bytes:
+    """One window: message ``n`` has seq ``first_seq + n``, topic ``topics[n]``, wall and mono
+    time ``times[2n]``, ``times[2n + 1]``, and payload ``payloads[refs[n]]`` (each packed once)."""
+    if not _NATIVE_LITTLE:
+        times, refs = array.array(times.typecode, times), array.array(refs.typecode, refs)
+        times.byteswap()
+        refs.byteswap()
+    return _packer.pack([WINDOW_VERSION, run_id, rank, first_seq, topics, times.tobytes(), refs.tobytes(), payloads])
 
 
 #: How many packed payloads were decoded in this process (lazily, on first read): what a
@@ -213,13 +286,79 @@ def _check_plain(value: Any, depth: int, where: str) -> None:
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True,
            lazy: bool = False) -> Envelope:
-    """Parse and validate one message; raises ProtocolError saying what is wrong.
+    """Parse and validate one single-message envelope; raises ProtocolError saying what is wrong
+    (a window too: read frames that may be windows with :func:`decode_window`).
 
     ``check_payload=False`` skips the per-value walk of the payload: msgpack's own limits
     (container sizes, its nesting stack, no extension types, string keys) already bound it,
     and a subscriber's hot path saves most of its decoding time. ``lazy``: a version-2 payload
     is decoded when first read (its errors are raised then), not here."""
+    return _envelope(_unpack(data, "message", max_bytes), check_payload, lazy)
+
+
+def decode_window(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True,
+                  lazy: bool = False, wanted: Optional[bytes] = None) -> Window:
+    """Parse and validate a window, or a single envelope as a window of one; ProtocolError saying
+    what is wrong. ``wanted``: one flag per topic index; messages of the other topics are not
+    built (the window still covers their seqs). ``check_payload`` and ``lazy`` as in :func:`decode`."""
     obj = _unpack(data, "message", max_bytes)
+    if isinstance(obj, list) and obj and obj[0] == WINDOW_VERSION:
+        return _window(obj, check_payload, lazy, wanted)
+    envelope = _envelope(obj, check_payload, lazy)
+    kept = [envelope] if wanted is None or wanted[envelope.topic] else []
+    return Window(envelope.run_id, envelope.rank, envelope.seq, envelope.seq, kept)
+
+
+def decode_all(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True) -> list[Envelope]:
+    """Every message of a frame (a window or a single envelope), payloads decoded and checked."""
+    return decode_window(data, max_bytes, check_payload).messages
+
+
+def _window(obj: list[Any], check_payload: bool, lazy: bool, wanted: Optional[bytes]) -> Window:
+    if len(obj) != 8:
+        raise ProtocolError("window: expected an 8-field array")
+    _, run_id, rank, first, topics, times, refs, payloads = obj
+    if not isinstance(run_id, str) or not 1 <= len(run_id) <= 64:
+        raise ProtocolError("window: run_id must be a short string")
+    if type(rank) is not int or rank < 0 or type(first) is not int or first < 1:
+        raise ProtocolError("window: rank must be an int >= 0 and the first seq an int >= 1")
+    if not isinstance(topics, bytes) or not 1 <= len(topics) <= MAX_WINDOW_MESSAGES:
+        raise ProtocolError(f"window: topics must be 1 to {MAX_WINDOW_MESSAGES} bytes")
+    count = len(topics)
+    if max(topics) >= len(TOPICS):
+        raise ProtocolError(f"window: unknown topic {max(topics)}")
+    if not isinstance(times, bytes) or len(times) != 16 * count:
+        raise ProtocolError("window: times must hold two f64 per message")
+    if not isinstance(refs, bytes) or len(refs) != 2 * count:
+        raise ProtocolError("window: refs must hold one u16 per message")
+    if not isinstance(payloads, list) or not 1 <= len(payloads) <= count \
+            or not all(isinstance(p, bytes) for p in payloads):
+        raise ProtocolError("window: payloads must be 1 to one-per-message packed maps")
+    stamps, indices = array.array("d", times), array.array("H", refs)
+    if not _NATIVE_LITTLE:
+        stamps.byteswap()
+        indices.byteswap()
+    if max(indices) >= len(payloads):
+        raise ProtocolError("window: a ref points past the payloads")
+    cells = [_Shared(p) for p in payloads]
+    if not lazy:  # decoded and checked now: errors are raised here, naming a message that refers to it
+        owner: dict[int, int] = {}
+        for n, index in enumerate(indices):
+            owner.setdefault(index, first + n)
+        for index, cell in enumerate(cells):
+            cell.value = _unpack_payload(cell.data, owner.get(index, first), check_payload)
+    messages = []
+    kinds = _TOPIC_MESSAGE
+    picked = range(count) if wanted is None else [n for n in range(count) if wanted[topics[n]]]
+    for n in picked:
+        kind, event = kinds[topics[n]]
+        envelope = Envelope(kind, run_id, rank, first + n, event, stamps[2 * n], stamps[2 * n + 1], None)  # type: ignore[arg-type]
+        envelope._packed, envelope._check = cells[indices[n]], check_payload
+        messages.append(envelope)
+    return Window(run_id, rank, first, first + count - 1, messages)
+
+
+def _envelope(obj: Any, check_payload: bool, lazy: bool) -> Envelope:
     if not isinstance(obj, list) or len(obj) not in (9, 10):
         raise ProtocolError("message: expected a 9-field envelope array (10 with links)")
     links = obj.pop(8) if len(obj) == 10 else b""

@@ -164,7 +164,7 @@ def _trainer(view: ViewModel) -> str:
     if view.trainer_answering and view.trainer is not None:
         t = view.trainer
         return (f"published {t.get('published', '?')}   dropped {t.get('dropped_queue_full', 0)}"
-                f"   replayed {t.get('replayed_messages', 0)}"
+                f"   replayed {t.get('replayed_windows', 0)}"
                 f"   protocol errors {t.get('protocol_errors', 0)}"
                 f"   (asked {fmt_age(view.trainer_reply_age)} ago)")
     last = f" (last answer {fmt_age(view.trainer_reply_age)} ago)" if view.trainer_reply_age is not None else ""

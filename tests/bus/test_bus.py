@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import logging
@@ -16,7 +17,7 @@ import zmq
 
 from eventbus import Callback, Event
 from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.subscribe.subscriber import Subscriber
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_trainer
 
@@ -121,7 +122,7 @@ async def test_late_joiner_sees_the_same_events_from_its_join_point(tmp_path):
     join = late[0].seq
     assert [(m.seq, m.kind, m.event) for m in late] == [(m.seq, m.kind, m.event) for m in early if m.seq >= join]
     # What the early subscriber got is exactly the journal.
-    journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]
+    journal = list(read_messages(run.publisher.journal_path))
     assert [(m.seq, m.kind, m.event, m.metrics, m.event and m.state.timestamp.state_dict()) for m in early] == [
         (j.seq, j.kind, Event(j.event) if j.event else None, j.payload.get("metrics"), j.event and j.payload["ts"])
         for j in journal]
@@ -170,7 +171,7 @@ def test_killed_worker_resumes_with_no_event_lost_or_applied_twice(tmp_path, spa
     assert second.finish() == 0
     lines = [line.split() for line in out.read_text().splitlines()]
     seqs = [int(seq) for seq, _ in lines]
-    journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]
+    journal = list(read_messages(run.publisher.journal_path))
     expected = [(m.seq, m.event) for m in journal if m.kind == "event"]
     assert 0 < recorded_before < len(expected)  # the kill really happened mid-run
     assert len(seqs) == len(set(seqs)), "an event was applied twice"
@@ -191,11 +192,15 @@ async def test_malformed_messages_are_counted_not_fatal(tmp_path):
         received = []
         collector = asyncio.create_task(_collect(sub, received))
         seq = 0
+        topic = wire.WINDOW_TOPIC
         for bad in garbage * 3:
             seq += 1
-            await pub.send(wire.encode("event", run_id, 0, seq, "batch_end", time.time(), 0.0, {"loss": 1.0}))
-            await pub.send(bad)
-        await pub.send(wire.encode("end", run_id, 0, seq + 1, None, time.time(), 0.0, {}))
+            message = wire.encode("event", run_id, 0, seq, "batch_end", time.time(), 0.0, {"loss": 1.0})
+            await pub.send_multipart([topic, message])  # a window of one
+            await pub.send_multipart([topic, bad])
+        end = wire.encode_window(run_id, 0, seq + 1, bytes([wire.TOPICS.index("end")]),
+                                 array.array("d", [time.time(), 0.0]), array.array("H", [0]), [wire.pack_payload({})])
+        await pub.send_multipart([topic, end])
         await asyncio.wait_for(collector, 5)
     pub.close(0)
     assert sub.stats().protocol_errors == len(garbage) * 3
@@ -231,7 +236,7 @@ def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spaw
     assert run.state.timestamp.batch.value == 4
     assert "loss plateau seen by the worker" in run.state.stop_reason
     assert "training stopped early" in caplog.text and "loss plateau" in caplog.text
-    journal = [wire.decode(r) for r in read_journal(run.publisher.journal_path)]
+    journal = list(read_messages(run.publisher.journal_path))
     republished = [m.payload for m in journal if m.kind == "metrics" and m.payload["source"] == "PlateauStopper"]
     assert republished and republished[0]["metrics"] == {"custom/batch_seen": 1}
     assert republished[0]["step"] == 1
@@ -257,7 +262,7 @@ async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
         per_param = sum(v * v for k, v in values.items() if k != "global") ** 0.5
         assert values["global"] == pytest.approx(per_param, rel=1e-5)
     # Captured on batches that are multiples of the interval only (counts before the step: 0, 2, 4, 6).
-    stamps = [m.payload for m in map(wire.decode, read_journal(run.publisher.journal_path))
+    stamps = [m.payload for m in read_messages(run.publisher.journal_path)
               if m.event == "after_train_batch" and m.payload.get("grad_norms")]
     assert stamps and all(p["ts"]["batch"] % 2 == 0 for p in stamps)
 

@@ -7,6 +7,7 @@ valid messages sent in between must all arrive.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import threading
 import time
@@ -22,15 +23,34 @@ from tests.support import BackgroundTrainer, bus_address, make_loader, make_mode
 
 RUN = "c" * 32
 VALID = wire.encode("event", RUN, 0, 1, "batch_end", 1.0, 2.0, {"loss": 0.5, "ts": {"batch": 1}})
+WINDOW = wire.encode_window(RUN, 0, 1, bytes([wire.TOPICS.index("batch_start"), wire.TOPICS.index("batch_end")]),
+                            array.array("d", [1.0, 2.0, 3.0, 4.0]), array.array("H", [0, 1]),
+                            [wire.pack_payload({"loss": 0.5}), wire.pack_payload({"loss": 0.25})])
+BAD_WINDOWS = [  # well-formed msgpack, wrong as windows
+    msgpack.packb([3, RUN, 0, 1, b"\x05", b"\x00" * 16, b"\x01\x00", [b"\x80"]]),  # a ref past the payloads
+    msgpack.packb([3, RUN, 0, 1, b"\xff", b"\x00" * 16, b"\x00\x00", [b"\x80"]]),  # an unknown topic
+    msgpack.packb([3, RUN, 0, 1, b"\x05\x05", b"\x00" * 16, b"\x00\x00" * 2, [b"\x80"]]),  # times too short
+    msgpack.packb([3, RUN, 0, 0, b"\x05", b"\x00" * 16, b"\x00\x00", [b"\x80"]]),  # seq 0
+    msgpack.packb([3, RUN, 0, 1, b"", b"", b"", []]),  # empty
+    msgpack.packb([3, RUN, 0, 1, b"\x05", b"\x00" * 16, b"\x00\x00", ["not packed"]]),
+]
 LIMIT = 4096  # both receivers get a small size limit here, so oversized messages stay cheap to send
+
+
+def damaged(valid: bytes) -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.integers(1, len(valid) - 1).map(lambda n: valid[:n]),                       # truncated
+        st.tuples(st.integers(0, len(valid) - 1), st.integers(1, 255)).map(           # corrupted
+            lambda f: valid[:f[0]] + bytes([valid[f[0]] ^ f[1]]) + valid[f[0] + 1:]),
+    )
 
 
 def malformed() -> st.SearchStrategy[bytes]:
     return st.one_of(
         st.binary(max_size=200),
-        st.integers(1, len(VALID) - 1).map(lambda n: VALID[:n]),                       # truncated
-        st.tuples(st.integers(0, len(VALID) - 1), st.integers(1, 255)).map(           # corrupted
-            lambda f: VALID[:f[0]] + bytes([VALID[f[0]] ^ f[1]]) + VALID[f[0] + 1:]),
+        damaged(VALID),
+        damaged(WINDOW),
+        st.sampled_from(BAD_WINDOWS),
         st.integers(2, 2**31).map(lambda v: msgpack.packb([v, "event", RUN, 0, 1, "x", 0.0, 0.0, {}])),  # version
         st.recursive(st.none() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=5), lambda c: st.lists(c, max_size=3)
                      | st.dictionaries(st.text(max_size=3), c, max_size=3), max_leaves=30).map(msgpack.packb),
@@ -46,10 +66,10 @@ def is_malformed(data: bytes, decode) -> bool:
     return False
 
 
-def lazily(data: bytes, limit: int) -> wire.Envelope:
-    """What a subscriber checks on receipt: the envelope; a packed payload is checked when read
-    (tests/bus/test_wire.py: a malformed one raises ProtocolError then, naming the message)."""
-    return wire.decode(data, limit, check_payload=False, lazy=True)
+def lazily(data: bytes, limit: int) -> wire.Window:
+    """What a subscriber checks on receipt: the window or envelope; a packed payload is checked when
+    read (tests/bus/test_wire.py: a malformed one raises ProtocolError then, naming the message)."""
+    return wire.decode_window(data, limit, check_payload=False, lazy=True)
 
 
 class LiveSubscriber:
@@ -98,7 +118,8 @@ class LiveSubscriber:
 
     def send_valid(self):
         self.seq += 1
-        self.pub.send(wire.encode("event", RUN, 0, self.seq, "batch_end", time.time(), 0.0, {"loss": 1.0}))
+        message = wire.encode("event", RUN, 0, self.seq, "batch_end", time.time(), 0.0, {"loss": 1.0})
+        self.pub.send_multipart([wire.WINDOW_TOPIC, message])  # a window of one
 
     def wait_for(self, seq):
         deadline = time.monotonic() + 10
@@ -118,7 +139,7 @@ def test_subscriber_survives_10000_malformed_messages(tmp_path):
         bad = [m for m in messages if is_malformed(m, lazily)]
         before = live.sub.stats().protocol_errors
         for message in bad:
-            live.pub.send(message)
+            live.pub.send_multipart([wire.WINDOW_TOPIC, message])
             live.send_valid() if len(bad) % 7 == 0 else None
         live.send_valid()
         live.wait_for(live.seq)

@@ -9,7 +9,7 @@ import zmq
 
 from eventbus import Trainer
 from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.protocol import SCHEMAS, Op, parse_request
 from eventbus.errors import ProtocolError
 from tests.support import make_loader, make_model
@@ -134,7 +134,7 @@ def test_hostile_requests_neither_crash_the_trainer_nor_stop_its_record(tmp_path
     assert stats.protocol_errors == len(hostile) and stats.disconnects >= 1
     assert stats.refused == {"bad request": len(hostile) - 1, "too many frames": 1}
     assert not trainer.publisher.holds_checkpoint_lease()
-    kinds = [wire.decode(record).kind for record in read_journal(trainer.publisher.journal_path)]
+    kinds = [m.kind for m in read_messages(trainer.publisher.journal_path)]
     assert kinds[0] == "header" and kinds[-1] == "end"
     assert kinds.count("event") > 3 * 32  # every batch of every epoch made it to the journal
 
@@ -176,8 +176,7 @@ def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(
     trainer.close()
     dealer.close(linger=0)
     context.term()
-    headers = [wire.decode(record).payload for record in read_journal(trainer.publisher.journal_path)
-               if wire.decode(record).kind == "header"]
+    headers = [m.payload for m in read_messages(trainer.publisher.journal_path) if m.kind == "header"]
     with_budget = [h for h in headers if "budget" in h["hyperparameters"]]
     assert with_budget[0]["hyperparameters"]["budget"] == {"seconds": 60}
     assert len(headers) == 1 + 1 + 5  # the run's, the budget once, then five 45 KB merges fit in 256 KiB

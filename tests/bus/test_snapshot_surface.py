@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from eventbus import Callback, Event, Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from tests.support import bus_address, make_loader, make_model
 
@@ -132,8 +131,7 @@ def test_composer_optimizer_monitor_logs_the_same_norms_in_a_worker(tmp_path, sp
     trainer.close()
     assert worker.finish() == 0, "\n".join(worker.stderr)
     logged: dict[str, list[tuple[int, dict[str, float]]]] = {"trainer": [], "OptimizerMonitor": []}
-    for record in read_journal(trainer.publisher.journal_path):
-        message = wire.decode(record)
+    for message in read_messages(trainer.publisher.journal_path):
         metrics = message.payload.get("metrics") or {}
         norms = {k: v for k, v in metrics.items() if k.startswith("l2_norm/grad/")}
         if message.kind == "metrics" and norms:

@@ -1,4 +1,5 @@
-"""A subscriber pays only for what it uses: the publisher filters by topic, and nothing is missed."""
+"""A subscriber pays only for what it uses: windows carry every topic, a subscriber builds only its
+own topics' messages, and nothing is missed."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import time
 
 from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
 from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.daemons.host import subscription
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
 
 def journal_events(trainer: Trainer, event: Event) -> list[int]:
-    return [m.seq for m in map(wire.decode, read_journal(trainer.publisher.journal_path))
+    return [m.seq for m in read_messages(trainer.publisher.journal_path)
             if m.kind == "event" and m.event == event.value]
 
 
@@ -34,21 +35,23 @@ async def batch_ends(address: str, trainer: Trainer, *, stall: float = 0.0, **op
     return seqs, sub
 
 
-def test_a_batch_end_subscriber_receives_nothing_else_over_the_wire(tmp_path):
+def test_a_batch_end_subscriber_builds_no_other_message(tmp_path):
     address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", run_name="topics", bus=address)
     seqs, sub = asyncio.run(batch_ends(address, trainer))
     assert [s for s, _, _ in seqs] == journal_events(trainer, Event.BATCH_END)
     assert {e for _, e, _ in seqs} == {Event.BATCH_END}
-    arrived = sub.received_topics()
-    assert set(arrived) <= {"batch_end", "end", "header"}, arrived  # nothing else was sent to it
-    assert arrived["batch_end"] == len(seqs) - sum(recovered for _, _, recovered in seqs)
-    assert sub.stats().lost == 0
+    stats = sub.stats()
+    live = len(seqs) - sum(recovered for _, _, recovered in seqs)
+    # What it built from the windows that arrived: its batch ends, the header and the end of the run,
+    # out of ~15 messages a batch.
+    assert live <= stats.received <= live + 2 < trainer.publisher.stats().published / 5, stats
+    assert stats.lost == 0
 
 
 def test_dropped_messages_of_its_topics_are_recovered_in_order(tmp_path):
-    """Tiny queues and a reader that stalls: ZeroMQ drops, and the links in the messages it does
-    receive tell it exactly which of its own it missed; replay fills them in, in seq order."""
+    """Tiny queues and a reader that stalls: ZeroMQ drops whole windows, and the seqs of the ones it
+    does receive tell it exactly what it missed; replay fills them in, in seq order."""
     address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(num_samples=2400, batch_size=4), max_duration="1ep",
                       run_name="drops", bus=BusConfig(address=address, send_hwm=2))
@@ -58,7 +61,6 @@ def test_dropped_messages_of_its_topics_are_recovered_in_order(tmp_path):
     stats = sub.stats()
     assert stats.recovered > 0 and stats.gaps > 0, stats  # drops really happened
     assert stats.lost == 0
-    assert set(sub.received_topics()) <= {"batch_end", "end", "header"}
 
 
 class FastRecorder(Callback):
@@ -117,18 +119,16 @@ def test_sigkill_inside_the_commit_window_applies_each_message_at_most_once_more
         assert repeated == window
 
 
-def test_topics_nobody_receives_are_journaled_but_never_sent(tmp_path):
-    """The publisher hands ZeroMQ only what some subscriber receives (it learns the subscriptions
-    from its XPUB socket); a subscriber of every topic that attaches later gets them all again."""
-    address = bus_address(tmp_path)
-    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="unsent", bus=address)
-    seqs, _ = asyncio.run(batch_ends(address, trainer))
+def test_with_nobody_subscribed_windows_are_journaled_but_never_sent(tmp_path):
+    """The publisher hands ZeroMQ nothing while no subscriber subscribes (it learns the
+    subscriptions from its XPUB socket); a subscriber that attaches later gets every message."""
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="unsent",
+                      bus=bus_address(tmp_path))
+    trainer.fit()
+    trainer.close()
     stats = trainer.publisher.stats()
-    journaled = list(map(wire.decode, read_journal(trainer.publisher.journal_path)))
-    assert stats.published == len(journaled) and len(seqs) == len(journal_events(trainer, Event.BATCH_END))
-    # What was sent: the batch ends, the end of the run, and the header (a moment after the bind,
-    # nobody had subscribed yet); nothing of the ~14 other messages of each batch.
-    assert len(seqs) <= stats.sent <= len(seqs) + 2 < stats.published / 5
+    journaled = list(read_messages(trainer.publisher.journal_path))
+    assert stats.published == len(journaled) > 100 and stats.sent == 0
 
     trainer = Trainer(make_model(), make_loader(), max_duration="1ep", run_name="everything",
                       bus=bus_address(tmp_path, "bus2"))
@@ -141,7 +141,7 @@ def test_topics_nobody_receives_are_journaled_but_never_sent(tmp_path):
         return received
 
     received = asyncio.run(everything())
-    journaled = [m.seq for m in map(wire.decode, read_journal(trainer.publisher.journal_path))]
+    journaled = [m.seq for m in read_messages(trainer.publisher.journal_path)]
     assert received == journaled and trainer.publisher.stats().sent >= len(journaled) - 1
 
 

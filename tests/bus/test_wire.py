@@ -1,3 +1,5 @@
+import array
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -97,3 +99,56 @@ def test_requests_round_trip_and_reject_garbage():
     for bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"op": "stop"}), msgpack.packb({"v": 1})):
         with pytest.raises(ProtocolError):
             wire.decode_request(bad)
+
+
+def window(**overrides):
+    fields = dict(run_id="ab" * 16, rank=1, first_seq=40,
+                  topics=bytes(wire.TOPICS.index(n) for n in ("header", "batch_start", "batch_end", "metrics")),
+                  times=array.array("d", [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5]),
+                  refs=array.array("H", [0, 1, 1, 2]),
+                  payloads=[wire.pack_payload({"run_name": "w"}), wire.pack_payload({"loss": 0.5}),
+                            wire.pack_payload({"metrics": {"a": 1.0}})])
+    fields.update(overrides)
+    return wire.encode_window(**fields)
+
+
+@pytest.mark.fast
+def test_a_window_holds_its_messages_seqs_headers_and_shared_payloads_decoded_once():
+    decoded = wire.decode_window(window(), lazy=True)
+    assert (decoded.run_id, decoded.rank, decoded.first, decoded.last, len(decoded)) == ("ab" * 16, 1, 40, 43, 4)
+    assert [(m.kind, m.event, m.seq, m.wall_time, m.mono_time) for m in decoded.messages] == [
+        ("header", None, 40, 1.0, 1.5), ("event", "batch_start", 41, 2.0, 2.5), ("event", "batch_end", 42, 3.0, 3.5),
+        ("metrics", None, 43, 4.0, 4.5)]
+    before = wire.payload_decodes
+    start, end = decoded.messages[1:3]
+    assert start.payload == end.payload == {"loss": 0.5} and start.payload is end.payload
+    assert wire.payload_decodes == before + 1  # one snapshot, shared by the two events
+    batch_end = bytes(i == wire.TOPICS.index("batch_end") for i in range(len(wire.TOPICS)))
+    kept = wire.decode_window(window(), wanted=batch_end)
+    assert [m.seq for m in kept.messages] == [42] and (kept.first, kept.last) == (40, 43)
+    single = wire.decode_window(wire.encode(**valid()))  # a single envelope is a window of one
+    assert (single.first, single.last, single.messages) == (7, 7, [wire.Envelope(**valid())])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(topics=b"\x00\x05\x05\xff"), "unknown topic 255"),
+    (dict(times=array.array("d", [1.0])), "two f64 per message"),
+    (dict(refs=array.array("H", [0, 1, 1, 7])), "a ref points past the payloads"),
+    (dict(payloads=[]), "payloads must be 1 to"),
+    (dict(first_seq=0), "first seq an int >= 1"),
+    (dict(topics=b""), "topics must be 1 to"),
+])
+@pytest.mark.fast
+def test_bad_windows_say_what_is_wrong(fields, message):
+    with pytest.raises(ProtocolError, match=message):
+        wire.decode_window(window(**fields))
+
+
+@pytest.mark.fast
+def test_a_malformed_shared_payload_is_named_by_the_first_message_that_refers_to_it():
+    broken = window(payloads=[wire.pack_payload({}), b"\xc1", wire.pack_payload({})])
+    with pytest.raises(ProtocolError, match="message 41 payload: not valid msgpack"):
+        wire.decode_window(broken)
+    lazily = wire.decode_window(broken, lazy=True)
+    with pytest.raises(ProtocolError, match="message 42 payload"):
+        _ = lazily.messages[2].payload

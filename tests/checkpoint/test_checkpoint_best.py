@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from eventbus import Callback
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
 from tests.support import bus_address, make_loader, make_trainer
 
@@ -34,7 +33,7 @@ def paced_trainer(tmp_path, duration, eval_interval):
 
 def logged(journal_path, key):
     """Every logged value of ``key`` in the run's journal, as (step, all the metrics logged with it)."""
-    return [(m.payload.get("step"), m.payload["metrics"]) for m in map(wire.decode, read_journal(journal_path))
+    return [(m.payload.get("step"), m.payload["metrics"]) for m in read_messages(journal_path)
             if m.kind == "metrics" and key in m.payload["metrics"]]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from eventbus import BusConfig, Callback
 from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.security import generate_keys
 from tests.support import bus_address, free_port, make_trainer
 from workers.checkpoint import CheckpointSaver
@@ -58,7 +58,7 @@ def wait_for_lease(trainer, timeout=30.0):
 
 
 def metrics_from(journal_path, key):
-    return [m.payload["metrics"][key] for m in map(wire.decode, read_journal(journal_path))
+    return [m.payload["metrics"][key] for m in read_messages(journal_path)
             if m.kind == "metrics" and key in m.payload["metrics"]]
 
 

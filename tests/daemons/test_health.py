@@ -16,8 +16,7 @@ import psutil
 import torch
 
 from eventbus import Callback, Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.core.logger import LoggerDestination
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 from workers.health import LossMonitor, SystemMonitor
@@ -28,8 +27,7 @@ WAIT = 60.0  # seconds to wait for something that should come within a second: a
 def health_metrics(journal_path):
     """(source, step, key, value) for every health/* metric journaled so far (the run may still be going)."""
     found = []
-    for record in read_journal(journal_path):
-        message = wire.decode(record)
+    for message in read_messages(journal_path):
         if message.kind == "metrics":
             payload = message.payload
             found += [(payload["source"], payload["step"], key, value) for key, value in payload["metrics"].items()
@@ -140,7 +138,7 @@ def test_stall_alarm_and_recovery_but_not_during_evaluation(tmp_path, spawn):
     assert f"process {os.getpid()} alive" in stalls[0], stalls
     assert log_lines(worker, "recovered: batch 5 finished after"), worker.stderr
     # The evaluation after batch 8 took longer than the alarm's threshold, and raised no alarm.
-    events = [wire.decode(r) for r in read_journal(trainer.publisher.journal_path)]
+    events = list(read_messages(trainer.publisher.journal_path))
     evals = [m.wall_time for m in events if m.event in ("eval_start", "eval_end")]
     assert evals[1] - evals[0] >= 2.0 and not [line for line in stalls if "last batch 8 (" in line], stalls
     stall_metrics = [(step, value) for source, step, key, value in health_metrics(trainer.publisher.journal_path)

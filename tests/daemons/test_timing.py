@@ -7,8 +7,7 @@ import time
 import pytest
 
 from eventbus import Callback, Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from tests.support import bus_address, make_loader, make_model
 from workers.stoppers import EarlyStopper, ThresholdStopper
 
@@ -19,7 +18,7 @@ class Pace(Callback):
 
 
 def journal(trainer):
-    return [wire.decode(r) for r in read_journal(trainer.publisher.journal_path)]
+    return list(read_messages(trainer.publisher.journal_path))
 
 
 def test_timing_worker_reports_the_trainers_own_speed(tmp_path, spawn):

@@ -16,8 +16,7 @@ import warnings
 from typing import Any
 
 import eventbus
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.protocol import STOPS_LEASE
 from tests.e2e.fidelity_callbacks import HyperparameterDump, LogsHyperparameters, StopAtBatch, WeightsAtEval
 from tests.e2e.test_composer_fidelity import _data, _module, _run
@@ -96,7 +95,7 @@ def test_hosted_stopper_stops_within_two_batches_of_composers_stop(tmp_path):
 
 
 def _hyperparameter_headers(trainer: eventbus.Trainer, key: str) -> list[dict[str, Any]]:
-    messages = [wire.decode(record) for record in read_journal(trainer.publisher.journal_path)]
+    messages = list(read_messages(trainer.publisher.journal_path))
     return [m.payload["hyperparameters"] for m in messages
             if m.kind == "header" and key in (m.payload.get("hyperparameters") or {})]
 

@@ -39,8 +39,7 @@ from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger  # no
 from composer.optim import CosineAnnealingScheduler  # noqa: E402
 
 import eventbus  # noqa: E402
-from eventbus.bus import wire  # noqa: E402
-from eventbus.bus.journal import read_journal  # noqa: E402
+from eventbus.bus.journal import read_messages  # noqa: E402
 from tests.e2e.fidelity_callbacks import MetricOrder  # noqa: E402
 from tests.e2e.test_composer_fidelity import (  # noqa: E402
     COUNTERS,
@@ -192,7 +191,7 @@ def runs(tmp_path_factory) -> Iterator[dict[str, Any]]:
 
 
 def _journal(trainer: eventbus.Trainer) -> list[Any]:
-    return [wire.decode(record) for record in read_journal(trainer.publisher.journal_path)]
+    return list(read_messages(trainer.publisher.journal_path))
 
 
 def _logged(trainer: eventbus.Trainer) -> dict[str, dict[str, list[Any]]]:

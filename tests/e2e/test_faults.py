@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.checkpoint.staging import _shm_dir
 from tests.daemons.test_job import SMALL, eventbus_run, leftover_daemons
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
@@ -39,7 +38,7 @@ def test_killed_trainer_leaves_a_readable_journal_and_a_loadable_latest_checkpoi
         time.sleep(0.1)  # the daemons get SIGTERM when their parent dies, finish, and exit
     assert not leftover_daemons(tmp_path)
 
-    messages = [wire.decode(record) for record in read_journal(folder / "events.journal")]
+    messages = list(read_messages(folder / "events.journal"))
     assert [m.seq for m in messages] == list(range(1, len(messages) + 1))  # complete up to the last record
     assert messages and messages[-1].kind != "end"
     checkpoint = torch.load(latest, weights_only=True)  # complete and loadable
@@ -55,7 +54,7 @@ def test_killed_trainer_leaves_a_readable_journal_and_a_loadable_latest_checkpoi
 
 
 def run_id_of(folder):
-    return wire.decode(next(iter(read_journal(folder / "events.journal")))).run_id
+    return next(read_messages(folder / "events.journal")).run_id
 
 
 def shared_memory_of(run_id):
@@ -140,7 +139,7 @@ def test_a_subscriber_that_stops_reading_slows_nothing_and_recovers(tmp_path):
     os.kill(reader.pid, signal.SIGCONT)
     import json
     result = json.loads(reader.communicate(timeout=120)[0].strip().splitlines()[-1])
-    published = sum(1 for _ in read_journal(trainer.publisher.journal_path))
+    published = sum(1 for _ in read_messages(trainer.publisher.journal_path))
     assert result["count"] == published and result["lost"] == 0
     assert result["recovered"] > 0  # live messages were dropped for it at the high-water mark ...
     assert max(depths) < 10_000  # ... while the trainer's own queue stayed small: memory bounded

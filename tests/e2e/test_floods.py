@@ -21,7 +21,7 @@ from bench.flood import rss_mb
 from bench.flooder import FLOODS
 from eventbus import BusConfig, Trainer
 from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.publish.budgets import Budget
 from eventbus.bus.publish.service import SubscriberTable
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
@@ -115,7 +115,7 @@ def test_a_flood_neither_stops_the_record_nor_grows_the_trainer(kind, tmp_path, 
         growth = rss.stop()
         warnings.close()
 
-    records = [wire.decode(record) for record in read_journal(publisher.journal_path)]
+    records = list(read_messages(publisher.journal_path))
     assert [r.seq for r in records] == list(range(1, len(records) + 1))
     assert records[-1].kind == "end"
     assert sum(1 for r in records if r.kind == "event" and r.event == "batch_end") == 64
@@ -233,7 +233,7 @@ def test_a_snapshot_flood_is_refused_while_another_clients_snapshot_and_replay_a
         other.send(wire.encode_request("replay", id=99, run_id=publisher.run_id, **{"from": 1, "to": 3}))
         assert other.poll(int(HANG_SECONDS * 1000)), "the other client's replay was not answered"
         frames = other.recv_multipart()
-        assert "error" not in wire.decode_request(frames[0]) and [wire.decode(f).seq for f in frames[1:]] == [1, 2, 3]
+        assert "error" not in wire.decode_request(frames[0]) and [m.seq for f in frames[1:] for m in wire.decode_all(f)][:3] == [1, 2, 3]
         background.join(HANG_SECONDS)
     finally:
         flooder.stop()
@@ -247,7 +247,7 @@ def test_a_snapshot_flood_is_refused_while_another_clients_snapshot_and_replay_a
     assert flooder.answered >= Budget().requests_per_second  # its share: a second's worth at once, at least
     assert any("over this client's budget" in message for message in warnings.messages), list(warnings.messages)
     assert len(warnings.messages) < 10
-    records = [wire.decode(record) for record in read_journal(publisher.journal_path)]
+    records = list(read_messages(publisher.journal_path))
     assert [r.seq for r in records] == list(range(1, len(records) + 1)) and records[-1].kind == "end"
 
 
@@ -269,5 +269,5 @@ def test_messages_of_thousands_of_small_frames_are_dropped_without_a_copy(tmp_pa
         growth = rss.stop()
     assert growth < MULTIPART_BOUND_MB, f"the trainer grew by {growth:.0f} MB taking in 8 messages of 396 MB"
     assert publisher.stats().failed_requests == 0
-    records = [wire.decode(record) for record in read_journal(publisher.journal_path)]
+    records = list(read_messages(publisher.journal_path))
     assert [r.seq for r in records] == list(range(1, len(records) + 1)) and records[-1].kind == "end"

@@ -10,8 +10,7 @@ import sys
 
 from composer.loggers import InMemoryLogger
 
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.integrations.composer import EventBusCallback
 from tests.integrations.composer_job import FiredEvents, UserLogging, job
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address
@@ -21,7 +20,7 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
 
 def journal_events(path) -> list[str]:
     """The event of every event message in a journal, in seq order."""
-    return [message.event for message in map(wire.decode, read_journal(path)) if message.event is not None]
+    return [message.event for message in read_messages(path) if message.event is not None]
 
 
 def metrics_by_step(path) -> dict[int, dict]:

@@ -18,8 +18,7 @@ import sys
 import pytest
 import torch
 
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from tests.support import REPO_ROOT, Process, bus_address
 
 SCRIPT = pathlib.Path(__file__).with_name("lightning_train.py")
@@ -45,7 +44,7 @@ def following(*processes: Process) -> None:
 
 
 def journal_messages(path: pathlib.Path) -> list:
-    return [wire.decode(record) for record in read_journal(path)]
+    return list(read_messages(path))
 
 
 def finished(process: Process, timeout: float = 300) -> str:

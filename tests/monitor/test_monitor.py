@@ -87,7 +87,7 @@ def full_view(**changes) -> ViewModel:
         checkpoint="runs/demo-run/checkpoints/ep16-ba68-rank0.pt", checkpoint_kind="saved", checkpoint_batch=68,
         events_per_second=1234.5, seq=4321, messages=999, last_message_age=0.2,
         monitor={"lag_seconds": 0.012, "recovered": 3, "lost": 1, "protocol_errors": 2},
-        trainer={"published": 4321, "dropped_queue_full": 0, "replayed_messages": 3, "protocol_errors": 0},
+        trainer={"published": 4321, "dropped_queue_full": 0, "replayed_windows": 3, "protocol_errors": 0},
         trainer_answering=True, trainer_reply_age=1.0,
         daemons=[DaemonView("logger", 1.5, True, delivered=4300, recovered=2, callbacks=["ConsoleLogger"]),
                  DaemonView("timing", 42.0, False, delivered=100, recovered=0)],

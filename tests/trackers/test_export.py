@@ -15,8 +15,7 @@ import threading
 import pytest
 
 from eventbus import Callback, Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_trainer
 
 
@@ -42,8 +41,7 @@ def journal_metrics(run):
     """step -> every key logged for it, straight from the journal; and (key, step) -> times logged."""
     by_step: dict[int, dict] = {}
     times: collections.Counter = collections.Counter()
-    for record in read_journal(run / "events.journal"):
-        message = wire.decode(record)
+    for message in read_messages(run / "events.journal"):
         if message.kind == "metrics":
             by_step.setdefault(message.payload["step"], {}).update(message.payload["metrics"])
             times.update((key, message.payload["step"]) for key in message.payload["metrics"])

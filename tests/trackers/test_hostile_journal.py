@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from eventbus.bus import wire
-from eventbus.bus.journal import JournalWriter, read_journal
+from eventbus.bus.journal import JournalWriter, read_messages
 from tests.support import REPO_ROOT, make_loader, make_trainer
 
 HOSTILE_SEQ_STEP = 4  # the first metrics record at or after this step is replaced
@@ -39,8 +39,7 @@ def clean_run(tmp_path_factory):
 def metrics_by_step(journal, without_seq: int = 0) -> dict[int, dict]:
     """step -> every key logged for it, straight from the journal (leaving out one record)."""
     by_step: dict[int, dict] = {}
-    for record in read_journal(journal):
-        message = wire.decode(record)
+    for message in read_messages(journal):
         if message.kind == "metrics" and message.seq != without_seq:
             by_step.setdefault(message.payload["step"], {}).update(message.payload["metrics"])
     return by_step
@@ -52,8 +51,7 @@ def rewritten(clean_run, folder, make_record):
     folder.mkdir()
     writer = JournalWriter(folder / "events.journal")
     replaced = None
-    for data in read_journal(clean_run / "events.journal"):
-        envelope = wire.decode(data)
+    for envelope in read_messages(clean_run / "events.journal"):
         if replaced is None and envelope.kind == "metrics" and envelope.payload["step"] >= HOSTILE_SEQ_STEP:
             replaced = (envelope.seq, envelope.payload["step"])
             data = make_record(envelope)

@@ -10,8 +10,7 @@ import signal
 import time
 
 from eventbus import Callback, Event, Trainer
-from eventbus.bus import wire
-from eventbus.bus.journal import read_journal
+from eventbus.bus.journal import read_messages
 from eventbus.bus.subscribe.subscriber import Subscriber
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
@@ -27,8 +26,7 @@ class SlowBatches(Callback):
 def published_metrics(journal_path):
     """step -> every key logged for it, straight from the journal."""
     by_step: dict[int, dict] = {}
-    for record in read_journal(journal_path):
-        message = wire.decode(record)
+    for message in read_messages(journal_path):
         if message.kind == "metrics":
             by_step.setdefault(message.payload["step"], {}).update(message.payload["metrics"])
     return by_step
@@ -187,7 +185,7 @@ def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, 
     trainer.fit()
     trainer.close()
     assert first.finish() == 0
-    last = max(wire.decode(record).seq for record in read_journal(trainer.publisher.journal_path))
+    last = max(m.seq for m in read_messages(trainer.publisher.journal_path))
     assert set(json.loads((tmp_path / "s" / "logger.cursor.json").read_text())["seqs"].values()) == {last}
     again = spawn(*args)
     assert again.finish() == 0, "\n".join(again.stderr)

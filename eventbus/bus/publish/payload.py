@@ -46,6 +46,7 @@ class PayloadBuilder:
         self._last_previous_dict: Optional[dict[str, Any]] = None
         self._packed: Optional[bytes] = None  # the previous event's packed snapshot, and what it was of
         self._packed_key: tuple[Any, ...] = ()
+        self._settings: dict[str, Any] = {}  # the last optimizer and scheduler settings captured, as captured
 
     def event_payload(self, record: EventRecord) -> bytes:
         """The full snapshot at this event, packed. Waits for the record's staged device copies.
@@ -56,8 +57,7 @@ class PayloadBuilder:
             self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
             self._packed = None
         weights = record.changes.pop(Key.WEIGHTS, None) if record.changes else None  # this event's only
-        if record.changes:
-            self._apply(record.changes)
+        if record.changes and self._apply(record.changes):
             self._packed = None
         key = (record.timestamp, record.previous_timestamp, record.dataloader_label, record.dataloader_len,
                record.batch_num_samples, record.batch_num_tokens)
@@ -94,9 +94,16 @@ class PayloadBuilder:
             payload[Key.EVAL_TIMESTAMP] = record.eval_timestamp.state_dict()
         return payload
 
-    def _apply(self, changes: dict[str, Any]) -> None:
-        current = self._current
+    def _apply(self, changes: dict[str, Any]) -> bool:
+        """Apply captured changes; False when none changes the snapshot (the optimizers' and
+        schedulers' settings are captured every batch and are mostly the same)."""
+        current, changed = self._current, False
         for key, value in changes.items():
+            if key in _SETTINGS:
+                if _equal(self._settings.get(key), value):
+                    continue
+                self._settings[key] = value
+            changed = True
             if key == Key.EVAL_METRICS:
                 label, values = value
                 current[Key.EVAL_METRICS] = dict(current[Key.EVAL_METRICS], **{label: resolve(values)})
@@ -111,10 +118,23 @@ class PayloadBuilder:
                 current[Key.GRAD_NORMS] = dict(zip(names, resolve(norms)))
             else:
                 current[key] = resolve(value)
+        return changed
 
     @staticmethod
     def metrics_payload(metrics: dict[str, Any], step: Optional[int], source: str) -> dict[str, Any]:
         return {Key.METRICS: resolve(metrics), Key.STEP: step, Key.SOURCE: source}
+
+
+_SETTINGS = frozenset({Key.OPTIMIZERS, Key.SCHEDULERS})
+
+
+def _equal(old: Any, new: Any) -> bool:
+    """Whether two captures of plain settings are equal (False when they cannot be compared: a
+    tensor-valued learning rate, say)."""
+    try:
+        return old is not None and bool(old == new)
+    except Exception:
+        return False
 
 
 def _same(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:

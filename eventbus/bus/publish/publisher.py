@@ -167,7 +167,7 @@ class _BusThread(threading.Thread):
                 from self._start_error
 
     def _open(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, Optional[JournalWriter]]:
-        pub = context.socket(zmq.XPUB)  # a PUB that says which topics are subscribed (History sends only those)
+        pub = context.socket(zmq.XPUB)  # a PUB that says whether anyone subscribes (History sends only then)
         router = context.socket(zmq.ROUTER)
         for sock in (pub, router):
             if self._keys is not None:
@@ -378,8 +378,8 @@ class _BusThread(threading.Thread):
         return True
 
     def _send(self) -> None:
-        self._stats.published += self._history.flush_and_send(self._pub)
-        self._stats.sent = self._history.sent
+        self._history.flush_and_send(self._pub)
+        self._stats.published, self._stats.sent = self._history.published, self._history.sent
         self._stats.replay_cache_bytes = self._history.cache_bytes
 
 

@@ -61,10 +61,10 @@ class PublisherStats:
 
     captured: int = 0
     published: int = 0
-    sent: int = 0  # published messages handed to ZeroMQ: those of topics some subscriber receives
+    sent: int = 0  # published messages handed to ZeroMQ (none while nobody subscribes)
     dropped_queue_full: int = 0
     replay_requests: int = 0
-    replayed_messages: int = 0
+    replayed_windows: int = 0  # frames sent in replay replies (a window holds many messages)
     snapshot_requests: int = 0
     control_messages: int = 0
     checkpoint_fetches: int = 0
@@ -290,9 +290,9 @@ class RequestService:
         first = request.get("from")
         last = min(request.get("to"), self._history.seq, first + MAX_REPLAY_SPAN - 1)
         same_run = request.get("run_id") == self._history.run_id
-        messages = self._history.messages(first, last, MAX_REPLAY_REPLY_BYTES) if same_run else []
-        self._stats.replayed_messages += len(messages)
-        size = self._reply(route, Op.REPLAY, request, *messages, first=first, last=first + len(messages) - 1)
+        windows = self._history.messages(first, last, MAX_REPLAY_REPLY_BYTES) if same_run else []
+        self._stats.replayed_windows += len(windows)
+        size = self._reply(route, Op.REPLAY, request, *windows, first=first)
         self.budgets.charge(tuple(route), size)
 
     def _ping(self, route: list[bytes], request: Request) -> None:

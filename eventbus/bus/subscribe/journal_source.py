@@ -7,7 +7,7 @@ the next one due, so nothing is delivered twice. A seq the journal lost
 it is counted and logged, and the records after it are still delivered.
 
 Memory is bounded independently of the journal's size: the journal is
-streamed, at most :data:`CHUNK` messages are queued per call, and the seq
+streamed, about :data:`CHUNK` messages (whole windows) are queued per call, and the seq
 index is sparse (one entry per :data:`INDEX_EVERY` seqs).
 """
 
@@ -70,17 +70,17 @@ class JournalSource:
             return None
         runs: dict[str, _Run] = {}
         for record in reader.records():  # one streaming pass: per run, where it starts and ends
-            item = self._sequencer.decode(record.data)
-            if item is None:
+            window = self._sequencer.decode(record.data, every_topic=True)
+            if window is None:
                 continue
-            envelope = item.envelope
-            run = runs.setdefault(envelope.run_id, _Run(record.position))
-            run.last_seq = max(run.last_seq, envelope.seq)
-            if envelope.kind == Kind.HEADER:
-                run.header = envelope.payload
-            run.ended = run.ended or envelope.kind == Kind.END
-            if not run.index or envelope.seq >= run.index[-1][0] + INDEX_EVERY:
-                run.index.append((envelope.seq, record.position))
+            run = runs.setdefault(window.run_id, _Run(record.position))
+            run.last_seq = max(run.last_seq, window.last)
+            for envelope in window.messages:
+                if envelope.kind == Kind.HEADER:
+                    run.header = envelope.payload
+                run.ended = run.ended or envelope.kind == Kind.END
+            if not run.index or window.first >= run.index[-1][0] + INDEX_EVERY:
+                run.index.append((window.first, record.position))
         if not runs:
             return None
         resumed = self._sequencer.resumed_run
@@ -119,27 +119,28 @@ class JournalSource:
             self._run_id, self._index, self._cursor = run_id, [], None
         budget = CHUNK if last >= TO_THE_END else None
         for record in reader.records(self._start_for(first)):
-            item = self._sequencer.decode(record.data)
-            if item is None or item.envelope.run_id != run_id:
+            window = self._sequencer.decode(record.data)
+            if window is None or window.run_id != run_id:
                 continue
-            seq = item.envelope.seq
-            if not self._index or seq >= self._index[-1][0] + INDEX_EVERY:
-                self._index.append((seq, record.position))
-            if seq < first:
-                if item.envelope.kind == Kind.END:
+            if not self._index or window.first >= self._index[-1][0] + INDEX_EVERY:
+                self._index.append((window.first, record.position))
+            if window.last < first:
+                if any(envelope.kind == Kind.END for envelope in window.messages):
                     self._sequencer.ended = True  # the run ended before the resume point: nothing more comes
                 continue
-            if seq > last or self._sequencer.next_seq != first:
+            if window.first > last or self._sequencer.next_seq != first:
                 break
-            if seq > first:
-                self._sequencer.lose(first, seq - 1)  # not in the journal: damaged there
-            self._sequencer.recover(item)
-            first = seq + 1
-            self._cursor = (first, record.end)
+            if window.first > first:
+                self._sequencer.lose(first, window.first - 1)  # not in the journal: damaged there
+            self._sequencer.recover(window, last)
+            if window.last > last:
+                return last + 1
+            self._cursor = (window.last + 1, record.end)
             if budget is not None:
-                budget -= 1
-                if budget == 0:
-                    break
+                budget -= window.last + 1 - first
+            first = window.last + 1
+            if budget is not None and budget <= 0:
+                break
         return first
 
     def _start_for(self, first: int) -> Position:

@@ -86,12 +86,11 @@ class GapFiller:
                 self._service_down_until = loop.time() + _SERVICE_BACKOFF
             recovered = 0
             for frame in frames[1:] if frames else []:
-                item = self._sequencer.decode(frame)
-                if item is None or item.envelope.seq != first:
+                window = self._sequencer.decode(frame)
+                if window is None or not self._sequencer.recover(window, last):
                     break
-                self._sequencer.recover(item)
                 recovered += 1
-                first += 1
             if not recovered:
                 break
+            first = self._sequencer.next_seq or first
         return first

@@ -4,6 +4,11 @@ The :class:`Sequencer` knows which seq comes next, holds decoded messages
 ready for delivery in seq order, drops duplicates, names the gaps to fill,
 and follows a restarted trainer (a new run_id) when asked to. Every outcome
 is counted in the subscriber's stats.
+
+It takes whole windows (:class:`~eventbus.bus.wire.Window`, a single envelope
+being a window of one): a window covers seqs ``first..last``, and holds the
+messages of them that are of this subscriber's topics. Every seq arrives in
+some window, so a missing one is a gap whatever the topics.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ class Decoded:
         self.envelope, self.recovered = envelope, recovered
 
 
-def decode(frame: bytes, max_bytes: int, stats: SubscriberStats) -> Optional[Decoded]:
-    """The decoded message, or None for a malformed one (counted as a protocol error)."""
+def decode(frame: bytes, max_bytes: int, stats: SubscriberStats,
+           wanted: Optional[bytes] = None) -> Optional[wire.Window]:
+    """The decoded window (messages of the ``wanted`` topics only, if given), or None for a
+    malformed frame (counted as a protocol error)."""
     try:
-        return Decoded(wire.decode(frame, max_bytes, check_payload=False, lazy=True))
+        return wire.decode_window(frame, max_bytes, check_payload=False, lazy=True, wanted=wanted)
     except ProtocolError as err:
         stats.protocol_errors += 1
         log.debug("malformed message skipped: %s", err)
@@ -46,9 +53,8 @@ class Sequencer:
 
     ``start``/``resume`` pick the join point (see :meth:`join`). ``follow``: a message of a new
     run switches to that run from its seq 1 and calls ``on_new_run``; otherwise it is refused.
-    ``topics``: the topic indices this subscriber receives (the publisher filters the rest);
-    a message's links say whether one of them was missed since the last one queued, so seqs
-    of other topics are stepped over, never mistaken for gaps. None: every seq is expected.
+    ``topics``: the topic indices this subscriber delivers; messages of the others are not
+    even built (their seqs still count: a window covers them). None: every topic.
     """
 
     def __init__(self, stats: SubscriberStats, *, max_bytes: int = wire.MAX_MESSAGE_BYTES, start: str = "latest",
@@ -56,6 +62,7 @@ class Sequencer:
                  on_new_run: Optional[Callable[[], None]] = None, topics: Optional[frozenset[int]] = None):
         self._stats = stats
         self.topics = topics
+        self._wanted = bytes(i in topics for i in range(len(wire.TOPICS))) if topics is not None else None
         self._max_bytes = max_bytes
         self._start = start
         self._resume = resume
@@ -89,8 +96,9 @@ class Sequencer:
         """The run ended and no other run will be followed: nothing more will come."""
         return self.ended and not self._follow
 
-    def decode(self, frame: bytes) -> Optional[Decoded]:
-        return decode(frame, self._max_bytes, self._stats)
+    def decode(self, frame: bytes, every_topic: bool = False) -> Optional[wire.Window]:
+        """A frame's window, holding this subscriber's topics (``every_topic``: all of them)."""
+        return decode(frame, self._max_bytes, self._stats, None if every_topic else self._wanted)
 
     def join(self, run_id: Optional[str], current: int, from_start: bool = False) -> None:
         """Track ``run_id``, whose latest seq is ``current``: continue after the resumed seq if
@@ -104,21 +112,19 @@ class Sequencer:
         else:
             self.next_seq = current + 1
 
-    def admit(self, envelope: wire.Envelope, from_start: bool = False) -> Optional[int]:
-        """Where a live message stands: None to drop it (a duplicate, or another run's message),
-        else the first seq still missing before it (its own seq when there is no gap)."""
+    def admit(self, window: wire.Window, from_start: bool = False) -> Optional[int]:
+        """Where a live window stands: None to drop it (all duplicates, or another run's), else
+        the first seq still missing (a gap before the window if it is below ``window.first``)."""
         if not self.joined:  # joined before any snapshot: the join point
-            self.join(envelope.run_id, envelope.seq - 1, from_start)
-        if envelope.run_id != self.run_id and not self.switch_run(envelope.run_id):
+            self.join(window.run_id, window.first - 1, from_start)
+        if window.run_id != self.run_id and not self.switch_run(window.run_id):
             self._stats.protocol_errors += 1
-            log.warning("message from another run (%s) ignored; following %s", envelope.run_id, self.run_id)
+            log.warning("message from another run (%s) ignored; following %s", window.run_id, self.run_id)
             return None
         assert self.next_seq is not None
-        if envelope.seq < self.next_seq:
-            self._stats.duplicates += 1
+        if window.last < self.next_seq:
+            self._stats.duplicates += len(window)
             return None
-        if self.topics is not None and 0 <= wire.previous_of(envelope.links, self.topics) < self.next_seq:
-            self.next_seq = envelope.seq  # the seqs in between are other topics': nothing of ours is missing
         return self.next_seq
 
     def skip_to(self, seq: int) -> None:
@@ -138,20 +144,30 @@ class Sequencer:
             self._on_new_run()
         return True
 
-    def offer(self, item: Decoded) -> None:
-        """Queue a live message if it is the next seq (after a gap fill it may not be)."""
-        if item.envelope.seq == self.next_seq:
-            self._queue(item)
+    def offer(self, window: wire.Window) -> None:
+        """Queue a live window's messages from the next seq on, if it holds the next seq (after a
+        gap fill it may not: then the fill already queued them)."""
+        self._take(window, False)
 
-    def recover(self, item: Decoded) -> None:
-        """Queue a message recovered from the replay service or the journal (it is the next seq);
-        a message of a topic this subscriber does not receive is stepped over."""
-        if self.topics is not None and item.envelope.topic not in self.topics:
-            self.next_seq = item.envelope.seq + 1
-            return
-        item.recovered = True
-        self._queue(item)
-        self._stats.recovered += 1
+    def recover(self, window: wire.Window, last: Optional[int] = None) -> bool:
+        """Queue a window recovered from the replay service or the journal, from the next seq on
+        (up to ``last``, if given: the end of the gap); False if it does not hold the next seq."""
+        return self._take(window, True, last)
+
+    def _take(self, window: wire.Window, recovered: bool, last: Optional[int] = None) -> bool:
+        next_seq, end = self.next_seq, window.last if last is None else min(last, window.last)
+        if next_seq is None or not window.first <= next_seq <= end or window.run_id != self.run_id:
+            return False
+        ready, taken = self._ready, 0
+        for envelope in window.messages:
+            if next_seq <= envelope.seq <= end:
+                ready.append(Decoded(envelope, recovered))
+                taken += 1
+        if recovered:
+            self._stats.recovered += taken
+        self._stats.duplicates += next_seq - window.first
+        self.next_seq = end + 1
+        return True
 
     def lose(self, first: int, last: int) -> None:
         """Give up on seqs first..last: logged and counted, never skipped silently."""
@@ -168,7 +184,3 @@ class Sequencer:
         if item.envelope.kind == Kind.END:
             self.ended = True
         return item
-
-    def _queue(self, item: Decoded) -> None:
-        self._ready.append(item)
-        self.next_seq = item.envelope.seq + 1

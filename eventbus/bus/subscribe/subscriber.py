@@ -36,7 +36,6 @@ filling); this module holds the sockets, the receive loop and the delivery.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import os
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence, Union
@@ -65,9 +64,10 @@ __all__ = ["Message", "Subscriber", "SubscriberStats"]
 class Subscriber:
     """Receives one publisher's messages; see the module docstring for the guarantees.
 
-    ``events`` limits which events are received: the publisher sends only those (with the run
-    header, the end of the run, and logged metrics unless ``metrics=False``), and gap detection
-    still notices a missed one of them (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`).
+    ``events`` limits which events are delivered (with the run header, the end of the run, and
+    logged metrics unless ``metrics=False``): windows carry every topic, and the messages of the
+    others are never built from them; gaps are noticed whatever the topics
+    (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`).
     ``resume=(run_id, seq)`` continues after ``seq`` if the run is still ``run_id``.
     ``journal`` is a path to fall back on when the replay service cannot answer
     (by default the path announced in the run header, if it exists here).
@@ -108,7 +108,6 @@ class Subscriber:
         self.identity = identity or f"subscriber-{os.getpid()}"
         self._max_bytes = max_message_bytes
         self._receive_hwm = receive_hwm  # messages ZeroMQ queues here before it drops (then replayed)
-        self._received_topics: collections.Counter[int] = collections.Counter()
         self._keys = keys if keys is not None else ClientKeys.from_environment()
         self._stats = SubscriberStats()
         self._service = ServiceClient(
@@ -162,11 +161,6 @@ class Subscriber:
         """The latest snapshot delivered (after joining: the run's current state)."""
         return self._view.state
 
-    def received_topics(self) -> dict[str, int]:
-        """Messages that arrived on the socket, by topic: what the publisher's filter let through."""
-        return {wire.TOPICS[index]: count for index, count in sorted(self._received_topics.items())
-                if index < len(wire.TOPICS)}
-
     def stats(self) -> SubscriberStats:
         self._stats.buffered = len(self._sequencer)
         return dataclasses.replace(self._stats)
@@ -182,8 +176,7 @@ class Subscriber:
         self._sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
-        for topic in wire.topic_frames(self._topics) if self._topics is not None else [b""]:
-            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sub.setsockopt(zmq.SUBSCRIBE, wire.WINDOW_TOPIC)  # every window: this side keeps its topics
         self._sub.connect(self.address)  # before the snapshot request: the Clone pattern
         # The same socket, used synchronously to drain what arrived without an await per message.
         self._drain: zmq.Socket = zmq.Socket.shadow(self._sub.underlying)
@@ -221,9 +214,9 @@ class Subscriber:
         if self._service.rank is None and type(reply.get("rank")) is int:
             self._service.rank = reply["rank"]
         self._service.via_proxy = reply.get("via_proxy") is True
-        for item in [self._sequencer.decode(frame) for frame in frames[1:]]:
-            if item is not None:
-                self._view.absorb(item.envelope)
+        for window in [self._sequencer.decode(frame, every_topic=True) for frame in frames[1:]]:
+            for envelope in window.messages if window is not None else []:
+                self._view.absorb(envelope)
         current = int(reply.get("seq", 0))
         self._sequencer.join(reply.get("run_id"), current, from_start=self._waited)
         first = self._sequencer.next_seq
@@ -313,9 +306,7 @@ class Subscriber:
                 frames = recv(zmq.NOBLOCK)
             except again:
                 return
-            if len(frames) == 2 and len(frames[0]) == 1:
-                self._received_topics[frames[0][0]] += 1
-            await self._accept(frames[-1])  # [topic, envelope]; a one-frame message is its envelope
+            await self._accept(frames[-1])  # [topic, window]; a one-frame message is its window
 
     async def _readable(self, timeout: float) -> bool:
         """Whether a message is waiting, within ``timeout`` seconds. The event loop watches the
@@ -347,16 +338,16 @@ class Subscriber:
             loop.remove_reader(fd)
 
     async def _accept(self, frame: bytes) -> None:
-        self._stats.received += 1
-        item = self._sequencer.decode(frame)
-        if item is None or not self._is_my_rank(item.envelope.rank):
+        window = self._sequencer.decode(frame)
+        if window is None or not self._is_my_rank(window.rank):
             return
-        first = self._sequencer.admit(item.envelope, from_start=self._waited)
+        self._stats.received += len(window.messages)
+        first = self._sequencer.admit(window, from_start=self._waited)
         if first is None:
             return
-        if item.envelope.seq > first:
-            await self._gaps.fill(first, item.envelope.seq - 1)
-        self._sequencer.offer(item)
+        if window.first > first:
+            await self._gaps.fill(first, window.first - 1)
+        self._sequencer.offer(window)
 
     def _is_my_rank(self, rank: int) -> bool:
         """Through a proxy every rank's stream arrives here: keep ours (the first seen if none was asked)."""

@@ -1,5 +1,5 @@
 """The Sequencer on real wire frames, in-process: seq order, duplicates, gaps and their ranges,
-topic-filtered streams (the links), a restarted run under follow, giving up on seqs."""
+windows of many messages, topic-filtered streams, a restarted run under follow, giving up on seqs."""
 
 from __future__ import annotations
 
@@ -16,29 +16,28 @@ pytestmark = pytest.mark.fast
 RUN = "run-a"
 
 
-def frame(seq: int, event: str = "batch_end", run_id: str = RUN, links: bytes | None = None) -> bytes:
-    kind = "end" if event == "end" else "event"
-    return wire.encode(kind, run_id, 0, seq, None if kind == "end" else event, 0.0, 0.0, {}, links)
+def window(first: int, *events: str, run_id: str = RUN) -> bytes:
+    """A window of messages from seq ``first``: one per event ("end" for the run's end)."""
+    topics = bytes(wire.TOPICS.index(event) for event in events)
+    times = array.array("d", [0.0] * 2 * len(events))
+    return wire.encode_window(run_id, 0, first, topics, times, array.array("H", [0] * len(events)),
+                              [wire.pack_payload({})])
 
 
-def links(**last_seq_of: int) -> bytes:
-    """The publisher's per-topic last seqs before a message, as it sends them."""
-    seqs = array.array("I", [0] * len(wire.TOPICS))
-    for name, seq in last_seq_of.items():
-        seqs[wire.TOPICS.index(name)] = seq
-    return wire.links_of(seqs)
+def frame(seq: int, event: str = "batch_end", run_id: str = RUN) -> bytes:
+    return window(seq, event, run_id=run_id)
 
 
 def accept(sequencer: Sequencer, data: bytes) -> tuple[int, int] | None:
     """What a subscriber does with a live frame; returns the gap (first, last) it would fill, if any."""
-    item = sequencer.decode(data)
-    assert item is not None
-    first = sequencer.admit(item.envelope)
+    decoded = sequencer.decode(data)
+    assert decoded is not None
+    first = sequencer.admit(decoded)
     if first is None:
         return None
-    gap = (first, item.envelope.seq - 1) if item.envelope.seq > first else None
+    gap = (first, decoded.first - 1) if decoded.first > first else None
     if gap is None:
-        sequencer.offer(item)
+        sequencer.offer(decoded)
     return gap
 
 
@@ -68,8 +67,7 @@ def test_a_gap_is_reported_with_its_range_and_filled_messages_keep_the_order():
     assert drain(sequencer) == [1]  # 5 waits for the gap
     for seq in (2, 3, 4):  # what the replay service returns
         item = sequencer.decode(frame(seq))
-        assert item is not None
-        sequencer.recover(item)
+        assert item is not None and sequencer.recover(item)
     assert accept(sequencer, frame(5)) is None  # after the fill, the live message is the next one
     delivered = []
     while (item := sequencer.pop()) is not None:
@@ -93,33 +91,49 @@ def test_the_join_point_is_after_the_latest_seq_unless_asked_for_the_beginning_o
     assert other.next_seq == 42  # the resume point belongs to another run
 
 
-def test_with_topics_seqs_of_other_topics_are_stepped_over_by_the_links_and_a_missed_one_is_a_gap():
+def test_a_window_is_taken_from_the_next_seq_on_and_one_overlapping_what_was_queued_adds_the_rest():
+    stats = SubscriberStats()
+    sequencer = Sequencer(stats, start="beginning")
+    sequencer.join(RUN, 0)
+    assert accept(sequencer, window(1, "header", "batch_start", "batch_end")) is None
+    assert accept(sequencer, window(2, "batch_start", "batch_end", "batch_checkpoint", "end")) is None
+    assert drain(sequencer) == [1, 2, 3, 4, 5]
+    assert stats.duplicates == 2 and sequencer.next_seq == 6 and sequencer.ended
+
+
+def test_with_topics_other_topics_messages_are_never_built_and_a_missed_window_is_a_gap():
     batch_end, epoch_end = wire.TOPICS.index("batch_end"), wire.TOPICS.index("epoch_end")
     stats = SubscriberStats()
     sequencer = Sequencer(stats, start="beginning", topics=frozenset({batch_end, epoch_end}))
     sequencer.join(RUN, 0)
-    assert accept(sequencer, frame(1, links=links())) is None
-    assert accept(sequencer, frame(3, links=links(batch_end=1))) is None  # its links: seq 2 was another topic's
-    assert drain(sequencer) == [1, 3]
-    # seq 7's links say an epoch_end was published at seq 5 and never arrived here: a gap, 4..6.
-    assert accept(sequencer, frame(7, links=links(batch_end=3, epoch_end=5))) == (4, 6)
-    assert stats.duplicates == 0
-    # Recovering 4..6: seq 4 and 6 are other topics' (stepped over), seq 5 is ours.
-    for seq, event in ((4, "batch_start"), (5, "epoch_end"), (6, "epoch_start")):
-        item = sequencer.decode(frame(seq, event))
-        assert item is not None
-        sequencer.recover(item)
-    assert accept(sequencer, frame(7, links=links(batch_end=3, epoch_end=5))) is None
-    assert drain(sequencer) == [5, 7]
-    assert stats.recovered == 1
+    decoded = sequencer.decode(window(1, "batch_start", "batch_end", "batch_checkpoint"))
+    assert decoded is not None and [m.seq for m in decoded.messages] == [2] and (decoded.first, decoded.last) == (1, 3)
+    assert accept(sequencer, window(1, "batch_start", "batch_end", "batch_checkpoint")) is None
+    assert accept(sequencer, window(4, "batch_start")) is None  # none of ours: its seq is still counted
+    assert drain(sequencer) == [2]
+    # Seqs 5..7 never arrived: a gap, whatever their topics were.
+    assert accept(sequencer, window(8, "batch_end")) == (5, 7)
+    # Recovering 5..7: seq 6 is ours, 5 and 7 are stepped over.
+    item = sequencer.decode(window(5, "batch_start", "epoch_end", "epoch_start"))
+    assert item is not None and sequencer.recover(item)
+    assert accept(sequencer, window(8, "batch_end")) is None
+    assert drain(sequencer) == [6, 8]
+    assert stats.recovered == 1 and stats.duplicates == 0
 
 
-def test_without_links_a_topic_filtered_sequencer_treats_every_missing_seq_as_a_gap():
+def test_a_fill_takes_a_recovered_window_up_to_the_end_of_the_gap_only():
     stats = SubscriberStats()
-    sequencer = Sequencer(stats, start="beginning", topics=frozenset({wire.TOPICS.index("batch_end")}))
+    sequencer = Sequencer(stats, start="beginning")
     sequencer.join(RUN, 0)
     assert accept(sequencer, frame(1)) is None
-    assert accept(sequencer, frame(4)) == (2, 3)  # no links: nothing tells that 2..3 were not ours
+    assert accept(sequencer, window(4, "batch_end", "batch_start")) == (2, 3)
+    recovered = sequencer.decode(window(2, "batch_start", "batch_end", "batch_end", "batch_start"))
+    assert recovered is not None and sequencer.recover(recovered, last=3)
+    assert accept(sequencer, window(4, "batch_end", "batch_start")) is None
+    delivered = []
+    while (item := sequencer.pop()) is not None:
+        delivered.append((item.envelope.seq, item.recovered))
+    assert delivered == [(1, False), (2, True), (3, True), (4, False), (5, False)]
 
 
 def test_a_new_run_is_followed_from_its_seq_1_only_under_follow():
