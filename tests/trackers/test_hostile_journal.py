@@ -46,8 +46,9 @@ def metrics_by_step(journal, without_seq: int = 0) -> dict[int, dict]:
 
 
 def rewritten(clean_run, folder, make_record):
-    """A copy of the clean run's journal whose first metrics record at step >= 4 is ``make_record(envelope)``
-    (same seq, so nothing else in the journal changes); returns (run folder, that seq, that step)."""
+    """A copy of the clean run's journal, a record per message, whose first metrics record at step >= 4 is
+    ``make_record(envelope)`` (same seq, so nothing else in the journal changes); returns (run folder,
+    that seq, that step)."""
     folder.mkdir()
     writer = JournalWriter(folder / "events.journal")
     replaced = None
@@ -55,6 +56,8 @@ def rewritten(clean_run, folder, make_record):
         if replaced is None and envelope.kind == "metrics" and envelope.payload["step"] >= HOSTILE_SEQ_STEP:
             replaced = (envelope.seq, envelope.payload["step"])
             data = make_record(envelope)
+        else:
+            data = with_payload()(envelope)
         writer.append(data, envelope.seq)
     writer.close()
     assert replaced is not None
