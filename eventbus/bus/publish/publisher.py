@@ -280,7 +280,8 @@ class _BusThread(threading.Thread):
             if budget <= 0:  # a flood of requests waits for the next turn; training and publishing go on
                 time.sleep(slice_s)
             elif poller.poll(max(1, round(slice_s * 1000))):
-                budget -= self._serve_waiting(poller, 0, budget)
+                # What requests publish (workers' metrics) joins the turn's window: one frame a turn.
+                budget -= self._serve_waiting(poller, 0, budget, send=False)
             if fast:
                 while len(taken) < 4096:
                     try:
@@ -342,10 +343,11 @@ class _BusThread(threading.Thread):
         self._history.append(kind, event, time.time(), time.monotonic(), payload)
         self._send()
 
-    def _serve_waiting(self, poller: zmq.Poller, timeout_ms: int, budget: Optional[int] = None) -> int:
+    def _serve_waiting(self, poller: zmq.Poller, timeout_ms: int, budget: Optional[int] = None,
+                       send: bool = True) -> int:
         """Answer the requests waiting (up to ``timeout_ms`` for the first, at most ``budget`` of them:
-        the bus thread's turn to publish must come under any flood), then send what they published
-        in one journal flush: workers send metrics back every batch. Returns how many it answered."""
+        the bus thread's turn to publish must come under any flood), then (``send``) send what they
+        published: workers send metrics back every batch. Returns how many it answered."""
         budget = self.config.requests_per_turn if budget is None else budget
         served = 0
         while served < budget and poller.poll(timeout_ms):
@@ -356,7 +358,8 @@ class _BusThread(threading.Thread):
             while monitor.poll(0):
                 monitor.recv_multipart()
                 self._stats.disconnects += 1
-        self._send()
+        if send:
+            self._send()
         return served
 
     def _publish_metrics(self, payload: dict[str, Any]) -> None:

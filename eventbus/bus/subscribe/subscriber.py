@@ -75,9 +75,9 @@ class Subscriber:
     the new run from its first message instead of ending. Under torchrun each rank publishes
     its own stream: ``rank`` picks one (through an ``eventbus proxy`` all ranks share one
     address); None: the rank that answers. ``keys``: CURVE keys for a secured bus (by default
-    from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY). ``gather``: seconds to let a
-    burst arrive after its first message before taking it (0: take each message at once, at
-    a wake-up each). ``reports_progress``: this subscriber tells the trainer how far it has applied
+    from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY). ``gather``: seconds to let more
+    arrive after a frame before taking what is there (0, the default: the trainer already sends
+    each turn of its bus thread, ~10 ms of events, as one window frame). ``reports_progress``: this subscriber tells the trainer how far it has applied
     the run (:meth:`progress`), and from the start: the trainer waits for it before ending a run.
     """
 
@@ -98,7 +98,7 @@ class Subscriber:
         rank: Optional[int] = None,
         metrics: bool = True,
         receive_hwm: int = 100_000,
-        gather: float = 0.002,
+        gather: float = 0.0,
         reports_progress: bool = False,
     ):
         if start not in ("latest", "beginning"):
@@ -126,9 +126,7 @@ class Subscriber:
         self._gaps = GapFiller(self._service, self._journal, self._sequencer, self._stats)
         self._sub: Optional[zmq.asyncio.Socket] = None
         self._idle_check = 1.0  # seconds without a message before asking whether the tail was lost
-        # After the first message of a burst, wait this long before taking what arrived: the trainer
-        # publishes in 10 ms windows, and one wake-up per window costs a fraction of one per message.
-        self._gather = gather
+        self._gather = gather  # after a frame, wait this long before taking what arrived
         self._reports_progress = reports_progress
         self._waited = False  # no trainer answered the first request: the run that comes is all new
 
