@@ -47,7 +47,7 @@ from eventbus.bus import wire
 from eventbus.errors import ConfigError
 
 __all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "read_journal", "read_messages",
-           "read_record", "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
+           "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
 
 JOURNAL_NAME = "events.journal"
 MAGIC = b"EVBJOURNAL1\n"  # the first format: [u32 length][u32 crc32][message], no seqs, no resync
@@ -197,20 +197,6 @@ class JournalWriter:
 
 def _open_nofollow(path: pathlib.Path) -> BinaryIO:
     return os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
-
-
-def read_record(file: BinaryIO) -> Optional[bytes]:
-    """The record at the file's position (no resync), or None at the end or at a torn/damaged record."""
-    header = file.read(_RECORD.size)
-    if len(header) < _RECORD.size:
-        return None
-    sync, length, crc, seq, count = _RECORD.unpack(header)
-    if sync != SYNC or length > _MAX_RECORD:
-        return None
-    body = file.read(length)
-    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq, count))) != crc:
-        return None
-    return body
 
 
 def _parse(file: BinaryIO, offset: int, size: int, v2: bool = False) -> Optional[tuple[int, int, bytes]]:

@@ -36,9 +36,9 @@ written before windows) are envelopes, one per frame (a msgpack array)::
 * ``run_id``   -- 32 hex chars shared by every rank of a run.
 * ``rank``, ``seq`` -- ``seq`` counts 1, 2, 3, ... per (run_id, rank) with no gaps.
 * ``payload``  -- a map of plain values (no pickle, ever).
-* ``links``    -- (the publisher always sends them) per topic, the seq of that topic's
-  previous message, as little-endian u32s indexed like :data:`TOPICS`. A subscriber
-  that receives only some topics learns from them whether it missed one of its own.
+* ``links``    -- optional: per topic, the seq of that topic's previous message, as
+  little-endian u32s indexed like :data:`TOPICS` (version-2 publishers sent them; the
+  publisher's ping reply still carries them, for a subscriber's tail check).
 
 On the PUB socket a window is two frames, ``[WINDOW_TOPIC, window]`` (envelopes of
 version 2 were ``[topic, envelope]``). The journal and the replay service hold the
@@ -63,7 +63,7 @@ from eventbus.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION", "MESSAGE_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
-    "encode_request", "decode_request", "TOPICS", "topic_index", "topic_frames", "previous_of", "pack_payload",
+    "encode_request", "decode_request", "TOPICS", "topic_index", "previous_of", "pack_payload",
     "check_payload", "WINDOW_VERSION", "WINDOW_TOPIC", "Window", "encode_window", "decode_window", "decode_all",
 ]
 
@@ -93,22 +93,12 @@ def topic_index(kind: str, event: Optional[str]) -> int:
     return _TOPIC_INDEX[event if kind == "event" and event is not None else kind]
 
 
-def topic_frames(names: Iterable[str]) -> list[bytes]:
-    """The ZeroMQ subscriptions for topic names (event values or kinds)."""
-    return [bytes([_TOPIC_INDEX[name]]) for name in names]
-
-
 def previous_of(links: bytes, topics: Iterable[int]) -> int:
     """The latest seq, before this message, of any of ``topics``; -1 when the links are missing."""
     if len(links) != LINKS_BYTES:
         return -1
     seqs = memoryview(links).cast("I")
     return max((seqs[i] for i in topics), default=0)
-
-
-def links_of(last_seqs: "array.array[int]") -> bytes:
-    """Encode the publisher's per-topic last seqs (an ``array('I')`` indexed like TOPICS)."""
-    return last_seqs.tobytes()
 
 
 class Envelope:
