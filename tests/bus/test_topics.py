@@ -8,9 +8,12 @@ import os
 import signal
 import time
 
+import zmq
+
 from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
+from eventbus.bus.publish.publisher import Publisher
 from eventbus.daemons.host import subscription
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
@@ -170,3 +173,37 @@ def test_a_subscriber_that_reads_no_state_decodes_no_snapshot(tmp_path):
     # Only the header and the metrics (a Message carries their values) were decoded.
     assert decodes == sum(kind in ("header", "metrics") for kind, _, _ in messages[:-1])
     assert (epochs, more) == (2, 1) and batches == trainer.state.timestamp.batch.value
+
+
+def test_windows_still_go_out_after_one_of_two_subscriptions_leaves(tmp_path):
+    """ZeroMQ reports each prefix's first subscription and last unsubscription: a reader of every
+    frame (the empty prefix) leaving must not stop the windows a Subscriber still receives."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path)), tmp_path / "run")
+    publisher.start({"run_name": "prefixes"})
+    raw = zmq.Context.instance().socket(zmq.SUB)
+    raw.setsockopt(zmq.SUBSCRIBE, b"")
+    raw.connect(publisher.address)
+
+    def sent_after_logging(step: int) -> int:
+        before = publisher.stats().published
+        publisher.log_metrics({"x": 1.0}, step=step)
+        deadline = time.monotonic() + 10
+        while publisher.stats().published == before:
+            assert time.monotonic() < deadline, "the bus thread published nothing"
+            time.sleep(0.01)
+        return publisher.stats().sent
+
+    async def follow() -> None:
+        async with Subscriber(publisher.address, start="beginning"):
+            deadline = time.monotonic() + 10
+            while sent_after_logging(0) == 0:  # both subscriptions reached the publisher
+                assert time.monotonic() < deadline, "nothing was ever sent"
+            raw.close(0)
+            await asyncio.sleep(1.0)  # its unsubscription reaches the publisher
+            before = publisher.stats().sent
+            assert sent_after_logging(1) > before
+
+    try:
+        asyncio.run(follow())
+    finally:
+        publisher.close()

@@ -53,7 +53,8 @@ class History:
         self._last_by_topic = array.array("I", bytes(wire.LINKS_BYTES))  # each topic's latest seq
         self._open_window()
         self._unsent: list[tuple[bytes, int]] = []  # journaled windows not yet sent: (frame, messages)
-        self._subscribed = False  # a subscriber subscribes to the window topic (the XPUB socket says)
+        self._prefixes = {b"": False, wire.WINDOW_TOPIC: False}  # subscribed to (the XPUB socket says)
+        self._subscribed = False  # to either: windows are sent
         self.published = 0  # messages journaled
         self.sent = 0  # messages handed to ZeroMQ (none while nobody subscribes)
 
@@ -140,14 +141,14 @@ class History:
         to a topic and its last unsubscription (a subscriber that leaves unsubscribes). The window
         topic, or the empty prefix, receives the windows. Bounded per turn: a flood of them delays a
         subscriber's first messages, which it then recovers by replay, never the bus."""
-        recv, again = pub.recv, zmq.Again
+        get, recv, pollin = pub.get, pub.recv, zmq.POLLIN
         for _ in range(budget):
-            try:
-                note = recv(zmq.NOBLOCK)
-            except again:
+            if not int(get(zmq.EVENTS)) & pollin:  # asked first: a recv that finds nothing raises, and costs that
                 return
-            if note and note[0] <= 1 and note[1:] in (b"", wire.WINDOW_TOPIC):
-                self._subscribed = note[0] == 1
+            note = recv()
+            if note and note[0] <= 1 and note[1:] in self._prefixes:
+                self._prefixes[note[1:]] = note[0] == 1
+                self._subscribed = any(self._prefixes.values())
 
     @property
     def header_bytes(self) -> bytes:
