@@ -226,7 +226,7 @@ class EventCapture(EventSink):
             staged = self._announced.popleft()
         length = state.dataloader_len
         self._put(EventRecord(
-            event.value, time.time(), time.monotonic(), state.timestamp,
+            event._value_, time.time(), time.monotonic(), state.timestamp,  # _value_: .value is a Python property
             state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
             length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
             changes, staged, state.previous_timestamp))
