@@ -219,9 +219,8 @@ import collections, json, pathlib, sys
 what, run = sys.argv[1], pathlib.Path("/runs") / sys.argv[2]
 
 def journal():
-    from eventbus.bus.journal import JournalReader
-    from eventbus.bus.wire import decode
-    return [decode(r.data) for r in JournalReader(run / "events.journal").records()]
+    from eventbus.bus.journal import read_messages
+    return list(read_messages(run / "events.journal"))
 
 def batch():  # the trainer's last batch, from its journal (the logger may be down)
     for message in reversed(journal() if (run / "events.journal").exists() else []):

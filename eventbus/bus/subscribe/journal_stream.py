@@ -39,7 +39,7 @@ MAX_NAMED = 3  # skipped records named in the one summary line (all are counted)
 def unexportable(envelope: wire.Envelope) -> Optional[str]:
     """Why a decoded message cannot be delivered to callbacks as it is, or None when it can.
 
-    The envelope is checked by :func:`wire.decode`; this checks what consumers rely on in a metrics
+    The envelope is checked by :func:`wire.decode_window`; this checks what consumers rely on in a metrics
     message (a map of text keys, an integer step), which the journal stores as it was sent."""
     if envelope.kind != Kind.METRICS:
         return None
