@@ -270,7 +270,7 @@ elif what == "outputs":  # outputs BATCHES: everything a finished (or stopped) r
     if not messages or messages[-1].kind != "end":
         problems.append(f"journal: the last record is {messages[-1].kind if messages else None!r}, not the run's end")
     print(f"{len(steps)} steps in metrics.jsonl (0..{max(steps)}), {len(points)} TensorBoard points in "
-          f"{len(files)} files, checkpoints {', '.join(saved)}, journal: {len(messages)} records, "
+          f"{len(files)} files, checkpoints {', '.join(saved)}, journal: {len(messages)} messages, "
           f"{kinds['header']} run(s) started and {kinds['end']} ended"
           + (f" (known: {len(known)} train-metric points twice in TensorBoard at epoch ends)" if known else ""))
     if problems:
