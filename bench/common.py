@@ -60,6 +60,6 @@ def spawn(*args: str, cwd: str) -> subprocess.Popen:
 
 def event_capture(trainer: Any) -> Any:
     """The trainer's training-thread side of the bus (what the engine calls at every event)."""
-    from eventbus.publishing.capture import EventCapture
+    from eventbus.capture.event_capture import EventCapture
 
     return next(sink for sink in trainer.engine.sinks if isinstance(sink, EventCapture))

@@ -21,7 +21,7 @@ only in its shared modules (``tests/test_layout.py`` checks both).
     ``batch``, ``distributed`` (torchrun), ``demo`` (the main job's model and data),
     ``bus_link`` (the trainer's only contact with the bus).
 
-``eventbus.publishing`` -- the training process's side of the bus, for any trainer:
+``eventbus.capture`` -- the training process's side of the bus, for any trainer:
     ``source`` (``CaptureSource``: Composer's State names, what capture reads),
     ``capture`` (``EventCapture``: references in, one record out, never blocks),
     ``session`` (``open_bus``: bind the publisher for a ``bus=`` argument).
@@ -49,7 +49,7 @@ only in its shared modules (``tests/test_layout.py`` checks both).
     staged-checkpoint handle, atomic files, file naming, retention, remote folders.
 ``eventbus.trackers`` -- where metrics go (files, TensorBoard, MLflow, W&B); each
     says what it already holds, for ``eventbus export``.
-``eventbus.daemons`` -- what every subscriber process shares: ``host``
+``eventbus.runtime`` -- what every subscriber process shares: ``host``
     (:class:`CallbackHost`), ``worker`` (``eventbus worker | replay | status``),
     ``runtime``.
 ``eventbus.run`` -- ``eventbus run``: ``config``, ``resume``, ``supervise``,

@@ -14,8 +14,8 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from eventbus.daemons.runtime import OneLineErrorParser, serve, setup_logging, timeout_seconds
 from eventbus.errors import ConfigError, EventBusError
+from eventbus.runtime.daemon import OneLineErrorParser, serve, setup_logging, timeout_seconds
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
@@ -199,7 +199,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "keys":
         return _generate_keys(args)
     if args.command == "status":
-        from eventbus.daemons.worker import bus_status
+        from eventbus.runtime.worker import bus_status
 
         return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
     if args.command == "proxy":
@@ -230,14 +230,14 @@ def _generate_keys(args: argparse.Namespace) -> int:
 
 def _worker_callbacks(args: argparse.Namespace) -> list[Callback]:
     """``--callback`` specs as callback objects (fresh ones per call: ``--follow`` builds them per run)."""
-    from eventbus.daemons.loading import load_callback
+    from eventbus.runtime.loading import load_callback
 
     return [load_callback(spec) for spec in args.callback]
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from eventbus.daemons.loading import load_callback
-    from eventbus.daemons.worker import replay_journal
+    from eventbus.runtime.loading import load_callback
+    from eventbus.runtime.worker import replay_journal
 
     if not args.journal.is_file():
         raise ConfigError(f"journal {str(args.journal)!r} does not exist")

@@ -8,7 +8,7 @@ was down during training, or never attached, catches up afterwards from it::
     eventbus export runs/my-run/events.journal --to jsonl --follow   # a live run, until its end
 
 How: the destination is the same LoggerDestination the logger daemon hosts
-(``eventbus.trackers``), run by the same :class:`~eventbus.daemons.host.CallbackHost`
+(``eventbus.trackers``), run by the same :class:`~eventbus.runtime.host.CallbackHost`
 over the journal's messages; nothing here talks to the trainer.
 
 Nothing lost, nothing doubled, on two levels:
@@ -63,8 +63,8 @@ from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary,
 from eventbus.bus.subscribe.messages import Message
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, to_number
-from eventbus.daemons.host import CallbackHost, Cursor
 from eventbus.errors import ConfigError
+from eventbus.runtime.host import CallbackHost, Cursor
 
 __all__ = ["TARGETS", "ExportOptions", "export", "resolve_journal"]
 

@@ -37,8 +37,8 @@ from eventbus.checkpoint.retention import MODES, Retention, parse_monitor
 from eventbus.checkpoint.uploads import Uploader
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
-from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
 from eventbus.errors import ConfigError
+from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["CheckpointSaver", "main"]
 

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import LoggerDestination
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.runtime import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon, seconds
+from eventbus.runtime.daemon import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon, seconds
 from eventbus.trackers.files import MetricsFileLogger
 from eventbus.trackers.mlflow import MLflowLogger
 from eventbus.trackers.tensorboard import TensorBoardLogger

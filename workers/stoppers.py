@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from eventbus import Callback
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["EarlyStopper", "ThresholdStopper", "main"]
 

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from eventbus import Callback
 from eventbus.core.logger import Logger
-from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
 

@@ -39,7 +39,7 @@ class EventSink:
     """Receives every event after the local callbacks ran (the bus publisher is one)."""
 
     def publish(self, event: Event, state: Any) -> None:
-        """``state``: the engine's state (for the bus, a :class:`~eventbus.publishing.source.CaptureSource`)."""
+        """``state``: the engine's state (for the bus, a :class:`~eventbus.capture.source.CaptureSource`)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ Face, Composer). At each of that trainer's hooks it updates a :class:`RunState`
 -- by reference: the loss tensor, the optimizer objects, a new Timestamp -- and
 calls :meth:`BusAdapter.publish` with the Composer :class:`Event` the hook
 stands for. From there the path is the one :class:`eventbus.Trainer` uses
-(:mod:`eventbus.publishing`): capture on the training thread, the bus thread
+(:mod:`eventbus.capture`): capture on the training thread, the bus thread
 journals and sends. Nothing here reads a device value.
 """
 
@@ -18,10 +18,10 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Union
 
+from eventbus.capture.event_capture import EventCapture
+from eventbus.capture.session import BusArgument, open_bus
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp, elapsed_duration
-from eventbus.publishing.capture import EventCapture
-from eventbus.publishing.session import BusArgument, open_bus
 
 __all__ = ["RunState", "BusAdapter", "default_run_name"]
 
@@ -32,7 +32,7 @@ def default_run_name(prefix: str) -> str:
 
 
 class RunState:
-    """Composer's State names over another trainer's run (a :class:`~eventbus.publishing.source.CaptureSource`).
+    """Composer's State names over another trainer's run (a :class:`~eventbus.capture.source.CaptureSource`).
 
     The adapter assigns the attributes from its trainer's hooks. Per-batch values are replaced, never
     mutated in place: capture compares them by identity to send only what changed.

@@ -24,11 +24,11 @@ import torch
 from composer.loggers import LoggerDestination
 from composer.utils import dist as composer_dist
 
+import eventbus.distributed as distributed
+from eventbus.capture.session import BusArgument
 from eventbus.core.events import Event
 from eventbus.core.time import Timestamp, as_time
 from eventbus.integrations.adapter import BusAdapter, RunState
-from eventbus.publishing.session import BusArgument
-from eventbus.training import distributed
 
 __all__ = ["EventBusCallback", "BusLoggerDestination"]
 

@@ -30,13 +30,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
+from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.files import save_atomically
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.checkpoint.staging import Staged
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
-from eventbus.publishing.session import BusArgument
 
 __all__ = ["EventBusCallback", "EventBusCheckpointIO"]
 
@@ -102,7 +102,7 @@ class EventBusCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After configure_model and the strategy's setup: the parameters and the process group exist.
-        from eventbus.training import distributed
+        import eventbus.distributed as distributed
 
         world_size = trainer.world_size
         run_name = self.run_name or default_run_name("lightning")

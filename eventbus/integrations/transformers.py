@@ -30,11 +30,11 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import transformers
 
+import eventbus.distributed as distributed
+from eventbus.capture.session import BusArgument
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
-from eventbus.publishing.session import BusArgument
-from eventbus.training import distributed
 
 __all__ = ["EventBusCallback"]
 

@@ -35,11 +35,11 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 from urllib.parse import urlsplit
 
 from eventbus.bus.journal import JOURNAL_NAME
-from eventbus.daemons.runtime import OneLineErrorParser, seconds, timeout_seconds, wait_for_server
 from eventbus.errors import EventBusError
 from eventbus.monitor.fmt import BLOCKS
 from eventbus.monitor.model import DEFAULT_METRICS, Tracker, ViewModel
 from eventbus.monitor.render import render
+from eventbus.runtime.daemon import OneLineErrorParser, seconds, timeout_seconds, wait_for_server
 
 __all__ = ["build_parser", "main"]
 

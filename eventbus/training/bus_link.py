@@ -1,8 +1,8 @@
 """Everything the trainer does with the bus's Publisher, and nothing else does.
 
 Two moments: ``start_bus`` binds the bus before INIT (so every event is
-published; :func:`~eventbus.publishing.session.open_bus`, shared with the
-adapters) and puts its :class:`~eventbus.publishing.capture.EventCapture` among
+published; :func:`~eventbus.capture.session.open_bus`, shared with the
+adapters) and puts its :class:`~eventbus.capture.event_capture.EventCapture` among
 the engine's sinks, and ``BusLink.agree_on_batch`` carries the subscribers'
 stop and checkpoint requests into the per-batch collective, so all ranks act on
 them at the same batch.
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+import eventbus.distributed as distributed
 from eventbus.bus.schema import Key
-from eventbus.publishing.capture import EventCapture
-from eventbus.publishing.session import BusArgument, open_bus
-from eventbus.training import distributed
+from eventbus.capture.event_capture import EventCapture
+from eventbus.capture.session import BusArgument, open_bus
 
 if TYPE_CHECKING:
     import pathlib

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+import eventbus.distributed as distributed
 from eventbus.core.events import Event
 from eventbus.core.time import Timestamp
-from eventbus.training import distributed
 from eventbus.training.batch import num_samples, split_batch, to_device
 from eventbus.training.precision import autocast
 from eventbus.training.setup import dataloader_len
@@ -21,8 +21,8 @@ from eventbus.training.setup import dataloader_len
 if TYPE_CHECKING:
     from eventbus.core.engine import Engine
     from eventbus.core.logger import Logger
+    from eventbus.training.clock import StepClock
     from eventbus.training.evaluator import Evaluator
-    from eventbus.training.loop import StepClock
     from eventbus.training.metrics import Metric
     from eventbus.training.state import State
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+import eventbus.distributed as distributed
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp
 from eventbus.errors import ConfigError
-from eventbus.training import distributed
 from eventbus.training.batch import num_samples, split_batch, to_device
 from eventbus.training.precision import autocast
 from eventbus.training.setup import dataloader_len
@@ -28,28 +27,13 @@ if TYPE_CHECKING:
     from eventbus.core.engine import Engine
     from eventbus.core.logger import Logger
     from eventbus.training.bus_link import BusLink
+    from eventbus.training.clock import StepClock
     from eventbus.training.evaluation import Evaluation
     from eventbus.training.state import State
 
-__all__ = ["StepClock", "TrainBatches", "TrainLoop"]
+__all__ = ["TrainBatches", "TrainLoop"]
 
 log = logging.getLogger(__name__)
-
-
-class StepClock:
-    """Wall-clock seconds per training batch; ``restart`` leaves time spent elsewhere (evaluation) out."""
-
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
-
-    def restart(self) -> None:
-        self._last = time.perf_counter()
-
-    def lap(self) -> float:
-        """Seconds since the last lap or restart."""
-        now = time.perf_counter()
-        seconds, self._last = now - self._last, now
-        return seconds
 
 
 class TrainBatches:

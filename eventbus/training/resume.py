@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+import eventbus.distributed as distributed
 from eventbus.checkpoint.remote import is_url
 from eventbus.core.time import Timestamp
 from eventbus.errors import ConfigError
-from eventbus.training import distributed
 from eventbus.training.setup import by_class_name
 
 if TYPE_CHECKING:

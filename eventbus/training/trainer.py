@@ -24,19 +24,20 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TextIO, Union
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+import eventbus.distributed as distributed
 from eventbus.bus.config import BusConfig
 from eventbus.core.engine import Engine
 from eventbus.core.events import Event
 from eventbus.core.logger import ConsoleLogger, Logger, is_logger_destination
 from eventbus.core.time import Time
 from eventbus.errors import ConfigError
-from eventbus.training import distributed
 from eventbus.training.algorithm import Algorithm
 from eventbus.training.batch import num_tokens
 from eventbus.training.bus_link import BusLink, start_bus
+from eventbus.training.clock import StepClock
 from eventbus.training.evaluation import Evaluation
 from eventbus.training.evaluator import Evaluator, IntervalLike
-from eventbus.training.loop import StepClock, TrainBatches, TrainLoop
+from eventbus.training.loop import TrainBatches, TrainLoop
 from eventbus.training.model import ComposerModel
 from eventbus.training.precision import check_precision
 from eventbus.training.resume import TrainerCheckpoint

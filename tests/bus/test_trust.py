@@ -196,7 +196,7 @@ def test_checkpoints_skipped_for_want_of_a_worker_are_reported_once_per_ten_seco
         client.dealer.send(wire.encode_request("capture", **STEERING["capture"]))
         assert wait_until(trainer.publisher.holds_checkpoint_lease)
         started = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="eventbus.publishing.capture"):
+        with caplog.at_level(logging.WARNING, logger="eventbus.capture.event_capture"):
             trainer.fit()
         elapsed = time.monotonic() - started
     finally:

@@ -196,7 +196,7 @@ def test_composer_types_compare_and_convert_both_ways():
 
 
 def test_worker_loads_composer_callbacks_and_loggers():
-    from eventbus.daemons.loading import load_callback
+    from eventbus.runtime.loading import load_callback
 
     assert isinstance(load_callback("composer.callbacks:LRMonitor"), LRMonitor)
     assert isinstance(load_callback("composer.loggers:InMemoryLogger"), InMemoryLogger)

@@ -55,7 +55,7 @@ def test_two_ranks_with_the_three_daemons_and_a_monitor(tmp_path, spawn):
     daemons = [spawn("-m", "workers.logger", "--connect", bus, *state),
                spawn("-m", "workers.timing", "--connect", bus, "--window-size", "4", *state),
                spawn("-m", "workers.checkpoint", "--connect", bus, "--save-interval", "4ba", *state)]
-    monitor = spawn("-m", "workers.monitor", bus)  # not a terminal: plain frames until the run ends
+    monitor = spawn("-m", "eventbus", "monitor", bus)  # not a terminal: plain frames until the run ends
     counts, stats = asyncio.run(count_all_ranks(bus))
     output, _ = trainer.communicate(timeout=300)
     assert trainer.returncode == 0, output

@@ -13,7 +13,7 @@ import torch
 
 from eventbus.bus.journal import read_messages
 from eventbus.checkpoint.staging import _shm_dir
-from tests.daemons.test_job import SMALL, eventbus_run, leftover_daemons
+from tests.run.test_job import SMALL, eventbus_run, leftover_daemons
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Optional, Sequence
 
 from eventbus import Callback
-from eventbus.daemons.runtime import OneLineErrorParser, add_daemon_arguments, check_positive, run_daemon, seconds
+from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, check_positive, run_daemon, seconds
 from workers.health.loss import LossMonitor
 from workers.health.stall import StallDetector
 from workers.health.system import SystemMonitor

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from eventbus import Callback
 from eventbus.core.logger import Logger, to_number
-from eventbus.daemons.runtime import check_positive
+from eventbus.runtime.daemon import check_positive
 
 __all__ = ["LossMonitor"]
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import psutil
 
 from eventbus.core.logger import Logger
-from eventbus.daemons.runtime import check_positive
+from eventbus.runtime.daemon import check_positive
 from workers.health.probes import GB, trainer_process
 from workers.health.watchdog import Watchdog
 

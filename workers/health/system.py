@@ -7,7 +7,7 @@ import socket
 from typing import Any, Optional
 
 from eventbus.core.logger import Logger
-from eventbus.daemons.runtime import check_positive
+from eventbus.runtime.daemon import check_positive
 from workers.health.probes import SystemProbe, trainer_process
 from workers.health.watchdog import Watchdog
 

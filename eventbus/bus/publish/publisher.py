@@ -1,6 +1,6 @@
 """The publisher: a bus thread that numbers, journals and sends what the training thread captured.
 
-Training thread (:meth:`Publisher.put`, called by :mod:`eventbus.publishing.capture`):
+Training thread (:meth:`Publisher.put`, called by :mod:`eventbus.capture.event_capture`):
 one record on an unbounded-by-type but size-checked queue; it never touches a
 socket or a file and never blocks. When the queue is full (the bus thread far
 behind) the record is dropped and counted, so training never waits.

@@ -1,6 +1,6 @@
 """What a trainer offers the bus at each event: Composer's State names, read by reference.
 
-:class:`~eventbus.publishing.capture.EventCapture` reads only these attributes,
+:class:`~eventbus.capture.event_capture.EventCapture` reads only these attributes,
 on the training thread, taking references (never ``.item()``, never a copy of a
 device tensor other than a non-blocking staged one). The project's
 :class:`~eventbus.training.state.State` satisfies this protocol; an adapter for

@@ -13,7 +13,7 @@ import pytest
 from eventbus import Callback, Event
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.bus.subscribe.messages import Message
-from eventbus.daemons.host import CallbackHost, Cursor
+from eventbus.runtime.host import CallbackHost, Cursor
 from tests.support import bus_address, make_trainer
 
 pytestmark = pytest.mark.fast

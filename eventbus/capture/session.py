@@ -4,7 +4,7 @@
 documents it (None: the default run folder's ipc address and journal; an address string;
 a :class:`~eventbus.bus.config.BusConfig`; False: no bus), starts the
 :class:`~eventbus.bus.publish.publisher.Publisher` with the run header, and returns the
-:class:`~eventbus.publishing.capture.EventCapture` the trainer (or adapter) publishes through.
+:class:`~eventbus.capture.event_capture.EventCapture` the trainer (or adapter) publishes through.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import sys
 import uuid
 from typing import Any, Callable, Mapping, Optional, Union
 
+import eventbus.distributed as distributed
 from eventbus.bus.config import BusConfig
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.schema import Key
+from eventbus.capture.event_capture import EventCapture
+from eventbus.capture.source import CaptureSource
 from eventbus.checkpoint.staging import StagingBuffers
 from eventbus.errors import ConfigError
-from eventbus.publishing.capture import EventCapture
-from eventbus.publishing.source import CaptureSource
-from eventbus.training import distributed
 
 __all__ = ["BusArgument", "bus_config", "model_surface", "open_bus"]
 

@@ -18,9 +18,9 @@ from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.capture.event_capture import EventCapture
 from eventbus.checkpoint.staging import StagingBuffers
 from eventbus.core.time import Timestamp
-from eventbus.publishing.capture import EventCapture
 from tests.support import bus_address, make_loader, make_model
 
 pytestmark = pytest.mark.fast

@@ -15,7 +15,7 @@ from wandb.proto import wandb_internal_pb2
 
 from eventbus import Callback, Trainer
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
-from tests.trackers.test_logger_worker import SlowBatches, published_metrics, train_sending_metrics_back
+from tests.workers.test_logger_worker import SlowBatches, published_metrics, train_sending_metrics_back
 
 
 def offline_env(tmp_path):

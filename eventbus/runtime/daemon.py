@@ -105,7 +105,7 @@ def serve(prog: str, args: argparse.Namespace,
     running (a refused address, missing keys). With ``args.follow`` each new run gets freshly
     built callbacks. Ctrl-C before the signal handlers are installed exits 130.
     """
-    from eventbus.daemons.worker import run_worker  # the bus and the host: only once there is a run to follow
+    from eventbus.runtime.worker import run_worker  # the bus and the host: only once there is a run to follow
 
     try:
         factory = _callback_factory(build_callbacks, args)

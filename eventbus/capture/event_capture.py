@@ -1,7 +1,7 @@
 """The training thread's side of the bus: capture an event in about a microsecond, hand it over.
 
 :class:`EventCapture` is the engine's event sink, and what every adapter calls at each of its
-trainer's hooks: ``publish(event, source)`` with a :class:`~eventbus.publishing.source.CaptureSource`.
+trainer's hooks: ``publish(event, source)`` with a :class:`~eventbus.capture.source.CaptureSource`.
 At each event it takes
 references to immutable values (the Timestamp, Python floats), stages changed
 device tensors (copied to pinned host memory with ``non_blocking=True`` and a
@@ -23,17 +23,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
+import eventbus.distributed as distributed
 from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
+from eventbus.capture.source import CaptureSource
 from eventbus.checkpoint.staging import Staged, StagingBuffers
 from eventbus.core.engine import EventSink
 from eventbus.core.events import Event
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import LoggerDestination
-from eventbus.publishing.source import CaptureSource
-from eventbus.training import distributed
 
 __all__ = ["EventCapture", "stage"]
 

@@ -4,7 +4,7 @@ Callbacks are named ``module:Class`` or ``path/to/file.py:Class``, optionally
 with keyword arguments as JSON: ``workers.timing:SpeedMonitor:{"window_size": 50}``.
 SIGTERM and SIGINT stop receiving, drain the queues, and close the callbacks.
 The command line around it (parsing, one-line errors, exit codes) is
-:mod:`eventbus.daemons.runtime`, shared with the daemons in ``workers/``.
+:mod:`eventbus.runtime.daemon`, shared with the daemons in ``workers/``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
-from eventbus.daemons.host import CallbackHost, Cursor, may_stop_training, subscription
 from eventbus.errors import EventBusError
+from eventbus.runtime.host import CallbackHost, Cursor, may_stop_training, subscription
 
 __all__ = ["run_worker", "replay_journal", "bus_status"]
 

@@ -6,7 +6,7 @@ import pytest
 from composer.callbacks import EarlyStopper, LRMonitor, SpeedMonitor, ThresholdStopper
 
 from bench.callbacks import StopAt
-from eventbus.daemons.host import may_stop_training, reads_weights
+from eventbus.runtime.host import may_stop_training, reads_weights
 from tests.e2e.fidelity_callbacks import StopAtBatch, WeightsAtEval
 
 
@@ -30,7 +30,7 @@ def test_a_declaration_wins_over_the_code():
 
 
 def test_weights_are_leased_at_the_weights_events_the_readers_handle():
-    from eventbus.daemons.host import CallbackHost
+    from eventbus.runtime.host import CallbackHost
 
     assert CallbackHost([WeightsAtEval("x.pt"), LRMonitor()]).weights_events() == {"eval_end", "fit_end"}
     assert CallbackHost([LRMonitor(), SpeedMonitor()]).weights_events() == frozenset()
