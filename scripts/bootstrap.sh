@@ -1,20 +1,21 @@
 #!/usr/bin/env sh
-# Create .venv and install eventbus into it (add "test" to install what the tests use too: the test
-# extra, with Lightning and transformers; Composer 0.32.1 (scripts/install-composer.sh); and tmux,
-# which the terminal tests drive, when it is missing and apt-get can install it).
-# An already-installed torch is kept: the venv sees system site-packages, and torch
-# is installed only when none imports, pinned to the local CPU build so that no
-# multi-GB CUDA download happens by accident.
+# Create .venv and install eventbus into it (add "test" to install what the tests and CI use too: the
+# test extra, with Lightning and transformers; the dev extra (ruff, mypy, the docs tools); Composer 0.32.1
+# (scripts/install-composer.sh); and tmux, which the terminal tests drive, when it is missing and
+# apt-get can install it).
+# An already-installed torch is kept: the venv sees system site-packages, and torch is installed only
+# when none imports, as torch==$TORCH_VERSION (default 2.13.0) from the configured package index (on
+# Linux, PyPI's is the CUDA build; install the CPU build into .venv first to avoid that download).
 set -eu
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv --system-site-packages .venv
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  echo "bootstrap: installing torch==${TORCH_VERSION:-2.13.0} (CPU build)"
+  echo "bootstrap: no torch found; installing torch==${TORCH_VERSION:-2.13.0}"
   .venv/bin/pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
 extras=""
-[ "${1:-}" = "test" ] && extras="[test]"
+[ "${1:-}" = "test" ] && extras="[test,dev]"
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".${extras}"
 if [ "${1:-}" = "test" ]; then
   sh scripts/install-composer.sh
