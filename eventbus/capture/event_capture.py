@@ -28,7 +28,9 @@ from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
+from eventbus.capture.settings import SettingsSeen, hyperparameters, last_lr
 from eventbus.capture.source import CaptureSource
+from eventbus.capture.staged import StagedWeights, stage
 from eventbus.checkpoint.staging import Staged, StagingBuffers
 from eventbus.core.engine import EventSink
 from eventbus.core.events import Event
@@ -48,79 +50,15 @@ _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEF
 # Where hyperparameters can have changed: schedulers step inside the batch, so BATCH_END covers the
 # next BATCH_START too (one capture per batch instead of two).
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
-_PLAIN = (int, float, bool, str, type(None))
 _SKIPPED_REPORT_SECONDS = 10.0  # skipped checkpoints are reported (log line and metric) at most this often
 
 
-def _is_hyperparameter(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1  # an lr kept as a tensor (capturable optimizers)
-    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
-
-
-_PLAIN_TYPES = frozenset(_PLAIN)
-
-
-def _hyperparameters(optimizer: Any, keys_by_group: dict[int, tuple[str, ...]]) -> list[dict[str, Any]]:
-    """Each param group's hyperparameters (lr, momentum, betas, ...), not its params; 0-dim tensors
-    staged. Which keys are hyperparameters is decided once per group (``keys_by_group``)."""
-    groups = []
-    for group in optimizer.param_groups:
-        keys = keys_by_group.get(id(group))
-        if keys is None:
-            keys = keys_by_group[id(group)] = tuple(
-                key for key, value in group.items() if key != "params" and _is_hyperparameter(value))
-        groups.append({key: value if type(value) in _PLAIN_TYPES else stage(value)
-                       for key, value in ((key, group[key]) for key in keys)})
-    return groups
-
-
-def _last_lr(scheduler: Any) -> Optional[list[Any]]:
-    get_last_lr = getattr(scheduler, "get_last_lr", None)
-    if get_last_lr is None:
-        return None
-    try:
-        return [stage(lr) for lr in get_last_lr()]
-    except AttributeError:  # a torch scheduler asked before its first step
-        return None
-
-
-class _StagedValue:
-    """A device value copied to pinned host memory; only the bus thread waits for it (``resolve``)."""
-
-    __slots__ = ("host", "ready")
-
-    def __init__(self, tensor: torch.Tensor):
-        with torch.no_grad():
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor.detach(), non_blocking=True)
-        self.ready = torch.cuda.Event()
-        self.ready.record()
-
-    def resolve(self) -> Any:
-        self.ready.synchronize()  # releases the GIL while waiting
-        return self.host.item() if self.host.numel() == 1 else self.host.tolist()
-
-
-def stage(value: Any) -> Any:
-    """Capture a value without reading the device: CPU tensors by reference, CUDA tensors staged."""
-    if isinstance(value, torch.Tensor) and value.is_cuda:
-        return _StagedValue(value)
-    return value
-
-
-class _StagedWeights:
-    """The descriptor of weights staged at one event; the bus thread waits for their device copy."""
-
-    __slots__ = ("staged",)
-
-    def __init__(self, staged: Staged):
-        self.staged = staged
-
-    def resolve(self) -> dict[str, Any]:
-        if self.staged.copied is not None:
-            self.staged.copied.synchronize()  # the side stream's copy; releases the GIL
-        return self.staged.descriptor
+def _with(changes: Optional[dict[str, Any]], key: str, value: Any) -> dict[str, Any]:
+    """``changes`` (this event's own dict) holding ``key`` too."""
+    if changes is None:
+        return {key: value}
+    changes[key] = value
+    return changes
 
 
 class _MetricsForwarder(LoggerDestination):
@@ -163,6 +101,7 @@ class EventCapture(EventSink):
         self.metrics_destination = _MetricsForwarder(self)
         self._put = publisher.put
         self._hyperparameter_keys: dict[int, tuple[str, ...]] = {}  # id(param group) -> its plain keys
+        self._settings: Optional[SettingsSeen] = None  # None: capture them at the next _LR_EVENTS
         self._agreed_stop = self._agreed_checkpoint = False
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
         self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
@@ -219,9 +158,7 @@ class EventCapture(EventSink):
         changes = self._changes(event, state)
         staged = None
         if event in _CAPTURE_EVENTS and (self.leases.captures or self._agreed_checkpoint):
-            captured, staged = self._capture_on_demand(event, state)
-            if captured:
-                changes = dict(changes or {}, **captured)
+            changes, staged = self._capture_on_demand(event, state, changes)
         if staged is None and self._announced and event in _CHECKPOINT_EVENTS:
             staged = self._announced.popleft()
         length = state.dataloader_len
@@ -243,8 +180,9 @@ class EventCapture(EventSink):
     def _changes(self, event: Event, state: CaptureSource) -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""
         loss = state.loss
+        settings = event in _LR_EVENTS and not self._same_settings(state)
         if loss is self._last_loss and state.total_loss_dict is self._last_total_losses \
-                and event not in _LR_EVENTS and event is not Event.EVAL_END \
+                and not settings and event is not Event.EVAL_END \
                 and state.train_metric_values is self._last_train_values \
                 and state.max_duration is self._last_max_duration and state.stop_reason is self._last_stop_reason:
             return None  # the common case: nothing changed since the previous event
@@ -255,10 +193,12 @@ class EventCapture(EventSink):
         if state.total_loss_dict is not self._last_total_losses:  # set once per batch, before BATCH_END
             self._last_total_losses = state.total_loss_dict
             changes[Key.TOTAL_LOSSES] = {k: stage(v) for k, v in state.total_loss_dict.items()}
-        if event in _LR_EVENTS:
-            changes[Key.OPTIMIZERS] = [(type(o).__name__, _hyperparameters(o, self._hyperparameter_keys))
+        if settings:
+            changes[Key.OPTIMIZERS] = [(type(o).__name__, hyperparameters(o, self._hyperparameter_keys))
                                        for o in state.optimizers]
-            changes[Key.SCHEDULERS] = [(type(s).__name__, _last_lr(s)) for s in state.schedulers]
+            changes[Key.SCHEDULERS] = [(type(s).__name__, last_lr(s)) for s in state.schedulers]
+            seen = SettingsSeen(state.optimizers, state.schedulers, self._hyperparameter_keys)
+            self._settings = seen if seen.comparable() else None
         label = state.dataloader_label
         if event is Event.EVAL_END and label is not None and label in state.eval_metric_values:
             values = state.eval_metric_values[label]
@@ -273,32 +213,40 @@ class EventCapture(EventSink):
             changes[Key.STOP_REASON] = state.stop_reason
         return changes or None
 
-    def _capture_on_demand(self, event: Event, state: CaptureSource) -> tuple[dict[str, Any], Optional[Staged]]:
-        """What costs the trainer something, captured only while a subscriber holds a lease on it."""
-        captured: dict[str, Any] = {}
-        batch = state.timestamp.batch.value
+    def _same_settings(self, state: CaptureSource) -> bool:
+        """The optimizers' and schedulers' settings are those captured last (compared, not rebuilt)."""
+        return self._settings is not None and self._settings.same(state.optimizers, state.schedulers)
+
+    def _capture_on_demand(self, event: Event, state: CaptureSource, changes: Optional[dict[str, Any]]
+                           ) -> tuple[Optional[dict[str, Any]], Optional[Staged]]:
+        """What costs the trainer something, captured only while a subscriber holds a lease on it:
+        ``changes`` with those values added (a dict only when there is something to hold), and the
+        checkpoint staged at this event."""
         if event in _WEIGHTS_EVENTS and self.leases.weights_holders:
             weights = self._stage_weights(event, state)
             if weights is not None:
-                captured[Key.WEIGHTS] = weights
-        if event is Event.AFTER_TRAIN_BATCH and self.leases.due("grad_norms", batch):
-            named = [(n, p.grad) for n, p in state.model.named_parameters() if p.grad is not None]
-            if named:
-                with torch.no_grad():
-                    norms = torch.stack(torch._foreach_norm([g for _, g in named]))
-                    norms = torch.cat([norms, torch.linalg.vector_norm(norms)[None]])
-                captured[Key.GRAD_NORMS] = ([n for n, _ in named] + ["global"], stage(norms))
+                changes = _with(changes, Key.WEIGHTS, weights)
+        if event is Event.AFTER_TRAIN_BATCH:
+            if self.leases.due("grad_norms", state.timestamp.batch.value):
+                named = [(n, p.grad) for n, p in state.model.named_parameters() if p.grad is not None]
+                if named:
+                    with torch.no_grad():
+                        norms = torch.stack(torch._foreach_norm([g for _, g in named]))
+                        norms = torch.cat([norms, torch.linalg.vector_norm(norms)[None]])
+                    changes = _with(changes, Key.GRAD_NORMS, ([n for n, _ in named] + ["global"], stage(norms)))
         elif event in _CHECKPOINT_EVENTS:
-            return captured, self._stage_checkpoint_if_due(event, state)
+            return changes, self._stage_checkpoint_if_due(event, state)
         elif event is Event.BEFORE_FORWARD:
             self.staging.wait_before_next_step()
         elif event is Event.BATCH_END:
+            batch = state.timestamp.batch.value
             if self.leases.due("memory", batch) and state.device.type == "cuda":
-                captured[Key.MEMORY] = dict(torch.cuda.memory_stats(state.device))  # allocator counters: no sync
+                # allocator counters: no sync
+                changes = _with(changes, Key.MEMORY, dict(torch.cuda.memory_stats(state.device)))
             flops = getattr(state.model, "flops_per_batch", None)
             if flops is not None and self.leases.due("flops", batch):
-                captured[Key.BATCH_FLOPS] = stage(flops(state.batch))
-        return captured, None
+                changes = _with(changes, Key.BATCH_FLOPS, stage(flops(state.batch)))
+        return changes, None
 
     # ------------------------------------------------------------------ weights
 
@@ -322,7 +270,7 @@ class EventCapture(EventSink):
             staged = self.staging.stage(state.model.state_dict(), dict(where, rank=0), readers=readers,
                                         reader_alive=self.leases.holds_weights, max_held=limit)
         if staged is not None:
-            return _StagedWeights(staged)
+            return StagedWeights(staged)
         self._weights_skipped_since += 1
         now = time.monotonic()
         if now - self._weights_reported >= _SKIPPED_REPORT_SECONDS:

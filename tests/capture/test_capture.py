@@ -103,8 +103,30 @@ def test_each_event_is_one_record_holding_the_states_values_by_reference(tmp_pat
     assert after_batch.changes[Key.LOSS] is source.loss  # the tensor itself: never read, never copied
     assert after_batch.batch_num_samples == 16 and after_batch.dataloader_label == "train"
     assert records[3].changes is None  # nothing changed since the previous event: nothing captured again
-    assert Key.OPTIMIZERS in records[0].changes and Key.OPTIMIZERS in records[2].changes  # lr may change there
+    assert Key.OPTIMIZERS in records[0].changes and Key.OPTIMIZERS not in (records[2].changes or {})
     assert publisher.stats().captured == 4
+
+
+def test_the_optimizer_settings_are_captured_again_only_when_they_changed(tmp_path):
+    capture, publisher = capture_for(tmp_path)
+    source = toy_source()
+    optimizer = source.optimizers[0]
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.5, "momentum": 0.9})
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.1)
+    source.schedulers = [scheduler]
+    capture.publish(Event.INIT, source)
+    for _ in range(4):  # the lr drops every second step
+        one_batch(source)
+        optimizer.step()
+        scheduler.step()
+        capture.publish(Event.BATCH_END, source)
+    optimizer.param_groups[1]["momentum"] = 0.8  # a setting other than the lr, changed in place
+    capture.publish(Event.BATCH_END, source)
+    captured = [(record.changes or {}).get(Key.OPTIMIZERS) for record in queued(publisher)]
+    lrs = [[group["lr"] for group in settings[0][1]] if settings else None for settings in captured]
+    assert lrs == [[0.1, 0.5], None, pytest.approx([0.01, 0.05]), None, pytest.approx([0.001, 0.005]),
+                   pytest.approx([0.001, 0.005])]
+    assert captured[-1][0][1][1]["momentum"] == 0.8
 
 
 def test_gradient_norms_are_computed_only_while_a_subscriber_holds_a_lease(tmp_path):
@@ -145,8 +167,9 @@ def test_the_published_run_carries_the_states_values(tmp_path):
     publisher.start({"run_name": "captured"})
     source = toy_source()
     capture.publish(Event.INIT, source)
-    one_batch(source)
-    capture.publish(Event.BATCH_END, source)
+    for _ in range(2):  # the second batch's settings are those captured before: not captured again
+        one_batch(source)
+        capture.publish(Event.BATCH_END, source)
     capture.close()  # ends the run: drains and journals everything
 
     async def read() -> list[Any]:
@@ -155,7 +178,8 @@ def test_the_published_run_carries_the_states_values(tmp_path):
 
     messages = asyncio.run(read())
     events = [m for m in messages if m.kind == "event"]
-    assert [m.event for m in events] == [Event.INIT, Event.BATCH_END] and messages[-1].kind == "end"
+    assert [m.event for m in events] == [Event.INIT, Event.BATCH_END, Event.BATCH_END] and messages[-1].kind == "end"
     state = events[-1].state
-    assert state.timestamp.batch.value == 1 and state.timestamp.sample.value == 16
+    assert state.timestamp.batch.value == 2 and state.timestamp.sample.value == 32
     assert state.loss == pytest.approx(source.loss.item())
+    assert state.learning_rates == {"SGD": [0.1]}  # still in every snapshot

@@ -1,0 +1,53 @@
+"""Values captured without reading the device: what the bus thread resolves (``resolve``) later.
+
+A CUDA tensor is copied to pinned host memory with ``non_blocking=True`` and a CUDA event on the
+training thread; only the bus thread waits for that copy. CPU values are kept by reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eventbus.checkpoint.staging import Staged
+
+__all__ = ["StagedValue", "StagedWeights", "stage"]
+
+
+class StagedValue:
+    """A device value copied to pinned host memory; only the bus thread waits for it (``resolve``)."""
+
+    __slots__ = ("host", "ready")
+
+    def __init__(self, tensor: torch.Tensor):
+        with torch.no_grad():
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor.detach(), non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def resolve(self) -> Any:
+        self.ready.synchronize()  # releases the GIL while waiting
+        return self.host.item() if self.host.numel() == 1 else self.host.tolist()
+
+
+def stage(value: Any) -> Any:
+    """Capture a value without reading the device: CPU tensors by reference, CUDA tensors staged."""
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        return StagedValue(value)
+    return value
+
+
+class StagedWeights:
+    """The descriptor of weights staged at one event; the bus thread waits for their device copy."""
+
+    __slots__ = ("staged",)
+
+    def __init__(self, staged: Staged):
+        self.staged = staged
+
+    def resolve(self) -> dict[str, Any]:
+        if self.staged.copied is not None:
+            self.staged.copied.synchronize()  # the side stream's copy; releases the GIL
+        return self.staged.descriptor
