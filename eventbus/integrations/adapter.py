@@ -22,6 +22,7 @@ from eventbus.capture.event_capture import EventCapture
 from eventbus.capture.session import BusArgument, open_bus
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp, elapsed_duration
+from eventbus.runtime.supervisor import DaemonsArgument, DaemonSet, daemons_from
 
 __all__ = ["RunState", "BusAdapter", "default_run_name"]
 
@@ -92,11 +93,17 @@ class BusAdapter:
         bus: as :class:`eventbus.Trainer`'s ``bus=`` (None: ``runs/<run_name>/`` with its ipc address
             and journal; an address string; a ``BusConfig``; False: publish nothing).
         run_folder: where the journal lives (default ``runs/<run_name>``).
+        daemons: True (or a :class:`~eventbus.runtime.supervisor.Daemons`) starts ``eventbus run``'s daemons
+            on this run's bus when it opens (rank 0 starts one set for the job) and waits for them;
+            they finish when the run ends.
     """
 
-    def __init__(self, bus: BusArgument = None, run_folder: Union[str, os.PathLike[str], None] = None):
+    def __init__(self, bus: BusArgument = None, run_folder: Union[str, os.PathLike[str], None] = None,
+                 daemons: DaemonsArgument = None):
         self.bus = bus
         self.run_folder = pathlib.Path(run_folder) if run_folder is not None else None
+        self.daemon_options = daemons_from(daemons)
+        self.daemons: Optional[DaemonSet] = None
         self.capture: Optional[EventCapture] = None
         self.state: Optional[RunState] = None
         self._stop_group: Any = None  # torch.distributed gloo group for agree_stop, made on first use
@@ -120,6 +127,8 @@ class BusAdapter:
             journal = f", journal {self.capture.publisher.journal_path}" if self.capture.publisher.journal_path else ""
             print(f"eventbus: {trainer} run {state.run_name} publishing on {self.address}{journal}",
                   file=sys.stderr, flush=True)
+            if self.daemon_options is not None:  # one set for the job; the other ranks wait in the first collective
+                self.daemons = DaemonSet.start(self.daemon_options, self.capture.publisher, folder)
 
     def publish(self, event: Event) -> None:
         """Capture one event of the current state (training thread; never blocks)."""
@@ -135,10 +144,12 @@ class BusAdapter:
         if self.capture is not None and hyperparameters:
             self.capture.publisher.log_hyperparameters(dict(hyperparameters))
 
-    def agree_stop(self) -> bool:
+    def agree_stop(self, checkpoints: bool = False) -> bool:
         """Under torch.distributed, whether any rank's worker asked to stop, the same answer on every
         rank: call it on every rank at every batch end, just before publishing BATCH_END; that publish
         applies the agreed stop to the RunState, and ``take_stop`` right after has it on every rank.
+        ``checkpoints``: this run's checkpoints go through capture (a ``checkpoint_source``): every rank
+        also learns whether a checkpoint worker holds the lease, and stages at the same batches.
 
         One all-reduce of a CPU tensor on a gloo group made once for this (no device sync, also under
         NCCL); a single process asks nothing of anyone."""
@@ -150,10 +161,11 @@ class BusAdapter:
 
         if self._stop_group is None:
             self._stop_group = dist.new_group(backend="gloo")
-        flag = torch.tensor([1.0 if capture.publisher.wants_stop() else 0.0])
-        dist.all_reduce(flag, group=self._stop_group)
-        agreed = bool(flag[0] > 0)
-        capture.agree(stop=agreed, checkpoint=False)
+        leased = checkpoints and capture.publisher.holds_checkpoint_lease()
+        flags = torch.tensor([1.0 if capture.publisher.wants_stop() else 0.0, 1.0 if leased else 0.0])
+        dist.all_reduce(flags, group=self._stop_group)
+        agreed = bool(flags[0] > 0)
+        capture.agree(stop=agreed, checkpoint=bool(flags[1] > 0))
         return agreed
 
     def take_stop(self) -> Optional[str]:
@@ -165,10 +177,18 @@ class BusAdapter:
         return state.stop_reason
 
     def close(self) -> None:
-        """End the run on the bus: drain, journal the end, release staged buffers. Idempotent."""
+        """End the run on the bus: drain, journal the end, release staged buffers; then wait for the
+        daemons it started to finish and say where their files are. Idempotent."""
         capture, self.capture = self.capture, None
         if capture is not None:
             capture.close()
+        daemons, self.daemons = self.daemons, None
+        if daemons is not None:
+            codes = daemons.stop()
+            journal = capture.publisher.journal_path if capture is not None else None
+            failed = [f"{name} exited {code}" for name, code in zip(daemons.names, codes) if code != 0]
+            print("\n".join([f"eventbus: daemons done{' (' + ', '.join(failed) + ')' if failed else ''}",
+                             *daemons.where(journal)]), file=sys.stderr, flush=True)
         group, self._stop_group = self._stop_group, None
         if group is not None:
             import torch.distributed as dist

@@ -18,11 +18,11 @@ import typing
 from typing import Any, Optional
 
 from eventbus.errors import ConfigError
+from eventbus.runtime.supervisor import DAEMONS  # the one list of the default daemons
 
 __all__ = ["DAEMONS", "LONG_DURATION", "PRECISIONS", "JobConfig", "add_run_arguments", "config_from_args",
            "load_config_file", "training_bytes", "validate_config"]
 
-DAEMONS = ("logger", "timing", "checkpoint", "health")
 LONG_DURATION = "10ep"  # what --long trains for
 PRECISIONS = ("fp32", "amp_bf16")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from eventbus.training.loop import TrainBatches
     from eventbus.training.state import State
 
-__all__ = ["TrainerCheckpoint", "load_checkpoint_file"]
+__all__ = ["TrainerCheckpoint", "load_checkpoint_file", "restore_rng", "rng_state"]
 
 
 class TrainerCheckpoint:
@@ -132,36 +132,45 @@ class TrainerCheckpoint:
         return [*self._state.callbacks, *self._logger.destinations]
 
     def _rng_state(self) -> dict[str, Any]:
-        device = self._state.device
-        rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        rng = rng_state(self._state.device)
         if self._batches.epoch_rng_state is not None:
             rng["torch_epoch_start"] = self._batches.epoch_rng_state
-        if torch.cuda.is_available() and device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(device)
-        try:
-            import numpy as np
-        except ImportError:
-            return rng
-        numpy_state = np.random.get_state()
-        if isinstance(numpy_state, tuple):  # always, for numpy's global (legacy MT19937) generator
-            kind, keys, pos, has_gauss, cached = numpy_state
-            rng["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
         return rng
 
     def _restore_rng(self, rng: Any) -> None:
-        if isinstance(rng, list):  # written by Composer's CheckpointSaver: one entry per rank
-            rng = rng[min(self._state.rank, len(rng) - 1)]
-        device = self._state.device
-        python = rng["python"]
-        random.setstate((python[0], tuple(python[1]), python[2]))
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
-        if "numpy" in rng:
-            import numpy as np
+        restore_rng(rng, self._state.device, self._state.rank)
 
-            kind, keys, pos, has_gauss, cached = rng["numpy"]  # a list (eventbus) or numpy's tuple (Composer)
-            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every random generator's state (Python, torch, the device's, numpy's), in plain types and tensors."""
+    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy as np
+    except ImportError:
+        return rng
+    numpy_state = np.random.get_state()
+    if isinstance(numpy_state, tuple):  # always, for numpy's global (legacy MT19937) generator
+        kind, keys, pos, has_gauss, cached = numpy_state
+        rng["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return rng
+
+
+def restore_rng(rng: Any, device: torch.device, rank: int = 0) -> None:
+    """Restore what :func:`rng_state` saved (or Composer's CheckpointSaver: a list with one entry per rank)."""
+    if isinstance(rng, list):
+        rng = rng[min(rank, len(rng) - 1)]
+    python = rng["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    if "numpy" in rng:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = rng["numpy"]  # a list (eventbus) or numpy's tuple (Composer)
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _numpy_array_globals() -> list[Any]:
