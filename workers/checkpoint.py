@@ -29,12 +29,13 @@ import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 from eventbus import Callback, Event, Time
-from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically, save_sharded_atomically, temp_name
+from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically, save_sharded_atomically
 from eventbus.checkpoint.handle import TRANSFERS
 from eventbus.checkpoint.naming import FILENAME, FOLDER, LATEST_FILENAME
 from eventbus.checkpoint.remote import is_url, parse_storage_options
 from eventbus.checkpoint.retention import MODES, Retention, parse_monitor
 from eventbus.checkpoint.uploads import Uploader
+from eventbus.core.atomic import temp_name
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
 from eventbus.errors import ConfigError

@@ -1,33 +1,27 @@
 """Checkpoint files written so that a crash leaves the old file or the new one, never a torn one.
 
-Temporary names are ``.<name>.tmp-<pid>-<random>`` in the target folder, created
-exclusively (``O_EXCL|O_NOFOLLOW``): a file or symlink planted there is never
-followed or overwritten. The writing process holds a lock on its temporary file;
+Files are written through :mod:`eventbus.core.atomic` with ``fsync``: temporary names
+``.<name>.tmp-<pid>-<random>`` in the target folder, created exclusively (a file or
+symlink planted there is never followed or overwritten) and locked while written.
 :func:`remove_stale_temp_files` removes those whose writer is gone (a SIGKILL
 mid-write), which the checkpoint worker does before it first writes into a folder.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pathlib
 import re
-import secrets
 import shutil
 import warnings
 from typing import Any, Optional, Union
 
-from eventbus.checkpoint.ownership import NOFOLLOW, pid_alive, unlocked
+from eventbus.checkpoint.ownership import pid_alive, unlocked
+from eventbus.core.atomic import atomic_file, fsync_folder, temp_name
 
-__all__ = ["save_atomically", "save_sharded_atomically", "temp_name", "remove_stale_temp_files"]
+__all__ = ["save_atomically", "save_sharded_atomically", "remove_stale_temp_files"]
 
 _TEMP = re.compile(r"^\..+\.tmp-(\d+)(?:-[0-9a-f]+)?$")  # the old names had no random part
-
-
-def temp_name(path: pathlib.Path) -> pathlib.Path:
-    """A fresh unpredictable temporary name beside ``path`` that names this process."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
 
 
 def remove_stale_temp_files(folder: Union[str, os.PathLike]) -> list[pathlib.Path]:
@@ -75,7 +69,7 @@ def save_sharded_atomically(state: dict[str, Any], folder: Union[str, os.PathLik
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_folder(folder.parent)
+    fsync_folder(folder.parent)
 
 
 def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
@@ -85,35 +79,15 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
     """
     import torch
 
-    path = pathlib.Path(path)
-    tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # says "being written" to remove_stale_temp_files in any pid namespace
-        with os.fdopen(fd, "wb") as raw:
-            file = _ErrorKeepingWriter(raw)
-            try:
-                torch.save(obj, file)
-            except RuntimeError:
-                # torch reports a failed write as a position mismatch; the OS error says why.
-                if file.error is not None:
-                    raise file.error from None
-                raise
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)
-
-
-def _fsync_folder(path: pathlib.Path) -> None:
-    folder = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    with atomic_file(path, fsync=True) as raw:
+        file = _ErrorKeepingWriter(raw)
+        try:
+            torch.save(obj, file)
+        except RuntimeError:
+            # torch reports a failed write as a position mismatch; the OS error says why.
+            if file.error is not None:
+                raise file.error from None
+            raise
 
 
 class _ErrorKeepingWriter:

@@ -11,9 +11,9 @@ import os
 import pathlib
 from typing import Optional
 
-__all__ = ["NOFOLLOW", "pid_alive", "pid_namespace", "unlocked", "writer_gone"]
+from eventbus.core.atomic import NOFOLLOW
 
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+__all__ = ["NOFOLLOW", "pid_alive", "pid_namespace", "unlocked", "writer_gone"]
 
 
 def pid_alive(pid: int) -> bool:

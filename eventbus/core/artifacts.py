@@ -16,9 +16,9 @@ import os
 import pathlib
 import shutil
 import stat
-import tempfile
 from typing import Union
 
+from eventbus.core.atomic import atomic_file
 from eventbus.errors import ArtifactPathError
 
 __all__ = ["artifact_path", "copy_artifact"]
@@ -51,14 +51,9 @@ def copy_artifact(folder: pathlib.Path, remote_name: str, source: Union[str, os.
             raise ArtifactPathError(f"upload_file: {target} is a symbolic link; not written through")
         if not overwrite:
             return False
-    descriptor, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "wb") as out, open(source, "rb") as data:
-            shutil.copyfileobj(data, out)
-        os.replace(temporary, target)  # replaces a link planted since the check; never follows it
-    except BaseException:
-        pathlib.Path(temporary).unlink(missing_ok=True)
-        raise
+    # The rename replaces a link planted since the check; it never follows it.
+    with open(source, "rb") as data, atomic_file(target, fsync=False) as out:
+        shutil.copyfileobj(data, out)
     return True
 
 

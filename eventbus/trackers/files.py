@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import pathlib
 from typing import Any, Optional, TextIO
 
+from eventbus.core.atomic import write_atomic
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.trackers import run_folder
 from eventbus.trackers.points import Refused
@@ -93,9 +95,7 @@ class MetricsFileLogger(LoggerDestination):
         if merged == held:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(merged, indent=2, sort_keys=True))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(merged, indent=2, sort_keys=True), fsync=False)
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._open()
@@ -160,10 +160,9 @@ def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
             if isinstance(row, dict) and type(row.get("step")) is int:
                 rows.append(row)
     columns = ["step"] + sorted({key for row in rows for key in row} - {"step"})
-    tmp = target.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=columns)
-        writer.writeheader()
-        for row in sorted(rows, key=lambda r: r["step"]):
-            writer.writerow(row)
-    os.replace(tmp, target)
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=columns)
+    writer.writeheader()
+    for row in sorted(rows, key=lambda r: r["step"]):
+        writer.writerow(row)
+    write_atomic(target, out.getvalue(), fsync=False)
