@@ -6,6 +6,13 @@ checked against its operation's schema -- field names, types, sizes and
 ranges -- before anything acts on it: :func:`parse_request` returns a typed
 :class:`Request` or raises :class:`ProtocolError` naming the field. Whatever a
 client sends is untrusted; nothing here can raise anything else.
+
+Each operation's request may be at most :func:`request_limit` bytes, as sent:
+64 KiB for ``metrics`` and ``hyperparameters``, 32 KiB for ``hello``, 16 KiB
+for the others. A request of exactly its limit is read; one byte more is
+refused (:class:`RequestTooLarge`). A body larger than any operation takes is
+refused by the request service before it is decoded, and ZeroMQ drops a client
+whose frame is 64 KiB larger still before any of it is buffered.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from eventbus.bus import wire
 from eventbus.core.interval import interval_scheduler
 from eventbus.errors import ConfigError, ProtocolError
 
-__all__ = ["Op", "Request", "parse_request", "SCHEMAS", "MAX_SOURCE_CHARS", "MAX_REPLAY_SPAN",
+__all__ = ["Op", "Request", "RequestTooLarge", "parse_request", "request_limit", "SCHEMAS", "MAX_SOURCE_CHARS",
+           "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
            "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE", "WEIGHTS_EVENTS",
            "NEEDS_TRUST", "untrusted_refusal"]
@@ -83,8 +91,17 @@ def untrusted_refusal(op: str) -> str:
 
 # A metrics request is journaled and re-published: its size bounds what a client can add per request.
 MAX_REQUEST_BYTES = {Op.METRICS: 64 * 1024, Op.HELLO: 32 * 1024, Op.HYPERPARAMETERS: 64 * 1024}
-# ZeroMQ drops a client that sends a larger frame before the bus thread reads any of it.
+# The request service refuses a larger body before decoding it.
 LARGEST_REQUEST_BYTES = max(DEFAULT_MAX_REQUEST_BYTES, *MAX_REQUEST_BYTES.values())
+
+
+def request_limit(op: Op) -> int:
+    """The most bytes a request of ``op`` may have, as sent (its msgpack body)."""
+    return MAX_REQUEST_BYTES.get(op, DEFAULT_MAX_REQUEST_BYTES)
+
+
+class RequestTooLarge(ProtocolError):
+    """A request over its operation's byte limit: counted apart from malformed ones."""
 MAX_REPLAY_REPLY_BYTES = 256 * 1024  # one replay reply carries at most this much; the client asks for the rest
 
 
@@ -255,15 +272,18 @@ SCHEMAS: dict[Op, dict[str, Field]] = {
 
 
 def parse_request(data: bytes, max_bytes: int = wire.MAX_MESSAGE_BYTES) -> Request:
-    """Decode and validate one request; :class:`ProtocolError` says which field is wrong and why."""
+    """Decode and validate one request; :class:`ProtocolError` says which field is wrong and why
+    (:class:`RequestTooLarge` when the request is over its operation's limit)."""
+    if len(data) > max_bytes:
+        raise RequestTooLarge(f"request: {len(data)} bytes exceeds the {max_bytes}-byte limit")
     raw = wire.decode_request(data, max_bytes)
     try:
         op = Op(raw["op"])
     except ValueError:
         raise ProtocolError(f"request: unknown op {raw['op'][:40]!r}") from None
-    limit = MAX_REQUEST_BYTES.get(op, DEFAULT_MAX_REQUEST_BYTES)
+    limit = request_limit(op)
     if len(data) > limit:  # what a request makes the trainer keep (journal, cache, tables) stays small
-        raise ProtocolError(f"{op.value} request: {len(data)} bytes exceeds its {limit}-byte limit")
+        raise RequestTooLarge(f"{op.value} request: {len(data)} bytes exceeds its {limit}-byte limit")
     schema = SCHEMAS[op]
     fields: dict[str, Any] = {}
     for name, value in raw.items():

@@ -36,14 +36,27 @@ def test_forged_identities_share_the_total_and_the_table_stays_bounded():
     granted = sum(budgets.take((f"forged-{i}".encode(),)) is None for i in range(1000))
     assert granted == 10  # clients_in_total x requests_per_second, however many identities asked
     refusal = budgets.take((b"one-more",))
-    assert refusal is not None and refusal[0] == "over total budget"
-    assert budgets.silenced((b"one-more",)) is None  # not its fault: it is not silenced
+    assert refusal is not None and refusal[0] == "over total budget" and "asked again after" in refusal[1]
+    # Told once, then refused unread until the total holds again: forged identities cost a lookup each.
+    assert budgets.silenced((b"one-more",)) == "over total budget"
     assert len(budgets) == SMALL.max_clients
 
 
-def test_a_client_that_does_not_read_is_silenced_for_the_set_time():
+def test_a_client_that_does_not_read_is_silenced_longer_each_time_up_to_the_set_time():
     budgets = ClientBudgets(SMALL)
-    assert budgets.silence((b"deaf",), "replies outstanding") == SMALL.silence
+    silences = [budgets.silence((b"deaf",), "replies outstanding") for _ in range(10)]
+    assert silences[0] == SMALL.first_silence and silences[-1] == SMALL.silence
+    assert silences == sorted(silences) and silences[1] == 2 * silences[0]
     assert budgets.silenced((b"deaf",)) == "replies outstanding"
     assert budgets.silence((b"brief",), "replies outstanding", 0.0) == 0.0
     assert budgets.silenced((b"brief",)) is None
+
+
+def test_a_pipelining_client_that_reads_its_replies_recovers_at_once():
+    """Its queue full for a moment (a turn's replies faster than ZeroMQ reports them read), then a reply
+    reaches it: its next full queue is a first, short silence again, never a growing one."""
+    budgets = ClientBudgets(SMALL)
+    reader = (b"reader",)
+    for _ in range(20):
+        assert budgets.silence(reader, "replies outstanding") == SMALL.first_silence
+        budgets.replied(reader)

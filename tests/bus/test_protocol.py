@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
+import msgpack
 import pytest
 import zmq
 
-from eventbus import Trainer
+from eventbus import BusConfig, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
-from eventbus.bus.protocol import SCHEMAS, Op, parse_request
+from eventbus.bus.protocol import LARGEST_REQUEST_BYTES, SCHEMAS, Op, parse_request, request_limit
+from eventbus.bus.publish.publisher import Publisher
 from eventbus.errors import ProtocolError
-from tests.support import make_loader, make_model
+from tests.support import bus_address, make_loader, make_model
 
 pytestmark = pytest.mark.fast
 
@@ -182,3 +185,64 @@ def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(
     assert len(headers) == 1 + 1 + 5  # the run's, the budget once, then five 45 KB merges fit in 256 KiB
     assert trainer.publisher.stats().refused == {"hyperparameters too large": 15}
     assert headers[-1]["hyperparameters"]["max_duration"] == "1ep"  # the run's own stay
+
+
+def padded(op: Op, size: int, **fields) -> bytes:
+    """A valid ``op`` request of exactly ``size`` bytes: its fields, then the ``source`` field repeated
+    (a msgpack map may repeat a key; the last one counts) with lengths that add up to ``size``."""
+    entries = [("v", wire.PROTOCOL_VERSION), ("op", op.value), *fields.items()]
+    body = b"".join(msgpack.packb(key) + msgpack.packb(value) for key, value in entries)
+    for count in range(size):  # how many repeats: each is 8 to 109 bytes ("source" and up to 100 characters)
+        header = 1 if len(entries) + count <= 15 else 3
+        left = size - header - len(body)
+        if 8 * count <= left <= 109 * count and left != 40 * count:
+            break
+    pads = []
+    for i in range(count):
+        take = min(109, left - 8 * (count - i - 1))
+        take = 39 if take == 40 else take  # no string packs to 33 bytes: the next repeat takes the byte
+        pads.append(take - 8 if take <= 39 else take - 9)  # fixstr below 32 characters, str8 above
+        left -= take
+    items = entries + [("source", "s" * n) for n in pads]
+    header = bytes([0x80 | len(items)]) if len(items) <= 15 else b"\xde" + struct.pack(">H", len(items))
+    data = header + b"".join(msgpack.packb(key) + msgpack.packb(value) for key, value in items)
+    assert len(data) == size, (op, size, len(data))
+    return data
+
+
+@pytest.mark.parametrize("op", list(Op))
+def test_each_operations_byte_limit_is_enforced_at_exactly_its_documented_size(op, tmp_path):
+    """Over real sockets: a request of exactly its operation's limit is read and handled, one byte more
+    is refused and counted as too large; a body larger than any operation takes is refused unread."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
+    publisher.start({"run_name": "limits"})
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(publisher.service_address)
+    fields = dict(VALID[op], id=1) if op is not Op.CAPTURE else dict(VALID[op], what=["grad_norms"], options={})
+    fields.pop("source", None)
+
+    def handled(body: bytes) -> dict:
+        """Send ``body``, then a ping on the same socket: its answer comes after ``body`` was handled."""
+        dealer.send(body)
+        dealer.send(wire.encode_request("ping", id=999))
+        while True:
+            assert dealer.poll(20_000), "the request service did not answer"
+            if wire.decode_request(dealer.recv_multipart()[0]).get("id") == 999:
+                return dict(publisher.stats().refused)
+
+    try:
+        limit = request_limit(op)
+        assert limit == {Op.METRICS: 64 * 1024, Op.HYPERPARAMETERS: 64 * 1024, Op.HELLO: 32 * 1024}.get(op, 16 * 1024)
+        assert parse_request(padded(op, limit, **fields)).op is op  # a valid request
+        refused = handled(padded(op, limit, **fields))
+        assert "too large" not in refused and "bad request" not in refused, refused
+        refused = handled(padded(op, limit + 1, **fields))
+        assert refused.get("too large") == 1 and "bad request" not in refused, refused
+        refused = handled(padded(op, LARGEST_REQUEST_BYTES + 1, **fields))
+        assert refused.get("too large") == 2 and "bad request" not in refused, refused
+    finally:
+        dealer.close()
+        context.term()
+        publisher.close()

@@ -8,11 +8,16 @@ while both hold. Bytes are charged once the reply is built, so a bucket may go i
 reply; the client waits that debt off.
 
 A client over its budget, or one that does not read its replies, is *silenced*: its requests are
-refused before they are parsed until its buckets hold again (at least ``silence`` seconds for a
-client that does not read), so a flood costs a lookup per request. All clients together draw
-from a total of a few clients' budgets, so identities forged by the thousand (each starting with
-full buckets) cost the trainer no more than that; then costly requests wait, cheap ones go on.
-The table is bounded: beyond ``max_clients`` the least recently seen client is forgotten.
+refused before they are read past their routing frames, unanswered, until its buckets hold again,
+so a flood costs a lookup per request. A client whose reply queue is full is silenced for
+``first_silence`` seconds, doubling while it stays full up to ``silence``, and back to the first
+once a reply reaches it: a client that pipelines many requests and reads every reply fills its
+queue for a moment (the bus thread answers a turn's requests faster than ZeroMQ reports them
+read) and is served again at the next turn, while one that never reads is refused for ``silence``
+at a time. All clients together draw from a total of a few clients' budgets, so identities forged
+by the thousand (each starting with full buckets) cost the trainer no more than that; a client
+refused for the total's sake is told so once and silenced until the total holds again. The table
+is bounded: beyond ``max_clients`` the least recently seen client is forgotten.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import dataclasses
 import time
 from typing import Optional
 
-__all__ = ["Budget", "ClientBudgets"]
+__all__ = ["Budget", "ClientBudgets", "OVER_BUDGET", "OVER_TOTAL"]
 
 Route = tuple[bytes, ...]
+OVER_BUDGET = "over budget"  # the client's own: it is not answered
+OVER_TOTAL = "over total budget"  # all clients' together: the client is told, and asks again later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +42,12 @@ class Budget:
     bytes_per_second: float = 16 * 1024 * 1024
     clients_in_total: float = 4.0
     max_clients: int = 1024
-    silence: float = 1.0  # a client that does not read its replies is refused this long
+    silence: float = 1.0  # the longest a client that does not read its replies is refused at a time
+    first_silence: float = 0.01  # its first such refusal: about one bus-thread turn
 
 
 class _Bucket:
-    __slots__ = ("requests", "bytes", "at", "silenced_until", "reason")
+    __slots__ = ("requests", "bytes", "at", "silenced_until", "reason", "strikes")
 
     def __init__(self, budget: Budget, scale: float, now: float):
         self.requests = budget.requests_per_second * scale
@@ -47,6 +55,7 @@ class _Bucket:
         self.at = now
         self.silenced_until = 0.0
         self.reason = ""
+        self.strikes = 0  # silences for unread replies since a reply last reached it
 
     def refill(self, budget: Budget, scale: float, now: float) -> None:
         elapsed, self.at = now - self.at, now
@@ -83,11 +92,21 @@ class ClientBudgets:
         return bucket.reason
 
     def silence(self, route: Route, reason: str, seconds: Optional[float] = None) -> float:
-        """Refuse ``route``'s requests unread for ``seconds`` (default: the budget's silence)."""
-        seconds = self.budget.silence if seconds is None else seconds
-        bucket = self._client(route, time.monotonic())
-        bucket.silenced_until, bucket.reason = time.monotonic() + seconds, reason
+        """Refuse ``route``'s requests unread for ``seconds``; by default (its replies unread) for
+        ``first_silence``, doubled for each such silence since a reply last reached it, at most ``silence``."""
+        now = time.monotonic()
+        bucket = self._client(route, now)
+        if seconds is None:
+            seconds = min(self.budget.silence, self.budget.first_silence * 2.0 ** min(bucket.strikes, 30))
+            bucket.strikes += 1
+        bucket.silenced_until, bucket.reason = now + seconds, reason
         return seconds
+
+    def replied(self, route: Route) -> None:
+        """A reply reached ``route``'s queue: its next full queue is again a short silence."""
+        bucket = self._clients.get(route)
+        if bucket is not None:
+            bucket.strikes = 0
 
     def take(self, route: Route) -> Optional[tuple[str, str]]:
         """Take one costly request from ``route``'s budget and the total: None when granted, else the
@@ -97,14 +116,15 @@ class ClientBudgets:
         bucket = self._client(route, now)
         bucket.refill(budget, 1.0, now)
         if not bucket.holds():
-            wait = self.silence(route, "over budget", max(bucket.wait(budget, 1.0), 0.001))
-            return "over budget", (f"over this client's budget of {budget.requests_per_second:g} snapshot and "
-                                   f"replay requests and {budget.bytes_per_second / 2**20:g} MiB of their "
-                                   f"replies per second (its requests are refused for {wait:.3f} s)")
+            wait = self.silence(route, OVER_BUDGET, max(bucket.wait(budget, 1.0), 0.001))
+            return OVER_BUDGET, (f"over this client's budget of {budget.requests_per_second:g} snapshot and "
+                                 f"replay requests and {budget.bytes_per_second / 2**20:g} MiB of their "
+                                 f"replies per second (its requests are refused unanswered for {wait:.3f} s)")
         self._total.refill(budget, budget.clients_in_total, now)
         if not self._total.holds():
-            return "over total budget", (f"over the budget of all clients together ({budget.clients_in_total:g} "
-                                         "clients' worth); asked again later, it is served")
+            wait = self.silence(route, OVER_TOTAL, max(self._total.wait(budget, budget.clients_in_total), 0.001))
+            return OVER_TOTAL, (f"over the budget of all clients together ({budget.clients_in_total:g} "
+                                f"clients' worth); asked again after {wait:.3f} s, it is served")
         bucket.requests -= 1.0
         self._total.requests -= 1.0
         return None
