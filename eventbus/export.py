@@ -64,7 +64,8 @@ from eventbus.bus.subscribe.messages import Message
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.errors import ConfigError
-from eventbus.runtime.host import CallbackHost, Cursor
+from eventbus.runtime.cursor import Cursor
+from eventbus.runtime.host import CallbackHost
 
 __all__ = ["TARGETS", "ExportOptions", "export", "resolve_journal"]
 

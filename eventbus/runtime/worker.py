@@ -17,14 +17,16 @@ import signal
 import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
-from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_LEASE
+from eventbus.bus.protocol import WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.errors import EventBusError
-from eventbus.runtime.host import CallbackHost, Cursor, may_stop_training, subscription
+from eventbus.runtime.cursor import Cursor
+from eventbus.runtime.declarations import capture_leases, subscription
+from eventbus.runtime.host import CallbackHost
 
 __all__ = ["run_worker", "replay_journal", "bus_status"]
 
@@ -107,20 +109,8 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
     """Tell the trainer this worker is alive (with its stats, for monitors) and how far it has
     applied the run (so the run ends after its last metrics; a following worker also says which
     run, so a restarted trainer waits for it to switch), and keep the trainer capturing what
-    hosted callbacks declare in ``captures``, and only that."""
-    intervals: dict[str, int] = {}  # capture -> the most frequent interval any callback needs
-    for cb in callbacks:
-        for name in getattr(cb, "captures", ()):
-            if name != WEIGHTS_LEASE:  # leased below, at the events this worker's readers handle
-                intervals[name] = min(intervals.get(name, 1 << 30), int(getattr(cb, "capture_interval", 1)))
-        if may_stop_training(cb):
-            intervals[STOPS_LEASE] = 1  # BATCH_END without waiting for the bus window (no capture cost)
-    by_interval: dict[int, list[str]] = {}
-    for name, interval in sorted(intervals.items()):
-        by_interval.setdefault(interval, []).append(name)
-    options: dict[str, Any] = {}
-    for cb in callbacks:
-        options.update(getattr(cb, "capture_options", {}))
+    hosted callbacks declare (:func:`~eventbus.runtime.declarations.capture_leases`), and only that."""
+    leases = capture_leases(callbacks)
     names = [type(cb).__name__ for cb in callbacks]
     loop = asyncio.get_running_loop()
     next_hello, reported = 0.0, -1
@@ -130,8 +120,9 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
         weights = host.weights_events()  # grows when a callback is found reading the weights
         if loop.time() >= next_hello or weights != weights_leased:
             # Leases first: a trainer that waits for this worker's heartbeat then holds them.
-            for interval, names_at_interval in by_interval.items():
-                subscriber.request_capture(names_at_interval, interval=interval, ttl=every * 3, options=options)
+            for interval, names_at_interval in leases.by_interval.items():
+                subscriber.request_capture(names_at_interval, interval=interval, ttl=every * 3,
+                                           options=leases.options)
             if weights:  # a staged copy at each of these events, held until this worker applied it
                 subscriber.request_capture([WEIGHTS_LEASE], ttl=every * 3, events=weights)
             weights_leased = weights

@@ -14,7 +14,7 @@ from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
 from eventbus.bus.publish.publisher import Publisher
-from eventbus.runtime.host import subscription
+from eventbus.runtime.declarations import subscription
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
 

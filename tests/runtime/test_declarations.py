@@ -6,7 +6,7 @@ import pytest
 from composer.callbacks import EarlyStopper, LRMonitor, SpeedMonitor, ThresholdStopper
 
 from bench.callbacks import StopAt
-from eventbus.runtime.host import may_stop_training, reads_weights
+from eventbus.runtime.declarations import may_stop_training, reads_weights
 from tests.e2e.fidelity_callbacks import StopAtBatch, WeightsAtEval
 
 

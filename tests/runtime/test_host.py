@@ -13,7 +13,8 @@ import pytest
 from eventbus import Callback, Event
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.bus.subscribe.messages import Message
-from eventbus.runtime.host import CallbackHost, Cursor
+from eventbus.runtime.cursor import Cursor
+from eventbus.runtime.host import CallbackHost
 from tests.support import bus_address, make_trainer
 
 pytestmark = pytest.mark.fast

@@ -1,0 +1,66 @@
+"""Cursor: how far each hosted callback applied a run, with its state, so a restarted worker resumes.
+
+The host commits each callback's last applied seq and its ``state_dict()`` together (group commit,
+see :mod:`eventbus.runtime.host`); a restarted host loads them and resumes after that seq.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import threading
+from typing import Any, Optional, Sequence, Union
+
+__all__ = ["Cursor"]
+
+log = logging.getLogger(__name__)
+
+
+class Cursor:
+    """Per-callback last applied seq for one run, persisted atomically (write, fsync-free rename)."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = pathlib.Path(path)
+        self._lock = threading.Lock()
+        self.run_id: Optional[str] = None
+        self.journal: Optional[str] = None
+        self.seqs: dict[str, int] = {}
+        self.states: dict[str, Any] = {}
+        self.ended: set[str] = set()  # callbacks that applied the run's end
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+                self.run_id, self.seqs = data["run_id"], {k: int(v) for k, v in data["seqs"].items()}
+                self.journal = data.get("journal")
+                self.states = dict(data.get("states", {}))
+                self.ended = {str(name) for name in data.get("ended", [])}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                log.warning("cursor file %s is unreadable; starting without it", self.path)
+
+    def resume_point(self, names: Sequence[str]) -> Optional[tuple[str, int]]:
+        if self.run_id is None or not self.seqs:
+            return None
+        return self.run_id, min(self.seqs.get(name, 0) for name in names)
+
+    def applied_to_end(self, names: Sequence[str]) -> bool:
+        """Every one of ``names`` applied the end of the cursor's run."""
+        return self.run_id is not None and bool(names) and all(name in self.ended for name in names)
+
+    def record(self, run_id: str, name: str, seq: int, state: Any, journal: Optional[str] = None,
+               ended: bool = False) -> None:
+        """Commit that ``name`` applied ``seq`` (the run's end, with ``ended``), with its
+        ``state_dict()`` as of then. Thread-safe: callbacks may commit from different threads."""
+        with self._lock:
+            if run_id != self.run_id:
+                self.run_id, self.seqs, self.states, self.ended = run_id, {}, {}, set()
+            self.seqs[name] = seq
+            self.states[name] = state
+            if ended:
+                self.ended.add(name)
+            self.journal = journal or self.journal
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
+                                       "journal": self.journal, "ended": sorted(self.ended)}, default=str))
+            os.replace(tmp, self.path)

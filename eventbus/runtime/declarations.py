@@ -1,0 +1,139 @@
+"""What hosting a callback needs from the trainer: the events it handles, the captures it leases.
+
+A worker subscribes to exactly the events its callbacks handle (the publisher filters out the rest)
+and keeps the trainer capturing what they declare, and only that: the ``captures`` a callback names,
+``stops`` for one that may stop training (found in its code when it does not say), and the staged
+``weights`` at the weights events a callback that reads them handles. Every declaration and the lease
+it implies is decided here; the worker's heartbeat renews them, the host releases the staged weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple, Optional, Sequence
+
+from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_EVENTS, WEIGHTS_LEASE
+from eventbus.core.callback import Callback
+from eventbus.core.events import Event
+from eventbus.core.logger import LoggerDestination, is_logger_destination
+
+__all__ = ["CaptureLeases", "capture_leases", "declare_captures", "handles", "may_stop_training", "reads_weights",
+           "subscription", "takes_metrics", "weights_events"]
+
+
+def handles(callback: Callback, event: Event) -> bool:
+    """False when the callback kept the base class's no-op for this event: nothing to dispatch.
+
+    Most callbacks use a handful of the 40 events; skipping the rest saves a thread hop per
+    event and callback, which is most of a worker's CPU time."""
+    return getattr(type(callback), event.value) is not getattr(Callback, event.value) or hasattr(
+        callback, _DEPRECATED.get(event, "\0"))
+
+
+_DEPRECATED = {Event.FIT_START: "training_start", Event.FIT_END: "training_end"}
+
+
+def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Event]], bool]:
+    """What hosting ``callbacks`` needs from the bus: the events they handle (None: every event,
+    for a callback that overrides ``run_event``) and whether any of them takes logged metrics.
+    A worker subscribes to exactly that, so the publisher filters out everything else."""
+    events: set[Event] = set()
+    for callback in callbacks:
+        if type(callback).run_event is not Callback.run_event:
+            return None, True
+        events.update(event for event in Event if handles(callback, event))
+    return frozenset(events), any(takes_metrics(cb) for cb in callbacks)
+
+
+def declare_captures(callback: Any) -> None:
+    """Give Composer's own OptimizerMonitor the ``captures`` an eventbus callback would declare, so
+    the worker's heartbeat leases the gradient norms its ``p.grad`` views read (its code unchanged)."""
+    cls = type(callback)
+    if cls.__name__ == "OptimizerMonitor" and cls.__module__.startswith("composer.") \
+            and getattr(callback, "captures", None) is None:
+        callback.captures = frozenset({"grad_norms"})
+        # Every batch: a lease interval counts batches at AFTER_TRAIN_BATCH (before the timestamp
+        # advances), while the monitor tests ``batch % interval`` at BATCH_END, one batch later.
+        callback.capture_interval = 1
+
+
+def may_stop_training(callback: Any) -> bool:
+    """Whether a hosted callback may call ``state.stop_training()``: it says so (``stops_training``,
+    or ``stops`` in its ``captures``), or its class's own code calls it (Composer's EarlyStopper,
+    ThresholdStopper, a wall-clock budget). The worker then leases ``stops``, so BATCH_END reaches
+    it without waiting for the bus's batching window."""
+    declared = getattr(callback, "stops_training", None)
+    if isinstance(declared, bool):
+        return declared
+    return STOPS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "stop_training")
+
+
+def reads_weights(callback: Any) -> bool:
+    """Whether a hosted callback reads ``state.model.state_dict()`` (a best-weights saver): it declares
+    ``weights`` in its ``captures``, or its class's own code calls ``model.state_dict``. The worker then
+    leases ``weights`` at the WEIGHTS_EVENTS it handles (one found reading them later is leased then)."""
+    return WEIGHTS_LEASE in (getattr(callback, "captures", None) or ()) or _in_source(callback, "model.state_dict")
+
+
+def weights_events(callback: Any) -> set[str]:
+    """The weights events a callback handles (defines itself, eventbus's or Composer's base no-ops aside):
+    where the trainer stages the weights for it; all of them for one that overrides ``run_event``."""
+    if _defines(callback, "run_event"):
+        return set(WEIGHTS_EVENTS)
+    return {name for name in WEIGHTS_EVENTS if _defines(callback, name)}
+
+
+def _defines(callback: Any, name: str) -> bool:
+    """The callback's own class, or a base of its own, defines ``name`` (not a base Callback's no-op)."""
+    for cls in type(callback).__mro__:
+        if name in vars(cls):
+            return not (cls in (Callback, object) or (cls.__module__.startswith("composer.")
+                                                      and cls.__name__ in ("Callback", "LoggerDestination")))
+    return False
+
+
+def _in_source(callback: Any, text: str) -> bool:
+    """``text`` appears in the code of the callback's class or a base class (not eventbus's Callback)."""
+    for cls in type(callback).__mro__:
+        if cls in (Callback, object) or cls.__module__ in ("builtins", "abc"):
+            continue
+        try:
+            if text in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):  # no source (compiled, interactive): only a declaration tells
+            continue
+    return False
+
+
+def takes_metrics(callback: Any) -> bool:
+    """A logger destination (eventbus's or Composer's) that does something with logged metrics."""
+    method = getattr(type(callback), "log_metrics", None)
+    return is_logger_destination(callback) and method is not None and method is not LoggerDestination.log_metrics
+
+
+
+class CaptureLeases(NamedTuple):
+    """The captures a worker leases for its callbacks, the weights aside (leased at ``weights_events``)."""
+
+    by_interval: dict[int, list[str]]  # interval in batches -> the captures leased at it
+    options: dict[str, Any]  # the callbacks' ``capture_options``, merged
+
+
+def capture_leases(callbacks: Sequence[Any]) -> CaptureLeases:
+    """Each capture the callbacks declare at the most frequent interval any of them needs, and ``stops``
+    every batch when one may stop training (BATCH_END then reaches it without waiting for the bus's
+    window; it costs no capture)."""
+    intervals: dict[str, int] = {}  # capture -> the most frequent interval any callback needs
+    for cb in callbacks:
+        for name in getattr(cb, "captures", ()):
+            if name != WEIGHTS_LEASE:  # leased at the events this worker's readers handle
+                intervals[name] = min(intervals.get(name, 1 << 30), int(getattr(cb, "capture_interval", 1)))
+        if may_stop_training(cb):
+            intervals[STOPS_LEASE] = 1
+    by_interval: dict[int, list[str]] = {}
+    for name, interval in sorted(intervals.items()):
+        by_interval.setdefault(interval, []).append(name)
+    options: dict[str, Any] = {}
+    for cb in callbacks:
+        options.update(getattr(cb, "capture_options", {}))
+    return CaptureLeases(by_interval, options)

@@ -1,0 +1,237 @@
+"""The threads that apply a worker's messages to its plain callbacks: the lane, and slow callbacks' own.
+
+Plain callbacks share one thread, the lane: each burst of messages wakes it once and it applies the
+burst to each callback in turn (their events stay in order, the event loop stays free and never waits
+for them). A thread per callback would cost a wake-up and a GIL hand-off per callback and burst, most
+of a worker's CPU for cheap callbacks. A callback that proves slow (``SLOW_BURST`` seconds or more on
+one burst) leaves the lane for a thread of its own, fed by the lane in order, so it delays the others
+for one burst at most. Each hosted callback is a :class:`Slot`: its place in the stream, its logger,
+what applying a message to it means, and its commits to the cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from eventbus.bus.protocol import WEIGHTS_LEASE
+from eventbus.bus.schema import Kind
+from eventbus.bus.subscribe.snapshot import LiveState
+from eventbus.bus.subscribe.subscriber import Message
+from eventbus.core.callback import Callback
+from eventbus.core.events import Event
+from eventbus.core.logger import is_logger_destination
+from eventbus.runtime.cursor import Cursor
+from eventbus.runtime.declarations import handles, reads_weights, takes_metrics
+from eventbus.runtime.subscriber_logger import SubscriberLogger
+
+__all__ = ["END", "STOP", "SLOW_BURST", "Call", "Lane", "Slot", "SlotCall"]
+
+log = logging.getLogger(__name__)
+
+END = object()  # the stream ended: commit
+STOP = object()  # the callback is closed: its thread returns
+SLOW_BURST = 0.02  # a callback taking this long on one burst gets a thread of its own
+
+# The lane's threads apply an item (a burst of messages, or None: idle, commit) to a slot with
+# ``apply(slot, item)``, which returns the seconds its messages took; ``calling(slot)`` tells the
+# thread whose captures, requests and weights reads what runs next are.
+Apply = Callable[["Slot", Any], float]
+Calling = Callable[["Slot"], None]
+
+
+class Call:
+    """A method to run on a callback's own thread, in order with its messages (close, post_close)."""
+
+    __slots__ = ("method", "args", "future")
+
+    def __init__(self, method: Callable[..., Any], args: tuple[Any, ...]):
+        self.method, self.args = method, args
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.method(*self.args))
+        except BaseException as err:  # handed to the awaiting side
+            self.future.set_exception(err)
+
+
+class Slot:
+    """One hosted callback: its inbox, its thread (or task), its logger, its place in the stream."""
+
+    def __init__(self, callback: Callback, name: str, send_metrics: Any, queue_size: int,
+                 send_hyperparameters: Any = None):
+        self.callback = callback
+        self.name = name
+        self.queue_size = queue_size
+        self.logger = SubscriberLogger(send_metrics, name, send_hyperparameters)
+        self.state: Any = None  # the snapshot of the message being applied...
+        self.live = LiveState()  # ...as the callback sees it: one object for the run, as in Composer
+        self.skip_through = 0  # seqs at or below were applied before a restart
+        self.seen_init = False
+        self.hyperparameters: dict[str, Any] = {}
+        self.errors = 0
+        self.applied = 0
+        self.last_seq = 0
+        self.ended = False  # it applied the run's end
+        self.committed_seq = 0
+        self.run_id: Optional[str] = None
+        self.commit_cost = 0.0  # seconds the last commit took
+        self.committed_at = time.monotonic()
+        self.since_commit = 0.0  # seconds spent applying since then
+        self.runs_async = any(inspect.iscoroutinefunction(getattr(callback, name, None))
+                              for name in ("run_event", "log_metrics", "log_hyperparameters",
+                                           *(event.value for event in Event)))
+        # A plain callback: applied by its lane, or by a thread of its own that the lane feeds once it
+        # proved slow. An async one: a queue for its task, and one thread for its plain methods.
+        self.lane: Optional["Lane"] = None
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: Optional[threading.Thread] = None
+        self.done = 0  # items of its lane taken care of (written by the thread that applies them)
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
+        self.reads_weights = reads_weights(callback)  # or found reading them (wants_weights)
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cb-{name}") \
+            if self.runs_async else None
+
+
+    def calls(self, message: Message) -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """What applying ``message`` to this callback means: the methods to call, in order."""
+        callback: Any = self.callback  # an eventbus or Composer callback, or a logger destination
+        self.state = message.state
+        self.live.show(message.state)
+        self.logger.state = message.state
+        self.run_id = message.run_id
+        if message.kind == Kind.METRICS:
+            if message.metrics is not None and takes_metrics(callback):
+                return [(callback.log_metrics, (message.metrics, message.step))]
+            return []
+        if message.kind == Kind.HEADER and is_logger_destination(callback):
+            # The header precedes INIT on the wire; the trainer logs hyperparameters after INIT.
+            self.hyperparameters = dict(message.state.hyperparameters) if message.state is not None else {}
+            return [(callback.log_hyperparameters, (self.hyperparameters,))] if self.seen_init else []
+        if message.event is None:
+            return []
+        calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        if type(callback).run_event is not Callback.run_event:
+            calls.append((callback.run_event, (message.event, self.live, self.logger)))
+        elif handles(callback, message.event):
+            calls.append((getattr(callback, message.event.value), (self.live, self.logger)))
+        if message.event is Event.INIT:
+            self.seen_init = True
+            if self.hyperparameters and is_logger_destination(callback):
+                calls.append((callback.log_hyperparameters, (self.hyperparameters,)))
+        return calls
+
+    def commit(self, cursor: Optional[Cursor], force: bool = False) -> None:
+        """Group commit of this callback's progress (called between its messages, on its thread)."""
+        if cursor is None or self.state is None or (self.committed_seq == self.last_seq and not force):
+            return
+        journal = self.state.header.get("journal")
+        run_id = self.run_id or self.state.run_id
+        started = time.perf_counter()
+        flush = getattr(self.callback, "flush", None)
+        if callable(flush):
+            flush()  # a tracker's buffered writes are durable before they are recorded as applied
+        cursor.record(run_id, self.name, self.last_seq, self.callback.state_dict(), journal, self.ended)
+        self.commit_cost = time.perf_counter() - started
+        self.committed_seq, self.since_commit, self.committed_at = self.last_seq, 0.0, time.monotonic()
+
+    def wants_weights(self) -> None:
+        """The callback read ``state.model.state_dict()`` where none were leased: lease them from now on."""
+        if not self.reads_weights:
+            self.reads_weights = True
+            log.warning("%s reads state.model.state_dict(): leasing the weights from now on (declare "
+                        "captures = {'%s'} on it to have them from the first event)", self.name, WEIGHTS_LEASE)
+
+    def serve(self, apply: Apply, calling: Calling, idle: Optional[float]) -> None:
+        """A slow callback's own thread: what its lane hands it, in order, until ``STOP``. Idle for
+        ``idle`` seconds (None: never) with progress not yet committed, it commits (group commit waits
+        for a next message that may not come)."""
+        calling(self)  # this thread runs only this callback
+        while True:
+            try:
+                item = self.inbox.get(timeout=idle)
+            except queue.Empty:
+                item = None  # idle: commit what it applied
+            if item is STOP:
+                return
+            if isinstance(item, Call):
+                item.run()
+            else:
+                apply(self, item)
+
+
+class Lane:
+    """The thread that applies messages to the plain callbacks, and what waits to be handed to it."""
+
+    def __init__(self, slots: list[Slot]):
+        self.slots = slots
+        for slot in slots:
+            slot.lane = self
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread: Optional[threading.Thread] = None
+        self.pending: list[Any] = []  # items for its thread, handed over once per turn of the event loop
+        self.handing_over = False  # a hand-over is scheduled
+        self.fed = 0  # items handed to it (written by the event loop); each slot counts those it took care of
+
+    def backlog(self) -> int:
+        """Items handed over or pending that some callback of the lane has not taken care of yet."""
+        return self.fed + len(self.pending) - min(slot.done for slot in self.slots)
+
+    def hand_over(self) -> None:
+        """What is pending goes to the thread as one list: one wake-up per burst (on the event loop)."""
+        self.handing_over = False
+        if self.pending:
+            batch, self.pending = self.pending, []
+            self.fed += len(batch)
+            self.inbox.put(batch)
+
+    def serve(self, apply: Apply, calling: Calling, idle: Optional[float]) -> None:
+        """The lane's thread: each burst applied to each callback in turn, until ``STOP``. A callback
+        that proved slow is handed its part instead, in order, on a thread of its own. Idle for ``idle``
+        seconds (None: never) with progress not yet committed, each callback commits."""
+        while True:
+            try:
+                item = self.inbox.get(timeout=idle)
+            except queue.Empty:
+                item = None
+            if item is STOP:
+                for slot in self.slots:
+                    if slot.thread is not None:
+                        slot.inbox.put(STOP)
+                return
+            if isinstance(item, SlotCall):
+                if item.slot.thread is not None:
+                    item.slot.inbox.put(item.call)
+                else:
+                    calling(item.slot)
+                    item.call.run()
+                continue
+            for slot in self.slots:
+                if slot.thread is not None:
+                    if item is not None:
+                        slot.inbox.put(item)
+                    continue
+                calling(slot)
+                spent = apply(slot, item)
+                if spent >= SLOW_BURST and len(self.slots) > 1:
+                    log.info("%s took %.0f ms on one burst of messages: it runs on a thread of its own from now on",
+                             slot.name, spent * 1e3)
+                    slot.thread = threading.Thread(target=slot.serve, args=(apply, calling, idle),
+                                                   name=f"cb-{slot.name}", daemon=True)
+                    slot.thread.start()
+
+
+class SlotCall:
+    """A method of one callback (close, post_close), run in order with that callback's messages."""
+
+    __slots__ = ("slot", "call")
+
+    def __init__(self, slot: Slot, call: Call):
+        self.slot, self.call = slot, call
