@@ -42,3 +42,16 @@ class StopAtBatch(Callback):
     def batch_end(self, state, logger):
         if int(state.timestamp.batch) >= self.batch:
             state.stop_training(f"stop at batch {self.batch} asked by a worker")
+
+
+class BatchCounter(Callback):
+    """Counts BATCH_END (Composer's batches: optimizer steps) and prints the count when closed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def batch_end(self, state, logger):
+        self.count += 1
+
+    def close(self, state, logger):
+        print(f"batches: {self.count}")

@@ -1,0 +1,177 @@
+"""A hand-written loop on the bus (eventbus.integrations.loop): real loops in subprocesses, real workers.
+
+The nanoGPT-style loop of loop_train.py with its few added lines: the seed's EpochMonitor and a batch
+counter in out-of-process workers, Composer's order, the logger daemon's metrics.jsonl value for value,
+a worker's stop, and a checkpoint written by the checkpoint daemon that resumes the loop exactly; the
+same under HF Accelerate with gradient accumulation, and under torchrun with two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support import REPO_ROOT, Process
+
+SCRIPT = str(pathlib.Path(__file__).with_name("loop_train.py"))
+ENV = {"OMP_NUM_THREADS": "1"}
+CALLBACKS = "tests.integrations.worker_callbacks"
+
+
+def loop(cwd: pathlib.Path, *args: str) -> Process:
+    return Process([SCRIPT, "--out", "out", *args], cwd=cwd, env=ENV)
+
+
+def worker(cwd: pathlib.Path, bus: str, *callbacks: str, identity: str) -> Process:
+    specs = [arg for spec in callbacks for arg in ("--callback", spec)]
+    return Process(["-m", "eventbus", "worker", "--connect", bus, "--identity", identity,
+                    "--state-dir", str(cwd / f"state-{identity}"), *specs], cwd=cwd, env=ENV)
+
+
+def finished(process: Process, timeout: float = 300) -> str:
+    code = process.finish(timeout)
+    output = "\n".join(process.stdout + process.stderr)
+    assert code == 0, output[-4000:]
+    return output
+
+
+def result(cwd: pathlib.Path, rank: int = 0) -> dict:
+    return json.loads((cwd / "out" / f"rank{rank}.json").read_text())
+
+
+def metrics(run_folder: pathlib.Path) -> dict[int, dict]:
+    by_step: dict[int, dict] = {}
+    for line in (run_folder / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row.pop("step"), {}).update(row)
+    return by_step
+
+
+STEP = ["batch_start", "before_train_batch", "after_train_batch", "batch_end", "batch_checkpoint"]
+EVAL = ["eval_before_all", "eval_start", "eval_end", "eval_after_all"]
+START = ["init", "before_load", "after_load", "fit_start", "iteration_start"]
+
+
+def followed_run(folder: pathlib.Path, *args: str) -> tuple[dict[str, str], dict]:
+    """The loop with the seed's EpochMonitor, an event log and a batch counter in two workers and the
+    logger daemon (two epochs of 4 optimizer steps); every process's output and the loop's record."""
+    bus = f"ipc://{folder}/bus"
+    workers = [
+        Process(["-m", "workers.logger", "--connect", bus, "--state-dir", str(folder / "state-logger")],
+                cwd=folder, env=ENV),
+        worker(folder, bus, f"{CALLBACKS}:EpochMonitor", f'{CALLBACKS}:EventLog:{{"path": "events.json"}}',
+               identity="seed"),
+        worker(folder, bus, f"{CALLBACKS}:BatchCounter", identity="counter"),
+    ]
+    try:
+        for process in workers:
+            process.wait_for("following", timeout=120)
+        outputs = {"loop": finished(loop(folder, "--bus", bus, *args))}
+        for name, process in zip(("logger", "seed", "counter"), workers):
+            outputs[name] = finished(process, timeout=120)
+    finally:
+        for process in workers:
+            process.kill()
+    return outputs, result(folder)
+
+
+def check_followed(folder: pathlib.Path, outputs: dict[str, str], record: dict) -> None:
+    # The seed's EpochMonitor printed every epoch; the counter counted every optimizer step.
+    assert [line for line in outputs["seed"].splitlines() if line.startswith("Epoch:")] == ["Epoch: 0", "Epoch: 1"]
+    assert "batches: 8" in outputs["counter"] and record["step"] == 8
+    # Composer's events in Composer's order: the evaluation after an epoch before its EPOCH_CHECKPOINT.
+    events = json.loads((folder / "events.json").read_text())
+    epoch = ["epoch_start", *STEP * 4, "epoch_end", *EVAL, "epoch_checkpoint"]
+    assert [name for name, _ in events] == [*START, *epoch * 2, "fit_end"]
+    assert [batch for name, batch in events if name == "batch_end"] == list(range(1, 9))
+    # The logger daemon's metrics.jsonl holds what the loop logged, value for value, at its steps.
+    by_step = metrics(folder / "runs" / "loop")
+    logged = {int(step): value for step, value in record["logged"].items()}
+    assert {step: row["train/loss"] for step, row in by_step.items() if "train/loss" in row} == logged
+    assert "metrics/eval/loss" in by_step[4] and "metrics/eval/loss" in by_step[8]
+
+
+def test_a_hand_written_loop_publishes_its_run_to_workers_and_the_logger(tmp_path):
+    """Gradient accumulation 2: 16 batches of the loop, 8 optimizer steps, 8 BATCH_ENDs."""
+    outputs, record = followed_run(tmp_path, "--accumulate", "2")
+    check_followed(tmp_path, outputs, record)
+    assert record["samples"] == 8 * 2 * 4  # every microbatch's samples, counted at its optimizer step
+
+
+def test_the_same_loop_under_accelerate(tmp_path):
+    pytest.importorskip("accelerate")
+    outputs, record = followed_run(tmp_path, "--accelerate", "--accumulate", "2")
+    check_followed(tmp_path, outputs, record)
+
+
+def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tmp_path):
+    """The loop without a bus is the reference; a worker stops a second run (at step 4: the test holds
+    step 3 until the request arrived), the checkpoint daemon wrote step 4, and a third run resumes from
+    it: the same losses for every later step and the same final weights, dropout and batches included."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    finished(loop(reference, "--bus", "off"))
+    expected = result(reference)
+
+    bus = f"ipc://{tmp_path}/runs/loop/bus"
+    stopper = worker(tmp_path, bus, f'{CALLBACKS}:StopAtBatch:{{"batch": 3}}', identity="stopper")
+    try:
+        stopper.wait_for("following", timeout=120)
+        first = loop(tmp_path, "--daemons", "1ba", "--wait-checkpoint-worker", "--stop-gate", "3")
+        output = finished(first)
+        finished(stopper, timeout=120)
+    finally:
+        stopper.kill()
+    stopped = result(tmp_path)
+    assert stopped["step"] == 4 and "stop at batch 3" in stopped["stop_reason"]
+    assert "eventbus: daemons done\n" in output + "\n"  # both daemons exited 0
+    latest = tmp_path / "runs" / "loop" / "checkpoints" / "latest-rank0.pt"
+    assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 4
+
+    finished(loop(tmp_path, "--resume", "--bus", "off"))
+    resumed = result(tmp_path)
+    assert resumed["started_at"] == 4 and resumed["step"] == 8
+    assert resumed["losses"] == {step: loss for step, loss in expected["losses"].items() if int(step) > 4}
+    assert resumed["weights"] == expected["weights"]
+    assert resumed["lr"] == expected["lr"]
+
+
+def test_two_ranks_under_torchrun_stop_at_the_same_step_and_resume(tmp_path):
+    """One set of daemons for the job (rank 0 starts it); a worker's stop reaches both ranks at the same
+    step; rank 0's checkpoint, written by the daemon, resumes both ranks (each with its own RNG)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
+               "--out", "out", "--ddp"]
+    reference = subprocess.run([*command, "--bus", "off"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    expected = [result(tmp_path, rank) for rank in (0, 1)]
+
+    bus = f"ipc://{tmp_path}/runs/loop/bus"
+    stopper = worker(tmp_path, bus, f'{CALLBACKS}:StopAtBatch:{{"batch": 3}}', identity="stopper")
+    try:
+        stopper.wait_for("following", timeout=120)
+        first = subprocess.run([*command, "--daemons", "1ba", "--wait-checkpoint-worker", "--stop-gate", "3"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-4000:]
+        finished(stopper, timeout=120)
+    finally:
+        stopper.kill()
+    stopped = [result(tmp_path, rank) for rank in (0, 1)]
+    assert stopped[0]["step"] == stopped[1]["step"] == 4
+    assert first.stderr.count("starting daemons") == 1 and "eventbus: daemons done\n" in first.stderr
+
+    resumed_run = subprocess.run([*command, "--resume", "--bus", "off"], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=300)
+    assert resumed_run.returncode == 0, resumed_run.stderr[-4000:]
+    for rank in (0, 1):
+        resumed = result(tmp_path, rank)
+        assert resumed["started_at"] == 4 and resumed["step"] == 8
+        assert resumed["losses"] == {s: v for s, v in expected[rank]["losses"].items() if int(s) > 4}
+        assert resumed["weights"] == expected[rank]["weights"]
