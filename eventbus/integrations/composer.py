@@ -29,6 +29,7 @@ from eventbus.capture.session import BusArgument
 from eventbus.core.events import Event
 from eventbus.core.time import Timestamp, as_time
 from eventbus.integrations.adapter import BusAdapter, RunState
+from eventbus.runtime.supervisor import DaemonsArgument
 
 __all__ = ["EventBusCallback", "BusLoggerDestination"]
 
@@ -170,6 +171,8 @@ class EventBusCallback(composer.Callback):
         run_folder: where the journal lives (default ``runs/<run_name>``).
         hyperparameters: published in the run header; what Composer logs with ``log_hyperparameters``
             follows as it is logged.
+        daemons: True (or ``Daemons(...)``) starts ``eventbus run``'s daemons when the bus opens (rank 0
+            starts one set for the job), waits for them, and stops them at ``trainer.close()``.
 
     The bus opens at BEFORE_LOAD, on every rank (each rank publishes its own stream), once Composer
     has logged its hyperparameters, and publishes INIT first, as Composer's state was at INIT; it
@@ -178,8 +181,8 @@ class EventBusCallback(composer.Callback):
 
     def __init__(self, bus: BusArgument = None, run_name: Optional[str] = None,
                  run_folder: Union[str, os.PathLike[str], None] = None, *,
-                 hyperparameters: Optional[Mapping[str, Any]] = None):
-        self.adapter = BusAdapter(bus, run_folder)
+                 hyperparameters: Optional[Mapping[str, Any]] = None, daemons: DaemonsArgument = None):
+        self.adapter = BusAdapter(bus, run_folder, daemons)
         self.destination = BusLoggerDestination(self.adapter)
         self.run_name = run_name
         self.hyperparameters = dict(hyperparameters or {})

@@ -35,6 +35,7 @@ from eventbus.capture.session import BusArgument
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
+from eventbus.runtime.supervisor import DaemonsArgument
 
 __all__ = ["EventBusCallback"]
 
@@ -51,15 +52,17 @@ class EventBusCallback(transformers.TrainerCallback):
             an address string; a ``BusConfig``; False: publish nothing).
         run_name: the run's name (default ``hf-<time>-<pid>``; under torchrun rank 0's).
         run_folder: where the journal lives (default ``runs/<run_name>``).
+        daemons: True (or ``Daemons(...)``) starts ``eventbus run``'s daemons with the run (rank 0 starts
+            one set for the job), waits for them, and stops them when training ends.
 
     A worker's ``state.stop_training()`` sets ``control.should_training_stop`` at the next step end, at
     the same step on every rank (a CPU all-reduce on a gloo group when ``world_size > 1``).
     """
 
     def __init__(self, bus: BusArgument = None, run_name: Optional[str] = None,
-                 run_folder: Union[str, "os.PathLike[str]", None] = None):
+                 run_folder: Union[str, "os.PathLike[str]", None] = None, daemons: DaemonsArgument = None):
         self.run_name = run_name
-        self.adapter = BusAdapter(bus, run_folder)
+        self.adapter = BusAdapter(bus, run_folder, daemons)
         self.state: Optional[RunState] = None
         self.trainer: Any = None  # set by attach(): the source of the loss tensors
         self._closed = False
