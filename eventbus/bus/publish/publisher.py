@@ -223,6 +223,7 @@ class _BusThread(threading.Thread):
         except Exception:
             log.exception("the bus thread failed; events after this point are not published")
         finally:
+            self._count_disconnects()  # those ZeroMQ reported since the last turn: none goes uncounted
             for sock, monitor in zip((self._pub, self._router), self._monitors):
                 sock.disable_monitor()
                 monitor.close(linger=0)
@@ -354,13 +355,18 @@ class _BusThread(threading.Thread):
             self._service.serve_next()
             served += 1
             timeout_ms = 0
+        self._count_disconnects()
+        if send:
+            self._send()
+        return served
+
+    def _count_disconnects(self) -> None:
+        """Count the disconnects ZeroMQ's monitors reported (a client it dropped for an oversized frame, or
+        one that left): they arrive on their own sockets, read here between requests and at the end."""
         for monitor in self._monitors:
             while monitor.poll(0):
                 monitor.recv_multipart()
                 self._stats.disconnects += 1
-        if send:
-            self._send()
-        return served
 
     def _publish_metrics(self, payload: dict[str, Any]) -> None:
         self._history.append(Kind.METRICS, None, time.time(), time.monotonic(), payload)  # sent by the caller
