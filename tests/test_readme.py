@@ -122,6 +122,31 @@ def test_the_readme_shows_the_two_commands_and_ci_runs_the_test_command_as_print
         "sh scripts/bootstrap.sh test\n", "sh scripts/bootstrap.sh test && ")
 
 
+def test_the_readme_is_short_and_every_page_it_links_to_exists():
+    assert len(README.splitlines()) <= 200
+    for target in re.findall(r"\]\(([^)\s]+)\)", README):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        assert (REPO_ROOT / path).exists(), target
+        if anchor:  # an anchor the docs set explicitly ({#name}) or a heading's slug
+            text = (REPO_ROOT / path).read_text()
+            slugs = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                     for h in re.findall(r"^#+ (.*)$", text, re.M)}
+            assert f"{{#{anchor}}}" in text or anchor in slugs, target
+
+
+def test_nothing_users_read_tells_the_projects_history():
+    """Issue numbers, work sessions and commit hashes belong in the repository's history, not in its pages."""
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    history = re.compile(r"\bissues? #?\d+|\bsessions?\b|\bcommit [0-9a-f]{7,40}\b|\b[0-9a-f]{7}\b(?=\))", re.I)
+    for page in pages:
+        raw = page.read_text()
+        text = re.sub(r"`[^`\n]*`", "", FENCE.sub("", raw))  # code may name a module `session`
+        found = history.findall(text) + re.findall(r"`[0-9a-f]{7,40}`", raw)
+        assert not found, f"{page.relative_to(REPO_ROOT)}: {found}"
+
+
 @pytest.mark.parametrize("command", shown_commands())
 def test_every_command_shown_has_help(command):
     assert "usage:" in help_of(command)
