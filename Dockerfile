@@ -20,7 +20,7 @@ COPY .dockerignore ${WHEELHOUSE:-.dockerignore} /wheels/
 # torch first, in its own layer: it is the big one, and it does not change with the code.
 RUN if [ -n "${WHEELHOUSE}" ]; then pip install --no-cache-dir --no-index --find-links /wheels torch; \
     else pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch; fi
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY eventbus eventbus
 COPY workers workers
 RUN if [ -n "${WHEELHOUSE}" ]; then pip install --no-cache-dir --no-index --find-links /wheels ".[tensorboard]"; \

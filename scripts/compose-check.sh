@@ -166,7 +166,7 @@ need_wheels() {
   # (pip's warnings about this machine's index folders without a package are left out)
   set +e
   $python -m pip download --quiet --disable-pip-version-check -d "$CACHE/wheelhouse" \
-      "torch==$TORCH_VERSION" ".[tensorboard]" "setuptools>=68" wheel 2>&1 | grep -v "^WARNING: Location 'file:"
+      "torch==$TORCH_VERSION" ".[tensorboard]" "setuptools>=77" wheel 2>&1 | grep -v "^WARNING: Location 'file:"
   local rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" = 0 ] || fail "setup: pip download failed"
