@@ -95,7 +95,8 @@ class Process:
     """A real child process with its output collected line by line (for waiting on a message)."""
 
     def __init__(self, args: list[str], cwd, env: dict | None = None):
-        full_env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+        # EVENTBUS_VERBOSE: workers and daemons say when they follow a run, which tests wait for.
+        full_env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", EVENTBUS_VERBOSE="1")
         full_env.update(env or {})
         self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -1,4 +1,4 @@
-"""The logging worker: console progress, metrics files, TensorBoard and MLflow.
+"""The logging worker: console progress, metrics files, TensorBoard, MLflow and W&B.
 
 The trackers live in :mod:`eventbus.trackers` (``eventbus export`` uses them too);
 this module adds the console display and the daemon's options. Every destination
@@ -43,11 +43,14 @@ class ProgressLogger(LoggerDestination):
     On a terminal: one line that updates in place at any width (``epoch 1/2: 45%|###  | 97/215
     [00:30<00:37, 3.2ba/s, loss=2.31, samples/s=102, run ETA 01:10]``); eval results, the final line
     and this process's log records are written above it. Off a terminal, every ``log_interval``
-    batches: ``epoch 1 [batch 50/215] loss 2.3101  samples/s 102.4  run ETA 01:10``.
+    batches: ``epoch 1 [batch 50/215] loss 2.3101  samples/s 102.4  run ETA 01:10``. Each whole
+    line starts with ``prefix`` (the daemon's name, where several daemons share the terminal).
     """
 
-    def __init__(self, stream: Optional[TextIO] = None, log_interval: int = 50, width: Optional[int] = None):
+    def __init__(self, stream: Optional[TextIO] = None, log_interval: int = 50, width: Optional[int] = None,
+                 prefix: str = ""):
         self.stream = stream or sys.stderr
+        self.prefix = prefix
         self.log_interval = log_interval
         self.width = width  # columns for the bar line; None: the terminal's width, followed as it changes
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
@@ -95,7 +98,8 @@ class ProgressLogger(LoggerDestination):
         label = state.dataloader_label
         values = state.eval_metric_values.get(label, {})
         text = "  ".join(f"{name} {_fmt(value)}" for name, value in values.items())
-        self._write(f"eval {label}: {text}  (after batch {int(state.timestamp.batch)})")
+        title = "eval" if label == "eval" else f"eval {label}"  # the default evaluator is labelled "eval"
+        self._write(f"{title}: {text}  (after batch {int(state.timestamp.batch)})")
 
     def fit_end(self, state: Any, logger: Logger) -> None:
         # Said at close, after everything the run still does (a final evaluation comes after FIT_END).
@@ -118,6 +122,7 @@ class ProgressLogger(LoggerDestination):
 
     def _write(self, line: str) -> None:
         """A whole line: above the bar on a terminal (tqdm clears and redraws it), plain otherwise."""
+        line = self.prefix + line
         if self._bar is not None:
             self._bar.write(line, file=self.stream)
         else:
@@ -151,10 +156,10 @@ def _epoch_title(state: Any) -> str:
 class _AboveBar(logging.Handler):
     """Log records written with tqdm.write: above the bar, which is redrawn below them."""
 
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: TextIO, formatter: Optional[logging.Formatter] = None):
         super().__init__()
         self.stream = stream
-        self.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.setFormatter(formatter or logging.Formatter(LOG_FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -167,11 +172,13 @@ class _AboveBar(logging.Handler):
 
 def _route_logging_above_bar(stream: TextIO) -> None:
     root = logging.getLogger()
+    formatter = None  # the replaced handler's: its lines keep the daemon's name
     for handler in list(root.handlers):
         if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (sys.stderr, stream):
+            formatter = formatter or handler.formatter
             handler.close()
             root.removeHandler(handler)
-    root.addHandler(_AboveBar(stream))
+    root.addHandler(_AboveBar(stream, formatter))
 
 
 def _clock(seconds: float) -> str:
@@ -191,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m workers.logger",
         description="Log a training run: progress on the console, metrics.jsonl and metrics.csv in the run "
-                    "folder, and optionally TensorBoard and MLflow. Stops at the end of the run or on SIGTERM.")
+                    "folder, and optionally TensorBoard, MLflow and Weights & Biases (W&B). Stops at the end of "
+                    "the run or on SIGTERM.")
     add_daemon_arguments(parser, identity="logger")
     parser.add_argument("--output", type=pathlib.Path, help="folder for metrics files (default: the run folder)")
     parser.add_argument("--no-console", action="store_true", help="no progress output")
@@ -219,7 +227,7 @@ def build_destinations(args: argparse.Namespace) -> list[LoggerDestination]:
     """The destinations the options ask for: metrics files always, then console, TensorBoard, MLflow, W&B."""
     destinations: list[LoggerDestination] = [MetricsFileLogger(args.output)]
     if not args.no_console:
-        destinations.append(ProgressLogger(log_interval=args.log_interval))
+        destinations.append(ProgressLogger(log_interval=args.log_interval, prefix="logger: "))
     if args.tensorboard:
         destinations.append(TensorBoardLogger(args.output / "tensorboard" if args.output else None))
     if args.mlflow:

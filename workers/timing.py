@@ -221,7 +221,8 @@ class MemoryMonitor(Callback):
         stats = getattr(state, "memory", None)
         if not stats:
             if not self._warned and "cuda" not in str(getattr(state, "device", "")):
-                log.warning("MemoryMonitor: the run is not on a CUDA device; no memory statistics")
+                # Said only with --verbose: a CPU run has no allocator statistics, and nothing is wrong.
+                log.info("MemoryMonitor: the run is not on a CUDA device; no memory statistics")
                 self._warned = True
             return
         metrics = {}

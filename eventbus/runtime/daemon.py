@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import pathlib
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -25,13 +26,14 @@ from eventbus.errors import EventBusError
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
 
-__all__ = ["OneLineErrorParser", "add_daemon_arguments", "check_positive", "seconds", "setup_logging", "run_daemon",
-           "serve", "server_problem", "wait_for_server"]
+__all__ = ["OneLineErrorParser", "add_daemon_arguments", "add_verbose_argument", "check_positive", "daemon_name",
+           "seconds", "setup_logging", "run_daemon", "serve", "server_problem", "wait_for_server"]
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
+VERBOSE_ENV = "EVENTBUS_VERBOSE"  # "1": every daemon says what it connects to, follows and did
 
 # The keyword arguments of run_worker that a daemon's parsed arguments may carry under the same name.
-_WORKER_OPTIONS = ("identity", "state_dir", "start", "events", "fail_fast", "journal", "follow")
+_WORKER_OPTIONS = ("identity", "state_dir", "start", "events", "fail_fast", "journal", "follow", "verbose")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -77,11 +79,25 @@ def add_daemon_arguments(parser: argparse.ArgumentParser, identity: str) -> None
     parser.add_argument("--connect", required=True, metavar="ADDR", help="the trainer's bus address")
     parser.add_argument("--identity", default=identity, help=f"resume name for restarts (default: {identity})")
     parser.add_argument("--state-dir", type=pathlib.Path, help="where the resume cursor is kept")
+    add_verbose_argument(parser)
 
 
-def setup_logging(level: int = logging.WARNING) -> None:
-    """Log records to stderr with a timestamp and the logger's name (a no-op if logging is configured)."""
-    logging.basicConfig(level=level, format=LOG_FORMAT)
+def add_verbose_argument(parser: argparse.ArgumentParser) -> None:
+    """``--verbose``: the routine lines too (connecting, following, done) and INFO log records."""
+    parser.add_argument("--verbose", action="store_true", default=os.environ.get(VERBOSE_ENV, "") in ("1", "true"),
+                        help=f"also say what it connects to, follows and did, and log INFO records "
+                             f"(default: only warnings and errors; or set {VERBOSE_ENV}=1)")
+
+
+def daemon_name(prog: str) -> str:
+    """The short name a daemon's lines start with: ``python -m workers.logger`` -> ``logger``."""
+    return prog.rpartition(".")[2] if prog.startswith("python -m ") else prog
+
+
+def setup_logging(level: int = logging.WARNING, name: Optional[str] = None) -> None:
+    """Log records to stderr (a no-op if logging is configured): each line starts with the daemon's
+    ``name`` when given (several daemons share one terminal), else with a timestamp and the logger's name."""
+    logging.basicConfig(level=level, format=f"{name}: %(levelname)s: %(message)s" if name else LOG_FORMAT)
 
 
 def run_daemon(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]],
@@ -92,34 +108,37 @@ def run_daemon(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]],
     Bad arguments exit 2 (argparse); see :func:`serve` for the rest.
     """
     args = parser.parse_args(argv)
-    setup_logging(log_level)
-    return serve(parser.prog, args, build_callbacks)
+    name = daemon_name(parser.prog)
+    setup_logging(min(log_level, logging.INFO) if getattr(args, "verbose", False) else log_level, name)
+    return serve(parser.prog, args, build_callbacks, name)
 
 
 def serve(prog: str, args: argparse.Namespace,
-          build_callbacks: Callable[[argparse.Namespace], Sequence[Callback]]) -> int:
+          build_callbacks: Callable[[argparse.Namespace], Sequence[Callback]], name: Optional[str] = None) -> int:
     """Host the callbacks on ``args.connect`` until the run ends; the exit code.
 
     The callbacks are built before connecting, so a bad option value (ConfigError, ValueError)
     is a one-line error with exit code 2 and no traceback, as is any EventBusError while
     running (a refused address, missing keys). With ``args.follow`` each new run gets freshly
-    built callbacks. Ctrl-C before the signal handlers are installed exits 130.
+    built callbacks. Ctrl-C before the signal handlers are installed exits 130. ``name`` starts the
+    lines the worker prints (default: ``prog``).
     """
     from eventbus.runtime.worker import run_worker  # the bus and the host: only once there is a run to follow
 
+    name = name or prog
     try:
         factory = _callback_factory(build_callbacks, args)
     except (EventBusError, ValueError) as err:  # the options were wrong, not a bug while running
-        return _error(prog, err)
+        return _error(name, err)
     try:
         # A hint (or, with --timeout, an error) instead of a silent wait on an address nobody serves.
-        wait_for_server(prog, args.connect, getattr(args, "timeout", None), block=False)
-        options = {name: getattr(args, name) for name in _WORKER_OPTIONS if hasattr(args, name)}
-        return asyncio.run(run_worker(args.connect, factory, **options))
+        wait_for_server(name, args.connect, getattr(args, "timeout", None), block=False)
+        options = {option: getattr(args, option) for option in _WORKER_OPTIONS if hasattr(args, option)}
+        return asyncio.run(run_worker(args.connect, factory, name=name, **options))
     except EventBusError as err:
-        return _error(prog, err)
+        return _error(name, err)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
 
 

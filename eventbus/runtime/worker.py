@@ -42,12 +42,19 @@ def _install_signal_handlers(host: CallbackHost) -> None:
 async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable[[], Sequence[Callback]]], *,
                      identity: Optional[str] = None, state_dir: Optional[pathlib.Path] = None,
                      start: str = "beginning", events: Optional[Sequence[str]] = None, fail_fast: bool = False,
-                     journal: Optional[str] = None, follow: bool = False) -> int:
+                     journal: Optional[str] = None, follow: bool = False, name: str = "eventbus worker",
+                     verbose: bool = False) -> int:
     """Host callbacks on the run published at ``address`` until it ends or a signal arrives.
 
     With ``follow``, ``callbacks`` is a factory: each new run (the trainer restarted on the
-    same address) gets fresh callback objects, and the worker keeps going.
+    same address) gets fresh callback objects, and the worker keeps going. Every line it prints
+    starts with ``name``; the routine ones (connecting, following, done) only when ``verbose``.
     """
+
+    def say(line: str, routine: bool = False) -> None:
+        if verbose or not routine:
+            print(f"{name}: {line}", file=sys.stderr, flush=True)
+
     make = callbacks if callable(callbacks) else (lambda: callbacks)
     current = list(make())
     cursor = None
@@ -58,9 +65,8 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     names = [type(cb).__name__ for cb in current]
     resume = cursor.resume_point(names) if cursor else None
     if cursor is not None and cursor.applied_to_end(names) and not follow:
-        print(f"eventbus worker: its cursor {cursor.path} holds run {cursor.run_id}, applied to its end: with no "
-              f"trainer up it finds that end and exits; for a run that starts later, use --follow or another "
-              f"--identity", file=sys.stderr, flush=True)
+        say(f"its cursor {cursor.path} holds run {cursor.run_id}, applied to its end: with no trainer up it "
+            f"finds that end and exits; for a run that starts later, use --follow or another --identity")
     journal = journal or (cursor.journal if cursor else None)
     handled, metrics = subscription(current)  # the publisher sends only these events
     if events:
@@ -70,8 +76,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
                             journal=journal, follow=follow, reports_progress=True,
                             resume=resume)
     # After the arguments and keys were checked (a bad one is a one-line error, exit 2).
-    print(f"eventbus worker: connecting to {address} (if no trainer is up yet, its next run is applied "
-          f"from its start)", file=sys.stderr, flush=True)
+    say(f"connecting to {address} (if no trainer is up yet, its next run is applied from its start)", routine=True)
     async with subscriber:
         stream = _Runs(subscriber, set(events) if events else None)
         while True:
@@ -81,7 +86,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
                                 release_weights=subscriber.weights_done)
             _install_signal_handlers(host)
             heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host, follow))
-            print(f"eventbus worker: {', '.join(host.names)} following {address}", file=sys.stderr, flush=True)
+            say(f"{', '.join(host.names)} following {address}", routine=True)
 
             def joined(run_id: str, host: CallbackHost = host) -> None:
                 subscriber.progress(host.applied_seq, run_id if follow else None)
@@ -91,17 +96,27 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             except EventBusError:
                 raise
             except Exception as err:
-                print(f"eventbus worker: stopped by --fail-fast: {err}", file=sys.stderr)
+                say(f"stopped by --fail-fast: {err}")
                 return 1
             finally:
                 heartbeat.cancel()
             if not follow or host.stopping:
                 break
             current = list(make())
-        stats = subscriber.stats()
-        print(f"eventbus worker: done; {stats.delivered} messages, {stats.recovered} recovered, "
-              f"{stats.lost} lost, {stats.protocol_errors} malformed", file=sys.stderr, flush=True)
+        say(*_done_line(subscriber.stats()))
     return 0
+
+
+def _done_line(stats: Any) -> tuple[str, bool]:
+    """What the worker received, and whether that is routine: nothing lost or malformed. Messages
+    from before it joined, read back from the trainer or the journal, are the usual catch-up of a
+    worker that starts after the run, not a recovery; a gap filled while following is said too."""
+    line = f"done; {stats.delivered} messages"
+    if stats.caught_up:
+        line += f" ({stats.caught_up} of them from before it joined)"
+    problems = {"recovered after a gap": stats.recovered, "lost": stats.lost, "malformed": stats.protocol_errors}
+    line += "".join(f", {count} {what}" for what, count in problems.items() if count)
+    return line, not (stats.lost or stats.protocol_errors)
 
 
 async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host: CallbackHost,

@@ -32,15 +32,18 @@ class Refused:
         self.named: list[str] = []
         self._warned: set[str] = set()
 
-    def note(self, key: Any, step: Any, why: str) -> None:
+    def note(self, key: Any, step: Any, why: str, expected: bool = False) -> None:
+        """Count a value left out; the first of each key is logged: a warning, or an INFO record when it is
+        ``expected`` (text, such as a checkpoint's path, in a tracker of numbers: nothing is wrong)."""
         self.count += 1
         where = f"{str(key)[:80]!r} at step {step}: {why}"
         if len(self.named) < MAX_NAMED:
             self.named.append(where)
         if len(self._warned) < 100 and str(key) not in self._warned:  # bounded: keys are client data
             self._warned.add(str(key))
-            log.warning("%s cannot hold %s; left out (every later refusal of this key is counted only)",
-                        self.tracker, where)
+            log.log(logging.INFO if expected else logging.WARNING,
+                    "%s cannot hold %s; left out (every later refusal of this key is counted only)",
+                    self.tracker, where)
 
     def summary(self) -> Optional[str]:
         """One line (None when nothing was refused)."""
@@ -74,7 +77,7 @@ def scalars(metrics: dict[str, Any], step: int, refused: Refused,
                 take(f"{key}/{sub}" if isinstance(sub, str) else sub, item, depth + 1)
             return
         if not isinstance(value, (int, float)):
-            refused.note(key, step, f"{_kind(value)}, not a number")
+            refused.note(key, step, f"{_kind(value)}, not a number", expected=isinstance(value, str))
             return
         name = valid_key(key) if valid_key is not None else key
         if name is None:

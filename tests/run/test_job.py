@@ -38,7 +38,7 @@ def test_run_trains_with_daemons_then_resumes(tmp_path):
         assert where in first.stdout
     steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and 11 in steps
-    assert (folder / "metrics.csv").exists() and "eval eval:" in first.stderr  # the logger daemon's progress
+    assert (folder / "metrics.csv").exists() and "logger: eval:" in first.stderr  # the logger daemon's progress
     latest = folder / "checkpoints" / "latest-rank0.pt"
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 12
     assert not leftover_daemons(tmp_path)

@@ -19,7 +19,7 @@ def waiting_worker(folder, callback: str, *options: str) -> subprocess.Popen:
     """A worker process whose sockets are connecting to a bus nobody has bound yet."""
     worker = subprocess.Popen(
         [sys.executable, "-m", "eventbus", "worker", "--connect", bus_address(folder), "--callback", callback,
-         *options],
+         "--verbose", *options],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert worker.stderr is not None
     for line in worker.stderr:  # the worker says when it connects; from then on it waits for a trainer

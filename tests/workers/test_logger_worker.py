@@ -105,7 +105,7 @@ def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_a
         s for s, m in expected.items() if "metrics/eval/MulticlassAccuracy" in m)
 
     progress = "\n".join(worker.stderr)
-    assert "epoch 1 [" in progress and "eval eval:" in progress and "done: 3 epochs, 12 batches" in progress
+    assert "epoch 1 [" in progress and "logger: eval: " in progress and "done: 3 epochs, 12 batches" in progress
 
 
 def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):

@@ -73,6 +73,8 @@ class Sequencer:
         self.run_id: Optional[str] = None
         self.next_seq: Optional[int] = None
         self.ended = False  # the current run's "end" message was handed out
+        # The first seq of this run that arrived live: a fill below it is catching up, not a recovery.
+        self._first_live: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -121,6 +123,8 @@ class Sequencer:
             self._stats.protocol_errors += 1
             log.warning("message from another run (%s) ignored; following %s", window.run_id, self.run_id)
             return None
+        if self._first_live is None:
+            self._first_live = window.first
         assert self.next_seq is not None
         if window.last < self.next_seq:
             self._stats.duplicates += len(window)
@@ -139,7 +143,7 @@ class Sequencer:
         log.info("the trainer restarted: following run %s from its start", run_id)
         assert self.run_id is not None
         self._finished_runs.add(self.run_id)
-        self.run_id, self.next_seq, self.ended = run_id, 1, False
+        self.run_id, self.next_seq, self.ended, self._first_live = run_id, 1, False, None
         if self._on_new_run is not None:
             self._on_new_run()
         return True
@@ -158,13 +162,16 @@ class Sequencer:
         next_seq, end = self.next_seq, window.last if last is None else min(last, window.last)
         if next_seq is None or not window.first <= next_seq <= end or window.run_id != self.run_id:
             return False
-        ready, taken = self._ready, 0
+        ready, taken, early = self._ready, 0, 0
+        first_live = self._first_live
         for envelope in window.messages:
             if next_seq <= envelope.seq <= end:
                 ready.append(Decoded(envelope, recovered))
                 taken += 1
+                early += first_live is None or envelope.seq < first_live
         if recovered:
-            self._stats.recovered += taken
+            self._stats.caught_up += early
+            self._stats.recovered += taken - early
         self._stats.duplicates += next_seq - window.first
         self.next_seq = end + 1
         return True

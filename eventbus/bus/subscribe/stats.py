@@ -18,7 +18,8 @@ class SubscriberStats:
     delivered: int = 0
     duplicates: int = 0
     gaps: int = 0
-    recovered: int = 0
+    caught_up: int = 0  # read back from before the first live message (a late or restarted subscriber's start)
+    recovered: int = 0  # filled into a gap after live messages were arriving
     lost: int = 0
     protocol_errors: int = 0
     other_ranks: int = 0
