@@ -24,7 +24,16 @@ from eventbus.run.supervise import start_daemons, stop_daemons, wait_for_subscri
 if TYPE_CHECKING:
     from eventbus.training.trainer import Trainer
 
-__all__ = ["build_trainer", "run_job"]
+__all__ = ["build_trainer", "job_hyperparameters", "run_job"]
+
+# The options that shape what is trained, logged as the run's hyperparameters (the trainer logs its own:
+# max_duration, seed, precision, device, the optimizer's name, the parameter count).
+_TRAINING_OPTIONS = ("lr", "batch_size", "seq_len", "d_model", "layers", "eval_interval", "save_interval")
+
+
+def job_hyperparameters(config: JobConfig) -> dict[str, Any]:
+    """The run's own options, as trackers show them: ``hyperparameters.json``, TensorBoard, MLflow, W&B."""
+    return {"model": "CharLM", **{name: getattr(config, name) for name in _TRAINING_OPTIONS}}
 
 
 def build_trainer(config: JobConfig, load_path: Optional[pathlib.Path]) -> Trainer:
@@ -43,13 +52,15 @@ def build_trainer(config: JobConfig, load_path: Optional[pathlib.Path]) -> Train
     model = CharLM(vocab_size, model_config)
     run_name = config.run_name or new_run_name(config.runs_dir)
     run_folder = pathlib.Path(config.runs_dir) / run_name
-    return Trainer(
+    trainer = Trainer(
         model, train_loader, max_duration=config.max_duration, eval_dataloader=eval_loader,
         eval_interval=config.eval_interval, optimizers=torch.optim.AdamW(model.parameters(), lr=config.lr),
         loggers=[] if "logger" in config.daemons else [ConsoleLogger("50ba")],
         run_name=run_name, run_folder=run_folder, seed=config.seed, device=config.device,
         precision=config.precision, bus=config.bus, load_path=load_path,
     )
+    trainer.logger.log_hyperparameters(job_hyperparameters(config))  # journaled: every daemon sees them
+    return trainer
 
 
 def _share_cores_with_daemons(torch: Any, device: Optional[str]) -> None:

@@ -3,12 +3,16 @@
 Only what exists is shown (no promise of a missing checkpoint), and the live
 address is one a client can connect to (:func:`eventbus.bus.config.advertised`):
 a wildcard bind address (``0.0.0.0``, ``*``, ``::``) becomes this machine's name,
-or its primary IP where the name does not resolve.
+or its primary IP where the name does not resolve. The resume line works as printed:
+it repeats every option that differs from its default (the model's sizes must match
+the checkpoint's), the runs folder included.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+import shlex
+from typing import TYPE_CHECKING, Optional
 
 from eventbus.bus.config import advertised
 from eventbus.checkpoint.naming import latest_path
@@ -17,7 +21,38 @@ from eventbus.run.config import JobConfig
 if TYPE_CHECKING:
     from eventbus.training.trainer import Trainer
 
-__all__ = ["print_summary"]
+__all__ = ["print_summary", "resume_command"]
+
+# Not repeated when resuming: the run's name and --resume are given, the rest does not shape the run.
+_NOT_REPEATED = ("run_name", "resume", "verbose")
+
+
+def resume_command(config: JobConfig, run_name: str, max_duration: Optional[str] = None) -> str:
+    """``eventbus run`` with the options that made this run, continuing it (``max_duration``: to train longer)."""
+    defaults, words = JobConfig(), ["eventbus", "run"]
+    for field in dataclasses.fields(JobConfig):
+        name = field.name
+        value = max_duration if name == "max_duration" and max_duration else getattr(config, name)
+        if name in _NOT_REPEATED or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "storage_options":
+            words += [word for option in value for word in ("--storage-option", option)]
+        elif isinstance(value, bool):
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [flag, ",".join(value) or "none"]
+        else:
+            words += [flag, str(value)]
+    return shlex.join([*words, "--run-name", run_name, "--resume"])
+
+
+def _longer(max_duration: str) -> Optional[str]:
+    """Twice ``max_duration`` ('2ep' -> '4ep'): a finished run continues only with a longer one."""
+    from eventbus.core.time import Time
+
+    duration = Time.from_timestring(max_duration)
+    return None if duration.unit.value == "dur" else str(duration * 2)
 
 
 def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupted: bool) -> None:
@@ -25,6 +60,8 @@ def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupt
     ts = trainer.state.timestamp
     folder = trainer.run_folder
     values = trainer.state.eval_metric_values.get("eval", {})
+    run_name = trainer.state.run_name
+    longer = None if interrupted else _longer(config.max_duration)
     evaluation = ", ".join(f"{name} {float(value):.4f}" for name, value in values.items()) or "none"
     latest = latest_path(folder)
     metrics = folder / "metrics.jsonl"
@@ -40,6 +77,7 @@ def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupt
         ("  checkpoints: none saved (stopped before the first was due)" if "checkpoint" in config.daemons else ""),
         f"  monitor:     eventbus monitor {trainer.publisher.journal_path}   "
         f"(live, while training: eventbus monitor {advertised(trainer.publisher.address)})",
-        f"  resume:      eventbus run --run-name {trainer.state.run_name} --resume" if latest.exists() else "",
+        (f"  resume:      {resume_command(config, run_name)}" if interrupted else
+         f"  train on:    {resume_command(config, run_name, longer)}" if longer else "") if latest.exists() else "",
     ]
     print("\n".join(line for line in lines if line != ""), flush=True)

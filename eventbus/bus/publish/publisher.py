@@ -227,6 +227,8 @@ class _BusThread(threading.Thread):
             for sock, monitor in zip((self._pub, self._router), self._monitors):
                 sock.disable_monitor()
                 monitor.close(linger=0)
+            for address in (publisher.address, publisher.service_address):
+                _remove_socket_file(address)  # before the close: a trainer restarted on it binds a new one
             self._pub.close()
             self._router.close()
             if journal is not None:
@@ -402,3 +404,10 @@ def _owner_only(address: str) -> None:
     outside the run folder."""
     if address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: abstract, no file
         os.chmod(address[len("ipc://"):], 0o600)
+
+
+def _remove_socket_file(address: str) -> None:
+    """No dead ipc socket left in the run folder: connections made keep working, new ones find no file
+    (ZeroMQ leaves the file behind when the socket closes)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        pathlib.Path(address[len("ipc://"):]).unlink(missing_ok=True)
