@@ -15,7 +15,16 @@ import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from eventbus.errors import ConfigError, EventBusError
-from eventbus.runtime.daemon import OneLineErrorParser, serve, setup_logging, timeout_seconds
+from eventbus.runtime.daemon import (
+    OneLineErrorParser,
+    add_verbose_argument,
+    ended_run_hint,
+    serve,
+    server_problem,
+    setup_logging,
+    timeout_seconds,
+)
+from eventbus.version import __version__
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
@@ -28,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="eventbus",
         description="Composer-style training whose callbacks run in subscriber processes.",
     )
+    parser.add_argument("--version", action="version", version=f"eventbus {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=OneLineErrorParser)
 
@@ -35,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train the bundled character-level model with the daemons (the main job)",
                               description="Train a small character-level Transformer on Python's bundled "
-                                          "documentation text, with the logging, timing and checkpoint daemons "
-                                          "as child processes. Results go to runs/<run_name>/.")
+                                          "documentation text, with four daemons as child processes: logger "
+                                          "(progress, metrics files, optionally TensorBoard, MLflow, W&B), timing "
+                                          "(throughput, remaining time), checkpoint and health. Results go to "
+                                          "runs/<run_name>/.")
     add_run_arguments(run)
 
     # Listed here for `eventbus --help` only: main() hands everything after "monitor" to the
@@ -76,6 +88,7 @@ def _add_worker_command(commands: Any) -> None:
     worker.add_argument("--follow", action="store_true",
                         help="keep going when the run ends: follow the next run on the same address with fresh "
                              "callbacks (a restarted trainer)")
+    add_verbose_argument(worker)
 
 
 def _key_name(text: str) -> str:
@@ -125,7 +138,7 @@ def _add_bus_commands(commands: Any) -> None:
 def _add_replay_command(commands: Any) -> None:
     replay = commands.add_parser("replay", help="run callbacks over a run's journal",
                                  description="Run callbacks over a finished or running run's events.journal.")
-    replay.add_argument("journal", type=pathlib.Path, help="path to events.journal")
+    replay.add_argument("journal", type=pathlib.Path, help="the run folder or its events.journal")
     replay.add_argument("--callback", action="append", required=True, metavar="SPEC",
                         help="module:Class, path/to/file.py:Class, optionally :{json kwargs}; repeatable")
     replay.add_argument("--fail-fast", action="store_true", help="stop at the first callback exception")
@@ -162,10 +175,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return monitor_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(_attach_dash_values(argv))
-    setup_logging(logging.INFO)
+    args, unknown = parser.parse_known_args(_attach_dash_values(argv))
+    if unknown:  # said by the subcommand's parser: "eventbus run: error: ..."
+        _subcommand_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "worker":
+        setup_logging(logging.INFO if args.verbose else logging.WARNING, "eventbus worker")
         return serve("eventbus worker", args, _worker_callbacks)
+    setup_logging(logging.INFO)
     try:
         return _dispatch(args)
     except EventBusError as err:
@@ -174,6 +190,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"eventbus {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)subcommand ``args`` were parsed for: its name goes on the error line."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            return _subcommand_parser(chosen, args) if chosen is not None else parser
+    return parser
 
 
 _DASH_VALUE = re.compile(r"-\.?\d")  # "-1ep", "-1", "-.5": a value, though argparse would take it for an option
@@ -201,6 +226,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         from eventbus.runtime.worker import bus_status
 
+        problem = server_problem(args.address)  # a local address nobody serves: said at once, not after --timeout
+        if problem is not None:
+            print(f"eventbus status: no trainer serves {args.address}: {problem}{ended_run_hint(args.address)}",
+                  file=sys.stderr)
+            return 1
         return asyncio.run(bus_status(args.address, args.subscriber, args.timeout))
     if args.command == "proxy":
         return _run_proxy(args)
@@ -236,9 +266,14 @@ def _worker_callbacks(args: argparse.Namespace) -> list[Callback]:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
+    from eventbus.bus.journal import JOURNAL_NAME
     from eventbus.runtime.loading import load_callback
     from eventbus.runtime.worker import replay_journal
 
+    if args.journal.is_dir():  # a run folder: its journal
+        if not (args.journal / JOURNAL_NAME).is_file():
+            raise ConfigError(f"{str(args.journal)!r} is a folder without a journal ({JOURNAL_NAME})")
+        args.journal = args.journal / JOURNAL_NAME
     if not args.journal.is_file():
         raise ConfigError(f"journal {str(args.journal)!r} does not exist")
     callbacks = [load_callback(spec) for spec in args.callback]

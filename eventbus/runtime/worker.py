@@ -188,9 +188,10 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     """Run callbacks over a journal: a finished run, or a running run up to now.
 
     Damaged records and records that are not valid messages are skipped (the callbacks get every
-    other one); then one line on stderr names the lost seqs and the exit code is 3. 1: stopped by
-    ``fail_fast``; 0: every record was read. A journal whose run has no end message (cut short, or the
-    trainer died) is said in one line; that alone is not damage (exit 0)."""
+    other one); then one line on stderr names the lost seqs and the exit code is 3. 1: a callback
+    raised (each traceback is logged; ``fail_fast`` stops at the first); 0: every record was read and
+    applied. One line sums up what was applied and which callbacks raised. A journal whose run has no
+    end message (cut short, or the trainer died) is said in one line; that alone is not damage (exit 0)."""
     host = CallbackHost(callbacks, fail_fast=fail_fast)
     _install_signal_handlers(host)
     stream = JournalStream(path)
@@ -204,11 +205,16 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     unfinished = stream.unfinished()
     if unfinished is not None:
         print(f"eventbus replay: {unfinished}", file=sys.stderr)
+    errors = {slot.name: slot.errors for slot in host.slots if slot.errors}
+    applied = max((slot.applied for slot in host.slots), default=0)
+    raised = "; ".join(f"{name} raised {count} time{'s' if count > 1 else ''}" for name, count in errors.items())
+    print(f"eventbus replay: done; {applied} messages applied" + (f"; {raised} (tracebacks above)" if raised else ""),
+          file=sys.stderr)
     lost = [line for line in (damage_summary(path), stream.skipped.summary()) if line is not None]
     if lost:
         print(f"eventbus replay: {path}: {'; '.join(lost)}", file=sys.stderr)
         return 3
-    return 0
+    return 1 if errors else 0
 
 
 async def bus_status(address: str, required: Sequence[str], timeout: float) -> int:
