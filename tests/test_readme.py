@@ -136,6 +136,15 @@ def test_the_readme_is_short_and_every_page_it_links_to_exists():
             assert f"{{#{anchor}}}" in text or anchor in slugs, target
 
 
+def test_every_extra_the_readme_installs_is_declared():
+    import tomllib
+
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = [extra for group in re.findall(r"\.\[([\w,-]+)\]", README) for extra in group.split(",")]
+    assert named
+    assert not [extra for extra in named if extra not in declared], declared.keys()
+
+
 def test_nothing_users_read_tells_the_projects_history():
     """Issue numbers, work sessions and commit hashes belong in the repository's history, not in its pages."""
     pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
