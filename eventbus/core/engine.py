@@ -15,6 +15,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
 
+from eventbus.core.callback import event_calls
 from eventbus.core.events import Event
 from eventbus.core.state import TrainingStateView
 
@@ -85,13 +86,8 @@ class Engine:
                 if algorithm.match(event, state):
                     algorithm.apply(event, state, logger)
         for callback in self._ordered_callbacks(event):
-            run_event = getattr(callback, "run_event", None)
-            if run_event is not None:
-                run_event(event, state, logger)
-            else:  # Composer's protocol also admits an object with just per-event methods
-                method = getattr(callback, event.value, None)
-                if method is not None:
-                    method(state, logger)
+            for method, args in event_calls(callback, event, state, logger):  # as a worker's host calls them
+                method(*args)
         for sink in self.sinks:
             sink.publish(event, state)
 

@@ -13,24 +13,12 @@ import inspect
 from typing import Any, NamedTuple, Optional, Sequence
 
 from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_EVENTS, WEIGHTS_LEASE
-from eventbus.core.callback import Callback
+from eventbus.core.callback import RUN_EVENT, Callback, defines, handlers
 from eventbus.core.events import Event
 from eventbus.core.logger import LoggerDestination, is_logger_destination
 
-__all__ = ["CaptureLeases", "capture_leases", "declare_captures", "handles", "may_stop_training", "reads_weights",
+__all__ = ["CaptureLeases", "capture_leases", "declare_captures", "may_stop_training", "reads_weights",
            "subscription", "takes_metrics", "weights_events"]
-
-
-def handles(callback: Callback, event: Event) -> bool:
-    """False when the callback kept the base class's no-op for this event: nothing to dispatch.
-
-    Most callbacks use a handful of the 40 events; skipping the rest saves a thread hop per
-    event and callback, which is most of a worker's CPU time."""
-    return getattr(type(callback), event.value) is not getattr(Callback, event.value) or hasattr(
-        callback, _DEPRECATED.get(event, "\0"))
-
-
-_DEPRECATED = {Event.FIT_START: "training_start", Event.FIT_END: "training_end"}
 
 
 def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Event]], bool]:
@@ -39,9 +27,11 @@ def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Even
     A worker subscribes to exactly that, so the publisher filters out everything else."""
     events: set[Event] = set()
     for callback in callbacks:
-        if type(callback).run_event is not Callback.run_event:
+        if defines(type(callback), RUN_EVENT):
             return None, True
-        events.update(event for event in Event if handles(callback, event))
+        events.update(event for event in Event if handlers(type(callback), event))  # as the host calls them
+        if is_logger_destination(callback):
+            events.add(Event.INIT)  # the host hands a destination the run's hyperparameters after INIT
     return frozenset(events), any(takes_metrics(cb) for cb in callbacks)
 
 
@@ -78,18 +68,9 @@ def reads_weights(callback: Any) -> bool:
 def weights_events(callback: Any) -> set[str]:
     """The weights events a callback handles (defines itself, eventbus's or Composer's base no-ops aside):
     where the trainer stages the weights for it; all of them for one that overrides ``run_event``."""
-    if _defines(callback, "run_event"):
+    if defines(type(callback), RUN_EVENT):
         return set(WEIGHTS_EVENTS)
-    return {name for name in WEIGHTS_EVENTS if _defines(callback, name)}
-
-
-def _defines(callback: Any, name: str) -> bool:
-    """The callback's own class, or a base of its own, defines ``name`` (not a base Callback's no-op)."""
-    for cls in type(callback).__mro__:
-        if name in vars(cls):
-            return not (cls in (Callback, object) or (cls.__module__.startswith("composer.")
-                                                      and cls.__name__ in ("Callback", "LoggerDestination")))
-    return False
+    return {name for name in WEIGHTS_EVENTS if handlers(type(callback), Event(name))}
 
 
 def _in_source(callback: Any, text: str) -> bool:

@@ -24,11 +24,11 @@ from eventbus.bus.protocol import WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import LiveState
 from eventbus.bus.subscribe.subscriber import Message
-from eventbus.core.callback import Callback
+from eventbus.core.callback import Callback, event_calls
 from eventbus.core.events import Event
 from eventbus.core.logger import is_logger_destination
 from eventbus.runtime.cursor import Cursor
-from eventbus.runtime.declarations import handles, reads_weights, takes_metrics
+from eventbus.runtime.declarations import reads_weights, takes_metrics
 from eventbus.runtime.subscriber_logger import SubscriberLogger
 
 __all__ = ["END", "STOP", "SLOW_BURST", "Call", "Lane", "Slot", "SlotCall"]
@@ -117,11 +117,7 @@ class Slot:
             return [(callback.log_hyperparameters, (self.hyperparameters,))] if self.seen_init else []
         if message.event is None:
             return []
-        calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-        if type(callback).run_event is not Callback.run_event:
-            calls.append((callback.run_event, (message.event, self.live, self.logger)))
-        elif handles(callback, message.event):
-            calls.append((getattr(callback, message.event.value), (self.live, self.logger)))
+        calls = event_calls(callback, message.event, self.live, self.logger)  # as the trainer's engine calls them
         if message.event is Event.INIT:
             self.seen_init = True
             if self.hyperparameters and is_logger_destination(callback):
