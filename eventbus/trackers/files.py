@@ -1,4 +1,9 @@
-"""``metrics.jsonl`` and ``metrics.csv`` in the run folder: the tracker every run has."""
+"""``metrics.jsonl`` and ``metrics.csv`` in the run folder: the tracker every run has.
+
+Lines are kept in memory and written together: every ``write_every`` seconds while
+metrics arrive, whenever the host commits (:meth:`MetricsFileLogger.flush`, called
+before a message is recorded as applied) and at close. Both files grow as the run goes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import io
 import json
 import os
 import pathlib
+import time
 from typing import Any, Optional, TextIO
 
 from eventbus.core.atomic import write_atomic
@@ -16,34 +22,44 @@ from eventbus.trackers.points import Refused
 
 __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
 
+_PLAIN = (float, int, str, bool, type(None))
+
 
 class MetricsFileLogger(LoggerDestination):
     """``metrics.jsonl``: one object per logged step with every key logged for it; ``metrics.csv`` beside it.
 
-    A step's line is written once no metric for it has arrived over the last
+    A step's line is made once no metric for it has arrived over the last
     ``hold_steps`` steps (or at the end), so metrics that other workers send
     back a little later land on the same line. The steps held back are part of
-    ``state_dict()``, which the worker's cursor saves with every message, and
-    steps already in the file are recognised: after a restart nothing is lost
-    and nothing is written twice. The CSV is rebuilt from the JSONL at close.
+    ``state_dict()``, which the worker's cursor saves with every commit, and
+    lines made are written before the commit (``flush``); steps already in the
+    file are recognised: after a restart nothing is lost and nothing is written
+    twice. The CSV gets the same rows as they are written (rewritten from the
+    JSONL when a new column appears, and at close, in step order).
     """
 
-    def __init__(self, folder: Optional[os.PathLike] = None, hold_steps: int = 20):
+    def __init__(self, folder: Optional[os.PathLike] = None, hold_steps: int = 20, write_every: float = 1.0):
         self.configured_folder = folder
         self.folder = folder
         self.hold_steps = hold_steps
+        self.write_every = write_every
         self._pending: dict[int, dict[str, Any]] = {}
-        self._written: set[int] = set()
+        self._written: set[int] = set()  # in the file, or in ``_lines`` until the next write
         self._held: Optional[set[int]] = None  # the steps the file had before this logger wrote to it
         self._file: Optional[TextIO] = None
+        self._lines: list[str] = []  # made, not yet written
+        self._rows: list[dict[str, Any]] = []  # the same, for the CSV
+        self._columns: Optional[list[str]] = None  # the CSV's header; None: rewrite it at the next write
+        self._known: set[str] = set()  # the same, as a set
+        self._written_at = time.monotonic()
         self.path: Optional[pathlib.Path] = None
         self.refused = Refused("metrics.jsonl")  # a metric named "step" (the line's own key), a non-text key
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run. What a cursor restored belongs to an earlier run (a daemon's cursor outlives
         runs): its held-back steps go to that run's file, then this run starts afresh."""
-        if self._pending and self.folder is not None:
-            self.close(state, logger)
+        if (self._pending or self._file is not None) and self.folder is not None:
+            self.close(state, logger)  # also what it made and has not written yet
         self._pending, self._written, self._held, self.path = {}, set(), None, None
         self.folder = run_folder(state, self.configured_folder)
 
@@ -68,6 +84,7 @@ class MetricsFileLogger(LoggerDestination):
         self.path = folder / "metrics.jsonl"
         self._written = written_steps(self.path)
         self._file = open(self.path, "a")
+        self._columns = None  # the CSV is rewritten from the file at the first write
 
     def held_steps(self, key: str) -> Optional[set[int]]:
         """The steps ``metrics.jsonl`` held before this logger appended to it, read once (on first use);
@@ -102,31 +119,57 @@ class MetricsFileLogger(LoggerDestination):
         step = int(step or 0)
         if step in self._written:
             return
-        line = self._pending.setdefault(step, {})
+        line = self._pending.get(step)
+        if line is None:
+            line = self._pending[step] = {}
         for key, value in metrics.items():
             if not isinstance(key, str) or key == "step":
                 self.refused.note(key, step, "the line's own step" if key == "step" else "a key that is not text")
                 continue
-            line[key] = to_number(value)
+            line[key] = value if type(value) in _PLAIN else to_number(value)  # as decoded: plain already
         newest = max(self._pending)
-        for old in sorted(s for s in self._pending if s < newest - self.hold_steps):
-            self._write(old)
+        if min(self._pending) < newest - self.hold_steps:
+            for old in sorted(s for s in self._pending if s < newest - self.hold_steps):
+                self._make_line(old)
+        if time.monotonic() - self._written_at >= self.write_every:
+            self.flush()
 
-    def _write(self, step: int) -> None:
+    def _make_line(self, step: int) -> None:
         metrics = self._pending.pop(step)
         if step in self._written:
             return  # restored from a saved state_dict, but already in the file
-        assert self._file is not None
-        self._file.write(json.dumps({"step": step, **metrics}, default=str) + "\n")
-        self._file.flush()
+        row = {"step": step, **metrics}
+        self._lines.append(json.dumps(row, default=str) + "\n")
+        self._rows.append(row)
         self._written.add(step)
+
+    def flush(self) -> None:
+        """The lines made so far reach both files, in one write each (called before each cursor commit)."""
+        self._written_at = time.monotonic()
+        if not self._lines or self._file is None or self.path is None:
+            return
+        self._file.write("".join(self._lines))
+        self._file.flush()
+        self._lines.clear()
+        rows, self._rows = self._rows, []
+        target = self.path.with_suffix(".csv")
+        if self._columns is None or any(key not in self._known for row in rows for key in row):
+            write_csv(self.path, target)  # a new column: the header changes, every row gets it
+            with open(target, newline="") as written:
+                self._columns = next(csv.reader(written), ["step"])
+            self._known = set(self._columns)
+            return
+        columns = self._columns
+        with open(target, "a", newline="") as out:
+            csv.writer(out).writerows([row.get(column, "") for column in columns] for row in rows)
 
     def close(self, state: Any, logger: Logger) -> None:
         if self._file is None and not self._pending:
             return
         self._open()
         for step in sorted(self._pending):
-            self._write(step)
+            self._make_line(step)
+        self.flush()
         assert self._file is not None and self.path is not None
         self._file.close()
         self._file = None
