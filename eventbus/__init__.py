@@ -2,63 +2,87 @@
 
 General layout
 --------------
-The package is cut along the process boundary: what runs in the training
-process, what crosses the wire, and what runs in the processes that follow a run.
-Arrows point one way: ``core`` imports nothing above it; the bus's two wings meet
-only in its shared modules (``tests/test_layout.py`` checks both).
+The package is cut along the process boundary and, inside the trainer, along its
+two threads. Four rooms hold the moving parts:
+
+- ``eventbus.capture`` -- the training thread: what the trainer's loop calls at
+  each event (references in, one record out, never blocks).
+- ``eventbus.bus.publish`` -- the bus thread in the trainer: publishes the
+  records, keeps the journal, answers subscribers' requests.
+- ``eventbus.bus.subscribe`` -- the subscribing end, in any other process.
+- ``eventbus.runtime`` -- the worker runtime: hosts ordinary callbacks on a
+  subscriber's stream (``eventbus worker``).
+- ``workers/`` (a package of its own) -- the daemons users run: logging, timing,
+  checkpoints, health, stoppers.
+
+Layers, lowest first; a module imports only its own layer and those below, and
+only the top layer imports the package root (``tests/test_layout.py`` checks it,
+with no import circle across folders, no module over 450 lines, no class over 300):
+
+1. ``errors``, ``version``, ``core``, ``distributed``
+2. ``bus`` (its shared modules)
+3. ``bus.publish`` | ``bus.subscribe`` (the two wings never import each other)
+4. ``checkpoint``, ``trackers``
+5. ``capture``
+6. ``training``, ``integrations``, ``runtime``
+7. ``run``, ``monitor``, ``export``, ``cli``
+8. ``workers/``
 
 ``eventbus.core`` -- Composer's vocabulary, shared by both sides (no torch):
     ``events`` (the 40 :class:`Event` members and the loop's pseudocode),
     ``time`` (:class:`Time`, :class:`TimeUnit`, :class:`Timestamp`),
     ``state`` (``StateView``: the read surface both the live State and a
-    subscriber's Snapshot offer), ``callback`` (:class:`Callback`), ``logger``
+    subscriber's Snapshot offer), ``callback`` (:class:`Callback`, and which of
+    its methods an event calls, in process and out), ``logger``
     (:class:`Logger`, :class:`LoggerDestination`), ``artifacts`` (uploads stay in
     the run's folder), ``engine`` (:class:`Engine`: Composer's order), ``interval``.
-
-``eventbus.training`` -- the project's own trainer (torch):
-    ``trainer`` (:class:`Trainer`), ``loop``, ``evaluation``, ``resume``, ``state``
-    (:class:`State`), ``model``, ``metrics``, ``evaluator``, ``algorithm``,
-    ``batch``, ``distributed`` (torchrun), ``demo`` (the main job's model and data),
-    ``bus_link`` (the trainer's only contact with the bus).
-
-``eventbus.capture`` -- the training process's side of the bus, for any trainer:
-    ``source`` (``CaptureSource``: Composer's State names, what capture reads),
-    ``capture`` (``EventCapture``: references in, one record out, never blocks),
-    ``session`` (``open_bus``: bind the publisher for a ``bus=`` argument).
-``eventbus.integrations`` -- the same events from other trainers: an adapter
-    callback each for Lightning, Hugging Face ``Trainer`` and Composer, sharing
-    ``adapter`` (a Composer-named ``RunState`` and the ``BusAdapter``).
+``eventbus.distributed`` -- torchrun helpers for the trainer and capture alike.
 
 ``eventbus.bus`` -- the wire (no torch). Shared by both ends: ``wire`` (envelope,
     topics, bounded codec), ``schema`` (message kinds, payload keys), ``protocol``
     (request operations, one schema each), ``journal`` (the run's crash-safe
     record), ``config`` (:class:`BusConfig`, addresses), ``security`` (CURVE),
     ``proxy``.
-  ``bus.publish`` -- the bus thread in the trainer: ``records``, ``payload``,
-    ``publisher``, ``history`` (seq, journal before wire, replay cache),
-    ``service`` (one handler per request), ``budgets`` (what each client may make it
-    spend), ``leases`` (captures, stops).
-  ``bus.subscribe`` -- the subscribing end: ``subscriber`` (:class:`Subscriber`),
-    ``sequencer`` (seq order, gaps, duplicates), ``recovery`` and
-    ``journal_source`` (gap filling), ``journal_stream`` (a journal as messages:
-    replay, monitor, export), ``messages`` (:class:`Message`), ``stats``,
-    ``service_client``, ``snapshot`` and ``views`` (:class:`Snapshot`), ``ranks``
-    (:class:`AllRanks`).
+  ``bus.publish`` -- the bus thread: ``records``, ``payload``, ``publisher``,
+    ``history`` (seq, journal before wire, replay cache), ``service`` (one
+    handler per request), ``budgets`` (what each client may make it spend),
+    ``leases`` (capture leases; stop requests).
+  ``bus.subscribe`` -- ``subscriber`` (:class:`Subscriber`), ``sequencer`` (seq
+    order, gaps, duplicates), ``recovery`` and ``journal_source`` (gap filling),
+    ``journal_stream`` (a journal as messages: replay, monitor, export),
+    ``messages`` (:class:`Message`), ``stats``, ``service_client``, ``snapshot``
+    and ``views`` (:class:`Snapshot`), ``ranks`` (:class:`AllRanks`).
 
 ``eventbus.checkpoint`` -- staging into shared memory (training side), the
     staged-checkpoint handle, atomic files, file naming, retention, remote folders.
 ``eventbus.trackers`` -- where metrics go (files, TensorBoard, MLflow, W&B); each
     says what it already holds, for ``eventbus export``.
-``eventbus.runtime`` -- what every subscriber process shares: ``host``
-    (:class:`CallbackHost`), ``worker`` (``eventbus worker | replay | status``),
-    ``runtime``.
+
+``eventbus.capture`` -- the training thread's side of the bus, for any trainer:
+    ``source`` (``CaptureSource``: Composer's State names, what capture reads),
+    ``event_capture`` (``EventCapture``), ``session`` (``open_bus``: bind the
+    publisher for a ``bus=`` argument).
+
+``eventbus.training`` -- the project's own trainer (torch): ``trainer``
+    (:class:`Trainer`), ``loop``, ``clock``, ``evaluation``, ``resume``, ``state``
+    (:class:`State`), ``model``, ``metrics``, ``evaluator``, ``algorithm``,
+    ``batch``, ``demo``, ``bus_link`` (the trainer's only contact with the bus).
+``eventbus.integrations`` -- the same events from other trainers: an adapter
+    callback each for Lightning, Hugging Face ``Trainer`` and Composer, sharing
+    ``adapter`` (a Composer-named ``RunState`` and the ``BusAdapter``).
+``eventbus.runtime`` -- the worker runtime: ``host`` (:class:`CallbackHost`),
+    ``lane`` (the threads that apply messages), ``cursor`` (where a restarted
+    worker resumes), ``declarations`` (the events and captures a callback needs,
+    and the leases they imply), ``worker`` (``eventbus worker | replay |
+    status``), ``daemon`` (what every daemon's command line shares),
+    ``supervisor`` (the daemons that come with a run), ``loading``.
+
 ``eventbus.run`` -- ``eventbus run``: ``config``, ``resume``, ``supervise``,
     ``summary``, ``job``.
 ``eventbus.monitor`` -- ``eventbus monitor``; ``eventbus.export`` -- ``eventbus
     export``; ``eventbus.cli`` -- the ``eventbus`` command.
 
-The daemons users run (logging, timing, checkpoints, health, stoppers) live in
-the top-level ``workers/`` package. Errors all derive from :class:`EventBusError`.
+Errors all derive from :class:`EventBusError`.
 
 Names below are imported on first use (PEP 562), so ``import eventbus`` and the
 bus modules never import torch; only the training side does.
@@ -69,7 +93,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from eventbus.version import __version__ as __version__  # re-exported
 
 _EXPORTS = {
     "Algorithm": "eventbus.training.algorithm", "GradientClipping": "eventbus.training.algorithm",
