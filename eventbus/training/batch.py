@@ -6,11 +6,13 @@ first dimension is the sample dimension.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["num_samples", "num_tokens", "to_device", "split_batch"]
+from eventbus.core.time import Time, TimeUnit
+
+__all__ = ["dataloader_len", "num_samples", "num_tokens", "to_device", "split_batch"]
 
 
 def num_samples(batch: Any) -> int:
@@ -57,3 +59,12 @@ def split_batch(batch: Any, size: int) -> list[Any]:
         count = max(len(c) for c in pieces.values() if c is not None)
         return [{k: (c[i] if c is not None else batch[k]) for k, c in pieces.items()} for i in range(count)]
     raise TypeError(f"cannot split a batch of type {type(batch).__name__} into microbatches")
+
+
+def dataloader_len(dataloader: Any, limit: int) -> Optional[Time]:
+    """Batches the loop will draw (``limit`` -1 means all); None when the dataloader has no length."""
+    try:
+        length = len(dataloader)
+    except TypeError:
+        return None
+    return Time(min(length, limit) if limit >= 0 else length, TimeUnit.BATCH)

@@ -11,7 +11,7 @@ from eventbus.errors import ConfigError
 if TYPE_CHECKING:
     from eventbus.training.state import State
 
-__all__ = ["Evaluator", "evaluate_periodically", "IntervalLike"]
+__all__ = ["Evaluator", "build_evaluators", "evaluate_periodically", "IntervalLike"]
 
 
 def evaluate_periodically(
@@ -51,3 +51,24 @@ class Evaluator:
                 f"device_eval_microbatch_size must be a positive int, got {device_eval_microbatch_size!r}"
             )
         self.device_eval_microbatch_size = device_eval_microbatch_size
+
+
+def build_evaluators(eval_dataloader: Any, eval_interval: IntervalLike, subset: int) -> list[Evaluator]:
+    """Normalise a dataloader, an Evaluator or a list of them; fill in the trainer's defaults."""
+    evaluate_periodically(eval_interval, name="eval_interval")  # reject a bad interval even with no evaluator
+    if eval_dataloader is None:
+        return []
+    items = eval_dataloader if isinstance(eval_dataloader, (list, tuple)) else [eval_dataloader]
+    evaluators = []
+    for item in items:
+        evaluator = item if isinstance(item, Evaluator) else Evaluator("eval", item)
+        if evaluator.eval_interval is None:
+            # Each evaluator keeps its own "last evaluated" memory.
+            evaluator.eval_interval = evaluate_periodically(eval_interval, name="eval_interval")
+        if evaluator.subset_num_batches is None:
+            evaluator.subset_num_batches = subset
+        evaluators.append(evaluator)
+    labels = [e.label for e in evaluators]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"evaluator labels must be unique, got {labels}")
+    return evaluators

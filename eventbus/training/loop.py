@@ -19,9 +19,8 @@ import eventbus.distributed as distributed
 from eventbus.core.events import Event
 from eventbus.core.time import Time, Timestamp
 from eventbus.errors import ConfigError
-from eventbus.training.batch import num_samples, split_batch, to_device
+from eventbus.training.batch import dataloader_len, num_samples, split_batch, to_device
 from eventbus.training.precision import autocast
-from eventbus.training.setup import dataloader_len
 
 if TYPE_CHECKING:
     from eventbus.core.engine import Engine

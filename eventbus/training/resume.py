@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import torch
 
@@ -19,7 +19,6 @@ import eventbus.distributed as distributed
 from eventbus.checkpoint.remote import is_url
 from eventbus.core.time import Timestamp
 from eventbus.errors import ConfigError
-from eventbus.training.setup import by_class_name
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from eventbus.training.loop import TrainBatches
     from eventbus.training.state import State
 
-__all__ = ["TrainerCheckpoint", "load_checkpoint_file", "restore_rng", "rng_state"]
+__all__ = ["TrainerCheckpoint", "by_class_name", "load_checkpoint_file", "restore_rng", "rng_state"]
 
 
 class TrainerCheckpoint:
@@ -193,3 +192,13 @@ def load_checkpoint_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err
+
+
+def by_class_name(objects: Sequence[Any]) -> dict[str, Any]:
+    """State dicts keyed by class name, as Composer does; repeats get a #index suffix."""
+    out: dict[str, Any] = {}
+    for obj in objects:
+        name = type(obj).__name__
+        key = name if name not in out else f"{name}#{len(out)}"
+        out[key] = obj.state_dict()
+    return out

@@ -7,7 +7,7 @@ responsibility:
 * ``evaluation.Evaluation``: the evaluation and prediction loops;
 * ``resume.TrainerCheckpoint``: ``state_dict`` / ``load_state_dict``;
 * ``bus_link``: everything done with the bus's Publisher;
-* ``setup``: argument checks and construction helpers.
+* ``checks``, ``schedulers``, ``seeding``: argument checks and what is built from the arguments.
 
 The trainer only mutates ``State`` and calls ``Engine.run_event``; everything
 observational (logging, timing, checkpoint writing) belongs in callbacks, and
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
 from typing import Any, Callable, Iterator, Optional, Sequence, TextIO, Union
 
 import torch
@@ -29,37 +28,30 @@ from eventbus.bus.config import BusConfig
 from eventbus.core.engine import Engine
 from eventbus.core.events import Event
 from eventbus.core.logger import ConsoleLogger, Logger, is_logger_destination
+from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time
 from eventbus.errors import ConfigError
 from eventbus.training.algorithm import Algorithm
-from eventbus.training.batch import num_tokens
+from eventbus.training.batch import dataloader_len, num_tokens
 from eventbus.training.bus_link import BusLink, start_bus
-from eventbus.training.clock import StepClock
-from eventbus.training.evaluation import Evaluation
-from eventbus.training.evaluator import Evaluator, IntervalLike
-from eventbus.training.loop import TrainBatches, TrainLoop
-from eventbus.training.model import ComposerModel
-from eventbus.training.precision import check_precision
-from eventbus.training.resume import TrainerCheckpoint
-from eventbus.training.setup import (
-    as_list,
-    build_evaluators,
+from eventbus.training.checks import (
     check_duration,
     check_max_duration,
     check_microbatch_size,
     check_model,
     check_not_empty,
     check_subset,
-    collect_hyperparameters,
-    compile_schedulers,
-    dataloader_len,
-    default_scheduler_step_every_batch,
-    generate_run_name,
-    is_sharded,
-    random_seed,
     resolve_device,
-    seed_everything,
 )
+from eventbus.training.clock import StepClock
+from eventbus.training.evaluation import Evaluation
+from eventbus.training.evaluator import Evaluator, IntervalLike, build_evaluators
+from eventbus.training.loop import TrainBatches, TrainLoop
+from eventbus.training.model import ComposerModel
+from eventbus.training.precision import check_precision
+from eventbus.training.resume import TrainerCheckpoint
+from eventbus.training.schedulers import compile_schedulers, default_scheduler_step_every_batch
+from eventbus.training.seeding import random_seed, seed_everything
 from eventbus.training.state import State
 
 __all__ = ["Trainer"]
@@ -110,7 +102,7 @@ class Trainer:
 
         # Every rank uses rank 0's seed and run name (Composer's rule); each rank seeds with seed + rank.
         seed, run_name = distributed.broadcast_object(
-            (seed if seed is not None else random_seed(), run_name or generate_run_name()))
+            (seed if seed is not None else random_seed(), run_name or new_run_name()))
         seed_everything(seed + rank)
         model = model.to(self._device)
         optimizer_list = self._prepare_parallelism(model, optimizers, world_size)
@@ -119,7 +111,7 @@ class Trainer:
         self.state = State(
             model, run_name=run_name, rank_zero_seed=seed, device=self._device, precision=precision,
             max_duration=check_max_duration(max_duration) if max_duration is not None else None,
-            optimizers=optimizer_list, schedulers=as_list(schedulers),
+            optimizers=optimizer_list, schedulers=_as_list(schedulers),
             callbacks=[cb for cb in callbacks if not is_logger_destination(cb)], algorithms=algorithms,
             device_train_microbatch_size=device_train_microbatch_size, rank=rank, world_size=world_size,
             state_dict_source=self.state_dict,
@@ -131,7 +123,7 @@ class Trainer:
         if compute_training_metrics:
             self.state.train_metrics = model.get_metrics(is_train=True)
 
-        self.run_folder = pathlib.Path(run_folder) if run_folder is not None else pathlib.Path("runs") / run_name
+        self.run_folder = resolve_run_folder(run_name, run_folder)
         self.logger = Logger(self.state, destinations, artifacts_folder=self.run_folder / "artifacts")
         self.engine = Engine(self.state, self.logger)
         every_batch = (step_schedulers_every_batch if step_schedulers_every_batch is not None
@@ -159,10 +151,10 @@ class Trainer:
         """Decide how the model trains across ranks; returns the optimizers (SGD(lr=0.1) by default)."""
         # A model the user sharded with PyTorch's fully_shard (FSDP2) trains as it is; otherwise, under
         # torchrun, a DDP wrapper trains it. The model the callbacks see stays the ComposerModel.
-        self._sharded = is_sharded(model)
+        self._sharded = _is_sharded(model)
         self._ddp = (DistributedDataParallel(model, device_ids=[self._device.index] if self._device.type == "cuda"
                                              else None) if world_size > 1 and not self._sharded else None)
-        optimizer_list = as_list(optimizers) or [torch.optim.SGD(model.parameters(), lr=0.1)]
+        optimizer_list = _as_list(optimizers) or [torch.optim.SGD(model.parameters(), lr=0.1)]
         if self._sharded and len(optimizer_list) != 1:
             raise ConfigError("a sharded (fully_shard) model takes exactly one optimizer")
         return optimizer_list
@@ -185,7 +177,7 @@ class Trainer:
         batches = TrainBatches(state, engine, train_subset_num_batches)
         self._checkpoint = TrainerCheckpoint(state, logger, batches, sharded=self._sharded)
         self._evaluation = Evaluation(state, engine, logger, clock, get_num_tokens_in_batch)
-        self._hyperparameters = collect_hyperparameters(state)
+        self._hyperparameters = _hyperparameters(state)
         capture = start_bus(
             bus, state=state, engine=engine, logger=logger, run_folder=self.run_folder, sharded=self._sharded,
             hyperparameters=self._hyperparameters, checkpoint_source=self._checkpoint.checkpoint_state_dict)
@@ -267,6 +259,36 @@ def _destinations(loggers: Sequence[Any], callbacks: Sequence[Any], *, progress_
     if log_to_console and not any(type(d).__name__ == "ConsoleLogger" for d in destinations):
         destinations.append(ConsoleLogger(log_interval=console_log_interval, stream=console_stream))
     return destinations
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the user sharded the model with PyTorch's fully_shard (FSDP2): its parameters are DTensors."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _hyperparameters(state: State) -> dict[str, Any]:
+    """What INIT logs as hyperparameters and the bus announces; plain JSON types only."""
+    return {
+        "run_name": state.run_name,
+        "seed": state.rank_zero_seed,
+        "max_duration": str(state.max_duration) if state.max_duration is not None else None,
+        "device": str(state.device),
+        "precision": state.precision,
+        "device_train_microbatch_size": state.device_train_microbatch_size,
+        "num_parameters": sum(p.numel() for p in state.model.parameters()),
+        "optimizers": [type(o).__name__ for o in state.optimizers],
+        "world_size": state.world_size,
+    }
 
 
 def _check_arguments(precision: str, microbatch_size: Any, train_subset_num_batches: Any,
