@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import importlib.util
 import math
+import os
 import pathlib
 import re
 import tempfile
@@ -56,6 +59,10 @@ class JobConfig:
     resume: bool = False
     wait_for: list[str] = dataclasses.field(default_factory=list)
     daemon_timeout: float = 60.0
+    tensorboard: bool = False  # the logger daemon also writes TensorBoard event files (<run>/tensorboard)
+    mlflow: Optional[str] = None  # an MLflow tracking URI the logger daemon also logs to
+    wandb: Optional[str] = None  # a W&B project the logger daemon also logs to ($WANDB_MODE=offline works)
+    verbose: bool = False  # the daemons' routine lines too (connecting, following, done)
 
 
 # Keys whose value may also be one comma-separated string, as the flag takes it.
@@ -124,9 +131,16 @@ def load_config_file(path: pathlib.Path) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(JobConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(_nearest(key, known) for key in unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
     check_types(data, where)
     return data
+
+
+def _nearest(key: str, known: set[str]) -> str:
+    """``key``, with the known option it was most likely meant to be: 'bach_size (did you mean batch_size?)'."""
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
 
 
 def _parse_problem(err: Exception, text: str) -> str:
@@ -184,6 +198,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--daemon-timeout", type=float, help="seconds to wait for daemons (default: 60)")
     parser.add_argument("--resume", action="store_true", default=None,
                         help="continue --run-name (default: the latest run) from its latest checkpoint")
+    parser.add_argument("--tensorboard", action="store_true", default=None,
+                        help="the logger daemon also writes TensorBoard event files into <run folder>/tensorboard "
+                             "(needs: pip install 'eventbus[tensorboard]')")
+    parser.add_argument("--mlflow", metavar="URI",
+                        help="the logger daemon also logs to this MLflow tracking URI, e.g. file:///path/mlruns "
+                             "(needs: pip install 'eventbus[mlflow]')")
+    parser.add_argument("--wandb", metavar="PROJECT", help="the logger daemon also logs to this W&B project "
+                                                           "(needs: pip install 'eventbus[wandb]'; WANDB_MODE=offline "
+                                                           "keeps it on this machine)")
+    parser.add_argument("--verbose", action="store_true", default=None,
+                        help="the daemons also say what they connect to, follow and did")
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
@@ -249,6 +274,8 @@ def validate_config(config: JobConfig) -> None:
     resolve_device(config.device)
     if config.bus is not None and not config.bus.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"bus must be ipc://PATH or tcp://HOST:PORT, got {config.bus!r}")
+    _check_bus_is_guarded(config.bus)
+    _check_trackers(config)
     if config.run_name is not None and not RUN_NAME.fullmatch(config.run_name):
         raise ConfigError(f"run-name must be a plain folder name (letters, digits, '.', '_', '-'; no '/'), "
                           f"got {config.run_name!r}")
@@ -305,6 +332,43 @@ def _check_checkpoint_options(config: JobConfig) -> None:
             raise ConfigError(f"save-folder must be a URL (s3://bucket/prefix, gs://..., file:///path), "
                               f"got {config.save_folder!r}")
         RemoteFolder(config.save_folder.split("{")[0], options)  # scheme known, its package installed
+
+
+def _check_bus_is_guarded(bus: Optional[str]) -> None:
+    """A tcp address other than loopback needs CURVE keys (the trainer reads them from the environment):
+    refused here, before the run folder exists, instead of when the bus binds."""
+    from urllib.parse import urlsplit
+
+    if bus is None or not bus.startswith("tcp://"):
+        return
+    host = urlsplit(bus).netloc.rpartition(":")[0].strip("[]")
+    keyed = os.environ.get("EVENTBUS_SERVER_SECRET_KEY") and os.environ.get("EVENTBUS_AUTHORIZED_KEYS")
+    if host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+        raise ConfigError(
+            f"bus {bus!r} is reachable from other machines, so it needs CURVE keys: run 'eventbus keys generate "
+            "DIR', then set EVENTBUS_SERVER_SECRET_KEY=DIR/server.key_secret and EVENTBUS_AUTHORIZED_KEYS="
+            "DIR/authorized (and, for the daemons, EVENTBUS_CLIENT_SECRET_KEY=DIR/client.key_secret and "
+            "EVENTBUS_SERVER_PUBLIC_KEY=DIR/server.key); or use --bus tcp://127.0.0.1:PORT")
+
+
+# What each tracker option needs: the package the logger daemon imports for it.
+_TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+
+
+def _check_trackers(config: JobConfig) -> None:
+    """--tensorboard, --mlflow and --wandb go through the logger daemon, whose package must be installed."""
+    asked = [name for name in _TRACKER_PACKAGES if getattr(config, name)]
+    if asked and "logger" not in config.daemons:
+        raise ConfigError(f"{', '.join('--' + name for name in asked)} needs the logger daemon "
+                          f"(--daemons {','.join([*config.daemons, 'logger'])})")
+    for name in asked:
+        if importlib.util.find_spec(_TRACKER_PACKAGES[name]) is None:
+            raise ConfigError(f"--{name} needs the {_TRACKER_PACKAGES[name]} package: "
+                              f"pip install 'eventbus[{name}]'")
+    for name in ("mlflow", "wandb"):
+        value = getattr(config, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{name} must name {'a tracking URI' if name == 'mlflow' else 'a project'}, got ''")
 
 
 def _check_writable(folder: pathlib.Path) -> None:
