@@ -190,33 +190,41 @@ def _names(tree: ast.AST) -> tuple[list[str], list[tuple[str, int, list[str]]]]:
     return imports, uses
 
 
-CHECK_SNIPPET = """
-import inspect, json, sys
-snippet = json.loads(sys.argv[1])
-namespace = {}
-for statement in snippet["imports"]:
-    exec(statement, namespace)
-for dotted, arity, keywords in snippet["uses"]:
-    value = eval(dotted, namespace)  # an AttributeError names what the README uses and the code lacks
-    if arity < 0:
-        continue
+CHECK_SNIPPETS = """
+import inspect, json, sys, traceback
+failures = []
+for index, snippet in enumerate(json.loads(sys.argv[1])):
+    namespace = {}
     try:
-        signature = inspect.signature(value)
-    except (TypeError, ValueError):
-        continue
-    signature.bind_partial(*[None] * arity, **dict.fromkeys(keywords))  # a TypeError names the argument
+        for statement in snippet["imports"]:
+            exec(statement, namespace)
+        for dotted, arity, keywords in snippet["uses"]:
+            value = eval(dotted, namespace)  # an AttributeError names what the README uses and the code lacks
+            if arity < 0:
+                continue
+            try:
+                signature = inspect.signature(value)
+            except (TypeError, ValueError):
+                continue
+            signature.bind_partial(*[None] * arity, **dict.fromkeys(keywords))  # a TypeError names the argument
+    except Exception:
+        failures.append(f"snippet {index}:\\n{traceback.format_exc(limit=2)}")
+print("\\n".join(failures), file=sys.stderr)
+sys.exit(1 if failures else 0)
 """
 
 
-@pytest.mark.parametrize("index", range(len(blocks("python"))))
-def test_each_python_snippet_imports_and_calls_what_exists(index):
-    tree = ast.parse(blocks("python")[index])
-    imports, uses = _names(tree)
-    assert imports, "a snippet with nothing to import checks nothing: show where its names come from"
-    result = subprocess.run([sys.executable, "-c", CHECK_SNIPPET, json.dumps({"imports": imports, "uses": uses})],
-                            capture_output=True, text=True, timeout=120,
+def test_every_python_snippet_imports_and_calls_what_exists():
+    """One process for all snippets: the trainers' imports are the slow part."""
+    snippets = []
+    for index, body in enumerate(blocks("python")):
+        imports, uses = _names(ast.parse(body))
+        assert imports, f"snippet {index} imports nothing, so checks nothing: show where its names come from"
+        snippets.append({"imports": imports, "uses": uses})
+    result = subprocess.run([sys.executable, "-c", CHECK_SNIPPETS, json.dumps(snippets)],
+                            capture_output=True, text=True, timeout=180,
                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONWARNINGS="ignore"))
-    assert result.returncode == 0, f"snippet {index}:\n{blocks('python')[index]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def _shown(prefix: str) -> str:
