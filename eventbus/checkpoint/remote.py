@@ -1,8 +1,9 @@
 """Checkpoint folders at fsspec URLs (``s3://``, ``gs://``, ``file://``...), with retries.
 
-fsspec (and the filesystem for the URL's scheme, e.g. s3fs) and tenacity are
-optional: ``pip install 'eventbus[s3]'``. A URL whose filesystem is missing, an
-unknown scheme, or refused credentials is a one-line :class:`ConfigError`.
+fsspec and the filesystem for the URL's scheme (e.g. s3fs) are optional:
+``pip install 'eventbus[s3]'``; tenacity, for the retries, comes with eventbus.
+A URL whose filesystem is missing, an unknown scheme, or refused credentials is
+a one-line :class:`ConfigError`.
 Every remote call is retried with exponential backoff, since object stores
 fail transiently (throttling, a dropped connection); errors that retrying
 cannot fix (no such file, access denied) fail at once.
@@ -90,10 +91,8 @@ def _first_line(err: BaseException) -> str:
 
 
 def _retrying(attempts: int, wait: float) -> Any:
-    try:
-        import tenacity
-    except ImportError:
-        raise ConfigError("remote checkpoint folders need tenacity: pip install 'eventbus[s3]'") from None
+    import tenacity  # a dependency of eventbus itself (every tracker retries with it too)
+
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(max(1, attempts)),
         wait=tenacity.wait_exponential(multiplier=wait, max=max(wait, 30.0)),

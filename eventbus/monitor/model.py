@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import fnmatch
 import math
 import time
@@ -33,6 +34,7 @@ class SeriesView:
     key: str
     latest: Any = None
     values: list[float] = dataclasses.field(default_factory=list)
+    note: Optional[str] = None  # shown instead of the plot: no logged metric matches the key or pattern
 
 
 @dataclasses.dataclass
@@ -398,8 +400,8 @@ class Tracker:
         if state is not None:
             self._fill_progress(view, state)
             self._fill_panels(view, state)
-        view.series = [SeriesView(key, self.latest.get(key), self._series[key].points() if key in self._series else [])
-                       for key in self._plotted_keys()]
+        view.series = [SeriesView(key, self.latest.get(key), self._series[key].points() if key in self._series else [],
+                                  self._no_match(key)) for key in self._plotted_keys()]
         self._rate.fill(view, now, whole_run=self.journal_mode or self.ended, live=not self.journal_mode,
                         has_state=state is not None)
         if self.subscriber_stats is not None and not self.journal_mode:
@@ -407,11 +409,24 @@ class Tracker:
         self.trainer.fill(view, now)
         return view
 
+    def _no_match(self, key: str) -> Optional[str]:
+        """For a key or pattern no logged metric matches (yet): says so, with the nearest logged key."""
+        if key in self.latest or not self.latest:
+            return None
+        stem = key.split("*")[0].split("?")[0].split("[")[0]  # a pattern is compared by what comes before '*'
+
+        def likeness(logged: str) -> float:
+            return difflib.SequenceMatcher(None, stem, logged if stem == key else logged[:len(stem)]).ratio()
+
+        nearest = max(sorted(self.latest), key=likeness)
+        return "no metric matches" + (f" (nearest: {nearest})" if likeness(nearest) >= 0.6 else "")
+
     def _plotted_keys(self) -> list[str]:
         keys: list[str] = []
         for pattern in self.patterns:
             if any(ch in pattern for ch in "*?["):
-                keys += sorted(k for k in self.latest if fnmatch.fnmatchcase(k, pattern) and k not in keys)
+                matched = sorted(k for k in self.latest if fnmatch.fnmatchcase(k, pattern) and k not in keys)
+                keys += matched or [pattern]  # a pattern matching nothing is shown as itself, with _no_match
             elif pattern not in keys:
                 keys.append(pattern)
         return keys

@@ -122,7 +122,7 @@ def _series_rows(view: ViewModel, width: int) -> list[str]:
         if room < 8:
             extent, room = "", width - key_width - 1 - 11 - 1
         label = series.key if len(series.key) <= key_width else ellipsis + series.key[-(key_width - 1):]
-        plot = sparkline(points, max(0, room), view.ascii_only)
+        plot = series.note or sparkline(points, max(0, room), view.ascii_only)
         lines.append(f"{label:<{key_width}} {value:>10} {plot}{extent}")
     return lines
 
