@@ -208,8 +208,8 @@ class SnapshotAsker(threading.Thread):
 
 def test_a_snapshot_flood_is_refused_while_another_clients_snapshot_and_replay_are_answered(tmp_path):
     """Snapshot and replay replies draw on one budget per client: the flooder gets its share and is
-    refused beyond it (counted, told once per silence, logged once per 10 s); another client's budget
-    is its own."""
+    refused beyond it (counted, logged once per 10 s, never answered: a reply would cost the trainer
+    what the refusal saves); another client's budget is its own."""
     trainer = Trainer(make_model(), make_loader(num_samples=512, batch_size=8), max_duration="1ep", device="cpu",
                       run_name="snapshots", bus=BusConfig(address=bus_address(tmp_path)))
     publisher = trainer.publisher
@@ -242,8 +242,7 @@ def test_a_snapshot_flood_is_refused_while_another_clients_snapshot_and_replay_a
     stats = publisher.stats()
     refused = stats.refused["over budget"]
     assert refused >= 100 and stats.failed_requests == 0
-    # Told why at the start of each silence, not once per request: far fewer error replies than refusals.
-    assert 0 < flooder.errors < refused / 2
+    assert flooder.errors == 0  # a client over its own budget gets nothing back
     assert flooder.answered >= Budget().requests_per_second  # its share: a second's worth at once, at least
     assert any("over this client's budget" in message for message in warnings.messages), list(warnings.messages)
     assert len(warnings.messages) < 10
