@@ -171,7 +171,7 @@ def run(quick: bool) -> dict:
     for _ in range(repeats):
         for kind in ORDER:
             cycles[kind].append(_cycle(trainer, clock, sampler, log, kind, window))
-    publisher.leases.request_stop("benchmark done")
+    publisher.stops.request("benchmark done")
     training.join(60)
     closing = threading.Thread(target=trainer.close, daemon=True)
     closed_at = time.perf_counter()

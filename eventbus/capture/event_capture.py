@@ -172,10 +172,10 @@ class EventCapture(EventSink):
         if self.distributed:
             if self._agreed_stop:
                 self._agreed_stop = False
-                reason = self.leases.pop_stop() or "a subscriber asked another rank to stop"
+                reason = self.publisher.stops.pop() or "a subscriber asked another rank to stop"
                 state.stop_training(reason)
-        elif self.leases.wants_stop():
-            state.stop_training(self.leases.pop_stop())
+        elif self.publisher.stops.wanted():
+            state.stop_training(self.publisher.stops.pop())
 
     def _changes(self, event: Event, state: CaptureSource) -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""

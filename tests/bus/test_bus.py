@@ -216,7 +216,7 @@ class HoldUntilStopRequested(Callback):
     def batch_start(self, state, logger):
         if int(state.timestamp.batch) == self.batch:
             deadline = time.monotonic() + 60
-            while not self.trainer.publisher.leases.wants_stop():
+            while not self.trainer.publisher.wants_stop():
                 assert time.monotonic() < deadline, "the worker's stop request never reached the trainer"
                 time.sleep(0.005)
 

@@ -153,7 +153,7 @@ def test_gradient_norms_are_computed_only_while_a_subscriber_holds_a_lease(tmp_p
 def test_a_stop_request_stops_the_source_at_batch_end(tmp_path):
     capture, publisher = capture_for(tmp_path)
     source = toy_source()
-    publisher.leases.request_stop("plateau")
+    publisher.stops.request("plateau")
     one_batch(source)
     capture.publish(Event.AFTER_TRAIN_BATCH, source)
     assert source.stop_reason is None  # only at BATCH_END

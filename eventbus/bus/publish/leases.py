@@ -1,10 +1,11 @@
-"""What subscribers asked of the trainer, shared by the bus thread (writer) and the training thread (reader).
+"""What subscribers asked of the trainer, shared by the bus thread (writer) and the training thread (reader):
+capture leases (:class:`Leases`) and stop requests (:class:`StopRequests`).
 
 Capture leases (grad norms, memory, flops, checkpoints, weights) expire unless renewed,
 so a worker that goes away stops costing the trainer anything. The ``weights`` lease
 is also kept per holder (which worker, at which events): a staged weights buffer
 is held until each holder of that moment has applied its event, or its lease expired. Stop requests
-queue until the training thread applies one at its next BATCH_END. The bus
+are not leases: they queue until the training thread applies one at its next BATCH_END. The bus
 thread replaces the lease table whole, so the training thread reads it without
 a lock; the deque is thread-safe for one appender and one popper.
 """
@@ -17,19 +18,18 @@ from typing import Iterable, Optional
 
 from eventbus.bus.protocol import WEIGHTS_EVENTS, WEIGHTS_LEASE
 
-__all__ = ["Leases"]
+__all__ = ["Leases", "StopRequests"]
 
 MAX_WEIGHTS_HOLDERS = 64  # workers reading staged weights at once (the table is bounded like every other)
 
 
 class Leases:
-    """Capture leases, checkpoint options and stop requests of one publisher."""
+    """Capture leases and checkpoint options of one publisher."""
 
     def __init__(self) -> None:
         # name -> (expiry on the monotonic clock, every N batches); replaced whole, read without a lock.
         # Public so the training thread's per-event check is one attribute read.
         self.captures: dict[str, tuple[float, int]] = {}
-        self._stops: collections.deque[str] = collections.deque(maxlen=64)
         self.checkpoint_options: dict[str, str] = {}
         # holder -> (expiry, the weights events it reads them at); replaced whole, like ``captures``.
         self.weights_holders: dict[str, tuple[float, frozenset[str]]] = {}
@@ -57,9 +57,6 @@ class Leases:
             self.checkpoint_options = dict(checkpoint_options)
         self.captures = captures
 
-    def request_stop(self, reason: str) -> None:
-        self._stops.append(reason)
-
     # ---------------------------------------------------------------- training thread
 
     def holds(self, name: str) -> bool:
@@ -82,8 +79,20 @@ class Leases:
         lease = self.weights_holders.get(holder)
         return lease is not None and lease[0] > time.monotonic()
 
-    def wants_stop(self) -> bool:
-        return bool(self._stops)
 
-    def pop_stop(self) -> Optional[str]:
-        return self._stops.popleft() if self._stops else None
+class StopRequests:
+    """Subscribers' requests to stop training, with their reasons: the bus thread appends, the training
+    thread applies one at its next BATCH_END. Bounded: a flood of requests keeps the latest 64."""
+
+    def __init__(self) -> None:
+        self._reasons: collections.deque[str] = collections.deque(maxlen=64)
+
+    def request(self, reason: str) -> None:
+        self._reasons.append(reason)
+
+    def wanted(self) -> bool:
+        return bool(self._reasons)
+
+    def pop(self) -> Optional[str]:
+        """The oldest reason not yet applied, or None."""
+        return self._reasons.popleft() if self._reasons else None

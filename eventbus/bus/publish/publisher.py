@@ -39,7 +39,7 @@ from eventbus.bus.config import (
 from eventbus.bus.journal import JOURNAL_NAME, JournalWriter
 from eventbus.bus.protocol import LARGEST_REQUEST_BYTES, STOPS_LEASE
 from eventbus.bus.publish.history import History
-from eventbus.bus.publish.leases import Leases
+from eventbus.bus.publish.leases import Leases, StopRequests
 from eventbus.bus.publish.payload import PayloadBuilder, resolve
 from eventbus.bus.publish.records import EndRecord, EventRecord, HyperparametersRecord, MetricsRecord, Record
 from eventbus.bus.publish.service import PublisherStats, RequestService, StagingArea, SubscriberTable
@@ -66,6 +66,7 @@ class Publisher:
         self.run_id = run_id or uuid.uuid4().hex
         self.rank = rank
         self.leases = Leases()  # what subscribers asked of the training thread
+        self.stops = StopRequests()  # ...and their requests to stop training
         self.staging = staging
         self.hyperparameters: dict[str, Any] = {}
         self._stats = PublisherStats()
@@ -84,7 +85,7 @@ class Publisher:
         return self.leases.holds("checkpoint") and self.staging is not None
 
     def wants_stop(self) -> bool:
-        return self.leases.wants_stop()
+        return self.stops.wanted()
 
     def start(self, header: dict[str, Any]) -> None:
         """Bind the sockets and open the journal on the bus thread; raises ConfigError if that fails."""
@@ -215,7 +216,8 @@ class _BusThread(threading.Thread):
         self._service = RequestService(self._router, self._history, publisher.leases, self._stats,
                                        self._subscribers, self._publish_metrics, publisher.staging,
                                        self.config.max_message_bytes, self._publish_hyperparameters,
-                                       trusted=is_trusted_endpoint(publisher.service_address, self._keys is not None))
+                                       trusted=is_trusted_endpoint(publisher.service_address, self._keys is not None),
+                                       stops=publisher.stops)
         self._emit(Kind.HEADER, None, resolve(self._header))
         self._started.set()
         try:

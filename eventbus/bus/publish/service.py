@@ -49,7 +49,7 @@ from eventbus.bus.protocol import (
 )
 from eventbus.bus.publish.budgets import OVER_TOTAL, Budget, ClientBudgets
 from eventbus.bus.publish.history import History
-from eventbus.bus.publish.leases import Leases
+from eventbus.bus.publish.leases import Leases, StopRequests
 from eventbus.errors import ProtocolError
 
 __all__ = ["RequestService", "PublisherStats", "SubscriberTable", "StagingArea"]
@@ -149,11 +149,11 @@ class RequestService:
                  subscribers: SubscriberTable, publish_metrics: Callable[[dict[str, Any]], None],
                  staging: Optional[StagingArea], max_message_bytes: int,
                  publish_hyperparameters: Optional[Callable[[dict[str, Any], Optional[int]], bool]] = None, *,
-                 trusted: bool, budget: Optional[Budget] = None):
+                 trusted: bool, stops: StopRequests, budget: Optional[Budget] = None):
         """``trusted``: every client of ``router`` is authenticated (an ipc socket in the private run
         folder, or CURVE); otherwise only read-only operations are answered. ``budget``: what one
         client's snapshot and replay requests may cost per second."""
-        self._router, self._history, self._leases = router, history, leases
+        self._router, self._history, self._leases, self._stops = router, history, leases, stops
         self._stats, self.subscribers = stats, subscribers
         self._publish_metrics = publish_metrics
         self._publish_hyperparameters = publish_hyperparameters or (lambda hyperparameters, limit: False)
@@ -328,7 +328,7 @@ class RequestService:
     def _stop(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1
         reason = request.get("reason") or "stop requested by a subscriber"
-        self._leases.request_stop(f"{reason} (from {request.source})" if request.source else reason)
+        self._stops.request(f"{reason} (from {request.source})" if request.source else reason)
 
     def _metrics(self, route: list[bytes], request: Request) -> None:
         self._stats.control_messages += 1
