@@ -1,6 +1,6 @@
 """The layout's promises: the bus, the monitor and the proxy work in a process that has no torch; the bus's
-two wings (publish, subscribe) meet only in the shared wire modules; no import circles; core imports
-nothing above it."""
+two wings (publish, subscribe) meet only in the shared wire modules; the folders form layers and no import
+runs from a lower one to a higher one; no import circles; no module over 450 lines, no class over 300."""
 
 from __future__ import annotations
 
@@ -190,3 +190,76 @@ def test_core_imports_nothing_above_it():
         if name.startswith("eventbus.core"):
             above = sorted(i for i in imported if not i.startswith(("eventbus.core", "eventbus.errors")))
             assert above == [], f"{name} imports {above}"
+
+
+# ---------------------------------------------------------------------------------------- layers and sizes
+
+# Lowest first. A module may import its own layer and those below; the bus's two wings share a layer and
+# never import each other (tested above). The package root's lazy re-exports reach every layer, so only the
+# top layer (and tests) may import ``eventbus`` itself.
+LAYERS = (
+    ("eventbus.errors", "eventbus.version", "eventbus.core", "eventbus.distributed"),
+    ("eventbus.bus",),  # the shared wire modules
+    ("eventbus.bus.publish", "eventbus.bus.subscribe"),
+    ("eventbus.checkpoint", "eventbus.trackers"),
+    ("eventbus.capture",),
+    ("eventbus.training", "eventbus.integrations", "eventbus.runtime"),
+    ("eventbus.run", "eventbus.monitor", "eventbus.export", "eventbus.cli", "eventbus.__main__"),
+    ("workers", "eventbus"),
+)
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 300
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix that names ``module``'s folder (``eventbus`` alone: the root only)."""
+    found = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or (prefix != "eventbus" and module.startswith(prefix + "."))]
+    assert found, f"{module} is in no layer: add its folder to LAYERS"
+    return max(found)[1]
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    upward = sorted(f"{name} -> {imported}" for name, imports in import_graph(type_only=True).items()
+                    for imported in imports if imported != "eventbus" and layer_of(imported) > layer_of(name))
+    assert upward == [], "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_only_the_top_layer_imports_the_package_root():
+    top = len(LAYERS) - 1
+    importers = sorted(name for name, imports in import_graph(type_only=True).items()
+                       if "eventbus" in imports and layer_of(name) != top)
+    assert importers == [], f"import the module that defines the name, not the package root: {importers}"
+
+
+def test_no_module_over_450_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    over = sorted(f"{name}: {lines}" for name, lines in sizes.items() if lines > MAX_MODULE_LINES)
+    assert over == [], f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_no_class_over_300_lines():
+    over = sorted(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1}"
+                  for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+                  and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES)
+    assert over == [], f"classes over {MAX_CLASS_LINES} lines: {over}"
+
+
+def folder_of(name: str, path: pathlib.Path) -> str:
+    """The folder a module lives in; a module at the top of a package (``eventbus/cli.py``) is a room of its own."""
+    if path.name == "__init__.py" or path.parent.name in PACKAGES:
+        return name
+    return name.rsplit(".", 1)[0]
+
+
+def test_no_import_circle_crosses_a_folder():
+    """Between folders the arrows run one way, also within a layer (``training`` and ``runtime``)."""
+    known = modules()
+    folders: dict[str, set[str]] = {}
+    for name, imports in import_graph(type_only=True).items():
+        folder = folder_of(name, known[name])
+        folders.setdefault(folder, set()).update(folder_of(i, known[i]) for i in imports)
+    for folder in folders:
+        folders[folder].discard(folder)
+    assert circles(folders) == []
