@@ -5,6 +5,12 @@
 neither torch nor eventbus, so that it starts fast and its own buffers never count in the trainer's
 memory. Requests are packed here as the wire packs them (a msgpack map with ``v`` and ``op``).
 
+``python -m bench.flooder bystander PUB_ADDRESS SERVICE_ADDRESS`` is the floods' other target: a process
+that binds the two sockets a trainer's bus binds, with the same options, and only reads and discards
+what comes (printing ``reading`` once bound). The same flood aimed at it costs the trainer what the
+machine spends moving the flood's bytes (the attacker, the kernel, a ZeroMQ I/O thread): the floor a
+trainer's own answer to that flood is measured against.
+
 Floods (the ones issue 14 measured before the bounds were built):
 
 * ``replay``    -- 4 DEALER clients ask for seqs 1..10**9 over and over and never read a reply.
@@ -190,7 +196,33 @@ def zmtp(context: zmq.Context, pub: str, run_id: str) -> Callable[[], int]:
     return round_
 
 
+def bystander(pub: str, service: str) -> int:
+    """Bind as a trainer's bus does and read and discard everything, until killed."""
+    from eventbus.bus.protocol import LARGEST_REQUEST_BYTES  # the trainer's limit (no torch: a light import)
+
+    context = zmq.Context()
+    xpub, router = context.socket(zmq.XPUB), context.socket(zmq.ROUTER)
+    for sock in (xpub, router):
+        sock.setsockopt(zmq.MAXMSGSIZE, LARGEST_REQUEST_BYTES + 64 * 1024)  # as eventbus.bus.publish.publisher
+        sock.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVHWM, 64)
+    xpub.bind(pub)
+    router.bind(service)
+    poller = zmq.Poller()
+    poller.register(xpub, zmq.POLLIN)
+    poller.register(router, zmq.POLLIN)
+    discard = bytearray()  # a frame received into it is dropped by ZeroMQ, never copied
+    print("reading", flush=True)
+    while True:
+        for sock, _ in poller.poll():
+            sock.recv_into(discard)
+            while sock.get(zmq.RCVMORE):
+                sock.recv_into(discard)
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "bystander":
+        return bystander(*argv[1:])
     kind, pub, service, run_id = argv
     context = zmq.Context()
     target = pub if kind == "zmtp" else service
