@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
                                           "runs/<run_name>/.")
     add_run_arguments(run)
 
+    from eventbus.run.daemons import add_daemons_arguments
+
+    daemons = commands.add_parser("daemons", help="eventbus run's daemons for a run started elsewhere (a script, "
+                                                  "an adapter, a hand-written loop)",
+                                  description="Start the daemons eventbus run starts (logger, timing, checkpoint, "
+                                              "health) following a run; they exit when it ends. Results go to "
+                                              "the run's folder.")
+    add_daemons_arguments(daemons)
+
     # Listed here for `eventbus --help` only: main() hands everything after "monitor" to the
     # monitor's own parser, which owns its arguments (options before the address, --help).
     commands.add_parser(
@@ -221,6 +230,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from eventbus.run.job import run_job
 
         return run_job(args)
+    if args.command == "daemons":
+        from eventbus.run.daemons import run_daemons
+
+        return run_daemons(args)
     if args.command == "keys":
         return _generate_keys(args)
     if args.command == "status":

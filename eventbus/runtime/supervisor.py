@@ -118,11 +118,22 @@ class DaemonSet:
               who: str = "eventbus") -> "DaemonSet":
         """Start ``options.names`` on ``publisher``'s bus and wait (up to ``options.timeout``) until each
         has connected; ConfigError if one exits while starting (the others are stopped)."""
+        daemons = cls.spawn(options, publisher.address, run_folder, who)
+        try:
+            wait_for_subscribers(publisher, daemons.names, options.timeout, daemons.children, who=who)
+        except BaseException:
+            stop_daemons(daemons.children, timeout=0.0)
+            raise
+        return daemons
+
+    @classmethod
+    def spawn(cls, options: Daemons, address: str, run_folder: pathlib.Path, who: str = "eventbus") -> "DaemonSet":
+        """Start ``options.names`` following the run at ``address`` (they connect, or wait for it, by themselves)."""
         names = [n for n in options.names if n != "timing" or importlib.util.find_spec("workers.timing")]
         children: list[subprocess.Popen] = []
         try:
             for name in names:
-                command = daemon_command(name, publisher.address, run_folder, options)
+                command = daemon_command(name, address, run_folder, options)
                 # The logger draws the progress bar on the terminal itself; the others' log lines pass through
                 # the job, which puts each on a line of its own instead of gluing it onto the bar.
                 stderr = None if name == "logger" else subprocess.PIPE
@@ -133,11 +144,10 @@ class DaemonSet:
                 if child.stderr is not None:
                     threading.Thread(target=_forward_lines, args=(child.stderr,), daemon=True,
                                      name=f"stderr-{name}").start()
-            print(f"{who}: starting daemons: {', '.join(names)}", file=sys.stderr, flush=True)
-            wait_for_subscribers(publisher, names, options.timeout, children, who=who)
         except BaseException:
             stop_daemons(children, timeout=0.0)
             raise
+        print(f"{who}: starting daemons: {', '.join(names)}", file=sys.stderr, flush=True)
         return cls(options, names, children, run_folder)
 
     def stop(self, timeout: float = 60.0) -> list[Optional[int]]:

@@ -175,3 +175,20 @@ def test_two_ranks_under_torchrun_stop_at_the_same_step_and_resume(tmp_path):
         assert resumed["started_at"] == 4 and resumed["step"] == 8
         assert resumed["losses"] == {s: v for s, v in expected[rank]["losses"].items() if int(s) > 4}
         assert resumed["weights"] == expected[rank]["weights"]
+
+
+def test_eventbus_daemons_serves_a_run_started_without_them(tmp_path):
+    """``eventbus daemons runs/loop`` started before the loop: the same daemons follow it, write its
+    metrics and checkpoints, and exit 0 when the run ends."""
+    daemons = Process(["-m", "eventbus", "daemons", "runs/loop", "--save-interval", "2ba"], cwd=tmp_path, env=ENV)
+    try:
+        daemons.wait_for("starting daemons: logger, timing, checkpoint, health", timeout=60)
+        finished(loop(tmp_path, "--wait-checkpoint-worker"))
+        output = finished(daemons, timeout=120)
+    finally:
+        daemons.kill()
+    assert "eventbus daemons: done\n" in output + "\n"  # every daemon exited 0
+    folder = tmp_path / "runs" / "loop"
+    logged = {int(step): value for step, value in result(tmp_path)["logged"].items()}
+    assert {step: row["train/loss"] for step, row in metrics(folder).items() if "train/loss" in row} == logged
+    assert torch.load(folder / "checkpoints" / "latest-rank0.pt", weights_only=True)["state"]["timestamp"]["batch"] == 8
