@@ -11,6 +11,7 @@ journals and sends. Nothing here reads a device value.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import pathlib
@@ -129,6 +130,8 @@ class BusAdapter:
                   file=sys.stderr, flush=True)
             if self.daemon_options is not None:  # one set for the job; the other ranks wait in the first collective
                 self.daemons = DaemonSet.start(self.daemon_options, self.capture.publisher, folder)
+                # A trainer that calls no hook on Ctrl-C (Hugging Face's): the run still ends for the daemons.
+                atexit.register(self.close)
 
     def publish(self, event: Event) -> None:
         """Capture one event of the current state (training thread; never blocks)."""

@@ -7,6 +7,7 @@
 ``supervise`` -- the daemons as child processes: command lines, start, wait, stop.
 ``summary`` -- the closing lines, with an address a client can dial.
 ``job`` -- :func:`run_job`: the trainer assembled from the config, trained with its daemons.
+``daemons`` -- ``eventbus daemons``: the same daemons for a run started elsewhere.
 
 Importing this package imports none of them (``eventbus --help`` stays fast).
 """
