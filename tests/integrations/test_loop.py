@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -192,3 +193,22 @@ def test_eventbus_daemons_serves_a_run_started_without_them(tmp_path):
     logged = {int(step): value for step, value in result(tmp_path)["logged"].items()}
     assert {step: row["train/loss"] for step, row in metrics(folder).items() if "train/loss" in row} == logged
     assert torch.load(folder / "checkpoints" / "latest-rank0.pt", weights_only=True)["state"]["timestamp"]["batch"] == 8
+
+
+def test_ctrl_c_ends_the_loop_and_its_daemons_cleanly(tmp_path):
+    """``daemons=True`` and Ctrl-C mid-run: the run ends on the bus, every daemon exits 0, files written."""
+    run = loop(tmp_path, "--daemons", "default", "--epochs", "50", "--sleep", "0.05")
+    try:
+        run.wait_for("starting daemons", timeout=120)
+        journal = tmp_path / "runs" / "loop" / "events.journal"
+        run.wait_for("epoch 2", timeout=120)  # the logger daemon's progress: training is under way
+        run.proc.send_signal(signal.SIGINT)
+        code = run.finish(timeout=120)
+    finally:
+        run.kill()
+    output = "\n".join(run.stdout + run.stderr)
+    assert code != 0 and "KeyboardInterrupt" in output  # the loop's own Ctrl-C, as without eventbus
+    assert "eventbus: daemons done\n" in output + "\n", output[-3000:]  # every daemon exited 0
+    assert journal.stat().st_size > 0 and (tmp_path / "runs" / "loop" / "metrics.jsonl").stat().st_size > 0
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not [line for line in ps.splitlines() if "workers." in line and str(tmp_path) in line]
