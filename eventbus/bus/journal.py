@@ -7,13 +7,13 @@ restarted run) starts a new segment, so a torn tail left by a crash stays a
 tail. With ``segment_bytes`` set, a writer also starts a new segment once the
 current one reaches that size; a record never spans two segments.
 
-Segment header: ``MAGIC3`` (12 bytes), ``u64`` writer token (random per
+Segment header: ``MAGIC`` (12 bytes), ``u64`` writer token (random per
 writer: segments of one writer continue its seqs), ``u32`` ordinal of the
 segment within that writer. Record: ``SYNC`` (4 bytes), ``u32`` length,
 ``u32`` CRC32 of (length, seq, count, message), ``u64`` seq, ``u32`` count,
 message bytes (little-endian). A record holds one frame: a window of ``count``
-messages, seqs ``seq..seq + count - 1`` (see :mod:`eventbus.bus.wire`).
-Segments of the ``MAGIC2`` format (a record per message, no count) are still read.
+messages, seqs ``seq..seq + count - 1`` (format 4 of :mod:`eventbus.bus.wire`).
+Segments of earlier formats (written by an earlier eventbus) are reported, not read.
 
 Guarantees for readers (:class:`JournalReader`):
 
@@ -23,9 +23,8 @@ Guarantees for readers (:class:`JournalReader`):
   between the records around it;
 * a torn tail (a prefix of one record, as a crash mid-write leaves it) ends a
   segment silently: that record was never sent;
-* a symlink in place of a segment is not followed (reported as damage);
-* journals of the first format (``MAGIC``, no sync marker) are read up to their
-  first damaged record, which is reported.
+* a symlink in place of a segment, or a segment of an earlier format, is not
+  read (reported as damage).
 
 Memory: readers hold one record and a 1 MiB scan window; the writer's seq index
 is sparse (one entry per 256 KiB written).
@@ -41,7 +40,7 @@ import os
 import pathlib
 import struct
 import zlib
-from typing import BinaryIO, Callable, Iterator, Optional, Union
+from typing import BinaryIO, Iterator, Optional, Union
 
 from eventbus.bus import wire
 from eventbus.errors import ConfigError
@@ -50,16 +49,12 @@ __all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "re
            "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
 
 JOURNAL_NAME = "events.journal"
-MAGIC = b"EVBJOURNAL1\n"  # the first format: [u32 length][u32 crc32][message], no seqs, no resync
-MAGIC2 = b"EVBJOURNAL2\n"  # a record per message
-MAGIC3 = b"EVBJOURNAL3\n"  # a record per window, with its message count
+MAGIC = b"EVBJOURNAL4\n"  # a record per window (wire format 4), with its message count
+_EARLIER = (b"EVBJOURNAL1\n", b"EVBJOURNAL2\n", b"EVBJOURNAL3\n")  # earlier formats: reported, not read
 SYNC = b"\xa5EvR"  # starts every record: what a reader looks for to resynchronise after damage
 _SEGMENT = struct.Struct("<12sQI")  # magic, writer token, segment ordinal within the writer
 _RECORD = struct.Struct("<4sIIQI")  # sync, length, crc32, first seq, count
 _CHECKED = struct.Struct("<IQI")  # the header fields the CRC covers with the message: a bad length fails it
-_RECORD2 = struct.Struct("<4sIIQ")  # MAGIC2: sync, length, crc32, seq
-_CHECKED2 = struct.Struct("<IQ")
-_V1_RECORD = struct.Struct("<II")
 _MAX_RECORD = 1 << 30
 _SCAN_WINDOW = 1 << 20
 _INDEX_EVERY = 256 << 10  # bytes between two entries of the writer's sparse seq index
@@ -116,7 +111,7 @@ class JournalWriter:
             except FileExistsError:
                 number += 1  # another writer took it first
         file = os.fdopen(fd, "wb")
-        file.write(_SEGMENT.pack(MAGIC3, self._token, len(self._segments)))
+        file.write(_SEGMENT.pack(MAGIC, self._token, len(self._segments)))
         self._segments.append(path)
         self.path = path  # the segment being written
         self.offset = _SEGMENT.size
@@ -199,25 +194,21 @@ def _open_nofollow(path: pathlib.Path) -> BinaryIO:
     return os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
 
 
-def _parse(file: BinaryIO, offset: int, size: int, v2: bool = False) -> Optional[tuple[int, int, bytes]]:
+def _parse(file: BinaryIO, offset: int, size: int) -> Optional[tuple[int, int, bytes]]:
     """``(first seq, last seq, frame)`` of an intact record at ``offset``, else None."""
-    record = _RECORD2 if v2 else _RECORD
-    if size - offset < record.size:
+    if size - offset < _RECORD.size:
         return None
     file.seek(offset)
-    fields = record.unpack(file.read(record.size))
-    sync, length, crc, seq = fields[:4]
-    count = 1 if v2 else fields[4]
-    if sync != SYNC or length > _MAX_RECORD or offset + record.size + length > size or count < 1:
+    sync, length, crc, seq, count = _RECORD.unpack(file.read(_RECORD.size))
+    if sync != SYNC or length > _MAX_RECORD or offset + _RECORD.size + length > size or count < 1:
         return None
     body = file.read(length)
-    checked = _CHECKED2.pack(length, seq) if v2 else _CHECKED.pack(length, seq, count)
-    if len(body) < length or zlib.crc32(body, zlib.crc32(checked)) != crc:
+    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq, count))) != crc:
         return None
     return seq, seq + count - 1, body
 
 
-def _resync(file: BinaryIO, start: int, size: int, v2: bool = False) -> Optional[int]:
+def _resync(file: BinaryIO, start: int, size: int) -> Optional[int]:
     """Offset of the first intact record at or after ``start``; reads a window at a time."""
     window = start
     while window < size:
@@ -225,68 +216,45 @@ def _resync(file: BinaryIO, start: int, size: int, v2: bool = False) -> Optional
         chunk = file.read(min(_SCAN_WINDOW, size - window) + len(SYNC) - 1)
         found = chunk.find(SYNC)
         while found != -1 and window + found < size:
-            if _parse(file, window + found, size, v2) is not None:
+            if _parse(file, window + found, size) is not None:
                 return window + found
             found = chunk.find(SYNC, found + 1)
         window += _SCAN_WINDOW
     return None
 
 
-def _is_torn(file: BinaryIO, offset: int, size: int, v2: bool = False) -> bool:
+def _is_torn(file: BinaryIO, offset: int, size: int) -> bool:
     """Whether the bytes from ``offset`` to the end are a prefix of one record, as an interrupted
     write leaves it (rather than damage): a plausible header whose message runs past the end."""
-    record = _RECORD2 if v2 else _RECORD
     file.seek(offset)
-    head = file.read(min(size - offset, record.size))
-    if len(head) < record.size:
+    head = file.read(min(size - offset, _RECORD.size))
+    if len(head) < _RECORD.size:
         return head == SYNC[:len(head)] or head.startswith(SYNC)
-    sync, length = record.unpack(head)[:2]
-    return sync == SYNC and length <= _MAX_RECORD and offset + record.size + length > size
+    sync, length = _RECORD.unpack(head)[:2]
+    return sync == SYNC and length <= _MAX_RECORD and offset + _RECORD.size + length > size
 
 
 _Scanned = tuple[int, int, Optional[int], Optional[int], Optional[bytes]]
 
 
-def _scan(file: BinaryIO, offset: int, size: int, v2: bool = False) -> Iterator[_Scanned]:
+def _scan(file: BinaryIO, offset: int, size: int) -> Iterator[_Scanned]:
     """``(offset, end, first seq, last seq, frame)`` per record from ``offset``; ``(offset, end, None,
     None, None)`` for a damaged span; stops at the end or before a torn tail."""
-    header = (_RECORD2 if v2 else _RECORD).size
+    header = _RECORD.size
     while offset < size:
-        parsed = _parse(file, offset, size, v2)
+        parsed = _parse(file, offset, size)
         if parsed is not None:
             end = offset + header + len(parsed[2])
             yield offset, end, parsed[0], parsed[1], parsed[2]
             offset = end
             continue
-        following = _resync(file, offset + 1, size, v2)
+        following = _resync(file, offset + 1, size)
         if following is None:
-            if not _is_torn(file, offset, size, v2):
+            if not _is_torn(file, offset, size):
                 yield offset, size, None, None, None  # damage up to the end: not what a crash leaves
             return
         yield offset, following, None, None, None
         offset = following
-
-
-def _scan_v2(file: BinaryIO, offset: int, size: int) -> Iterator[_Scanned]:
-    return _scan(file, offset, size, v2=True)
-
-
-def _scan_v1(file: BinaryIO, offset: int, size: int) -> Iterator[_Scanned]:
-    """The first format: no sync marker, so reading stops at the first damaged record (reported)."""
-    while offset < size:
-        file.seek(offset)
-        header = file.read(_V1_RECORD.size)
-        if len(header) < _V1_RECORD.size:
-            return
-        length, crc = _V1_RECORD.unpack(header)
-        if length <= _MAX_RECORD and offset + _V1_RECORD.size + length > size:
-            return  # torn tail
-        body = file.read(length) if length <= _MAX_RECORD else b""
-        if length > _MAX_RECORD or zlib.crc32(body) != crc:
-            yield offset, size, None, None, None
-            return
-        yield offset, offset + _V1_RECORD.size + length, 0, 0, body
-        offset += _V1_RECORD.size + length
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -301,8 +269,8 @@ class Position:
 class Record:
     position: Position
     end: Position  # where the next record starts
-    seq: int  # its first message's; 0 for the first format, which has no seqs in its framing
-    data: bytes  # a window, or (older formats) one envelope
+    seq: int  # its first message's
+    data: bytes  # a window
     last_seq: int = 0  # its last message's
 
 
@@ -369,7 +337,7 @@ class _Losses:
 
     def record(self, seq: int, last: int) -> None:
         self._settle(seq)
-        self._last = last if seq > 0 else None  # the first format has no seqs in its framing
+        self._last = last
 
     def finish(self) -> None:
         self._settle(None)
@@ -435,21 +403,21 @@ class JournalReader:
         with file:
             size = os.fstat(file.fileno()).st_size
             head = file.read(_SEGMENT.size)
-            scan: Callable[[BinaryIO, int, int], Iterator[_Scanned]] = _scan
             start, token, ordinal = 0, None, None
-            if head.startswith(MAGIC):
-                scan, start = _scan_v1, len(MAGIC)
-            elif head[:len(MAGIC3)] in (MAGIC2, MAGIC3) and len(head) == _SEGMENT.size:
+            if head[:len(MAGIC)] in _EARLIER:
+                losses.damaged(Damage(str(path), 0, size, note=f"written by an earlier eventbus (journal format "
+                                      f"{head[10:11].decode()}): not read by this version"))
+                return
+            if head.startswith(MAGIC) and len(head) == _SEGMENT.size:
                 _, token, ordinal = _SEGMENT.unpack(head)
-                scan = _scan_v2 if head.startswith(MAGIC2) else _scan
                 start = _SEGMENT.size
-            elif len(head) < _SEGMENT.size and MAGIC3.startswith(head[:len(MAGIC3)]):
+            elif len(head) < _SEGMENT.size and MAGIC.startswith(head[:len(MAGIC)]):
                 return  # created, header not complete yet: nothing written
             elif _resync(file, 0, size) is None:
                 raise ConfigError(f"{str(path)!r} is not an eventbus journal (it does not start with the journal "
                                   f"header); point at <run folder>/{JOURNAL_NAME}")
             losses.segment(token, ordinal)
-            for at, end, seq, last, body in scan(file, max(offset, start), size):
+            for at, end, seq, last, body in _scan(file, max(offset, start), size):
                 if seq is None or last is None or body is None:
                     losses.damaged(Damage(str(path), at, end - at))
                     continue

@@ -7,9 +7,9 @@ reads it back under the same ones. Neither side imports the other: both import t
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["Kind", "Key", "PER_BATCH_KEYS"]
+__all__ = ["Kind", "Key", "PER_BATCH_KEYS", "TIMESTAMP_KEYS", "TIMESTAMP_FIELDS", "compact_timestamp"]
 
 
 class Kind:
@@ -24,7 +24,7 @@ class Kind:
 class Key:
     """Payload keys. Event messages carry the full snapshot, so a late joiner needs one message."""
 
-    TIMESTAMP: Final = "ts"  # Timestamp.state_dict()
+    TIMESTAMP: Final = "ts"  # Timestamp.state_dict(); on the wire, compact_timestamp()
     EVAL_TIMESTAMP: Final = "eval_ts"  # during evaluation only
     LABEL: Final = "label"  # state.dataloader_label
     DATALOADER_LEN: Final = "dl_len"  # batches, or None
@@ -60,3 +60,16 @@ class Key:
 
 
 PER_BATCH_KEYS: Final = (Key.GRAD_NORMS, Key.MEMORY, Key.BATCH_FLOPS)
+
+#: The payload keys holding a Timestamp. On the wire each is an array of its fields in this order
+#: (about 60 bytes instead of 250 as a map); the subscriber's decoder gives back the map.
+TIMESTAMP_KEYS: Final = (Key.TIMESTAMP, Key.PREVIOUS_TIMESTAMP, Key.EVAL_TIMESTAMP)
+TIMESTAMP_FIELDS: Final = (
+    "iteration", "epoch", "batch", "sample", "token", "epoch_in_iteration", "token_in_iteration",
+    "batch_in_epoch", "sample_in_epoch", "token_in_epoch", "total_wct", "iteration_wct", "epoch_wct", "batch_wct",
+)
+
+
+def compact_timestamp(state: dict[str, Any]) -> list[Any]:
+    """A ``Timestamp.state_dict()`` as it travels: its values in :data:`TIMESTAMP_FIELDS` order."""
+    return [state.get(field, 0) for field in TIMESTAMP_FIELDS]

@@ -1,91 +1,117 @@
 """The wire format: msgpack frames of numbered messages, versioned, decoded within bounds.
 
-What the publisher sends and journals is a *window* (version 3): every message
-the bus thread published in one turn (a few batches' worth), in seq order, with
-per-message headers stored as columns and each distinct payload stored once::
+Everything the publisher sends, journals and replays is a *window* (format 4): messages the bus
+thread published in one turn, in seq order, with per-message headers stored as columns and
+each payload stored once::
 
-    [3, run_id, rank, first_seq, topics, times, refs, payloads]
+    [4, run_id, rank, first, last, wall, mono, topics, seqs, times, refs, payloads]
 
-* ``topics`` -- a bin of one byte per message: its index in :data:`TOPICS`, which
-  also gives its kind and event. A reader picks its topics from this column
-  without touching anything else.
-* ``times``  -- a bin of two little-endian f64 per message: wall time, mono time.
-* ``refs``   -- a bin of one little-endian u16 per message: the index of its payload.
-* ``payloads`` -- an array of bins, each a packed map. The events of a batch share
-  one snapshot, so most windows hold a few payloads for dozens of messages; a
-  payload is decoded when first read, once for all the messages that share it.
+* ``first..last`` -- the seqs the window *covers*: it holds every message of them that its
+  reader receives. A journal or replay window covers its own messages only (``seqs`` empty:
+  message ``n`` has seq ``first + n``). A window sent to a subscription group holds the group's
+  topics only, and covers every seq since the previous window sent to that group: a reader
+  that misses a window sees a gap, and one that misses none knows every seq it was not sent
+  is none of its topics (gap detection stays exact, per message).
+* ``topics`` -- one byte per message: its index in :data:`TOPICS`, giving its kind and event.
+* ``seqs``   -- empty, or one little-endian u32 per message: its seq minus ``first``.
+* ``times``  -- two little-endian f32 per message: its wall and mono time minus ``wall`` and
+  ``mono`` (the window's first message's).
+* ``refs``   -- one u8 per message (u16 little-endian when there are over 256 payloads): the
+  index of its payload.
+* ``payloads`` -- an array of bins, each a packed map. An event's payload is usually sent as
+  the keys that changed since an earlier payload of the same window (``"~"``: that payload's
+  index; a key set to nil was removed); the first event payload of a window is whole, so any
+  window decodes alone. Timestamps travel as arrays (:data:`~eventbus.bus.schema.TIMESTAMP_FIELDS`)
+  and are read back as maps. A payload is decoded when first read, once for every message
+  that shares it.
 
-Message ``n`` of a window has seq ``first_seq + n``: seqs stay per message, so
-gaps, replay, the journal's damage reports and exactly-once delivery are
-counted per message as before. A window holds every topic: a subscriber sees
-every seq (gap detection needs no links) and keeps its own topics.
+On the PUB socket a window is two frames, ``[topic, window]``: a subscriber subscribes to
+:func:`subscription` of its topics (its group's windows) and to :data:`WINDOW_TOPIC` (windows
+for every subscriber). A single message (a snapshot reply's run header and latest message of
+each kind) is a window of one (:func:`encode`, :func:`decode`).
 
-Single messages (a snapshot reply's latest message of each kind; journals
-written before windows) are envelopes, one per frame (a msgpack array)::
-
-    [version, kind, run_id, rank, seq, event, wall_time, mono_time, payload]
-    [version, kind, run_id, rank, seq, event, wall_time, mono_time, links, payload]
-
-* ``version``  -- :data:`MESSAGE_VERSION` (2) is written; 1 is still read (journals
-  written before). In version 2 the payload is a msgpack *bin* holding the packed
-  map: a reader decodes the header fields without it, and the map only when
-  something reads it (:attr:`Envelope.payload`); a subscriber that looks at the
-  event and seq alone never decodes a snapshot. Anything else is rejected.
-* ``kind``     -- ``header`` (run metadata, first of a run), ``event`` (an Event
-  and a state snapshot), ``metrics`` (logged metrics), ``end`` (the run closed).
-* ``run_id``   -- 32 hex chars shared by every rank of a run.
-* ``rank``, ``seq`` -- ``seq`` counts 1, 2, 3, ... per (run_id, rank) with no gaps.
-* ``payload``  -- a map of plain values (no pickle, ever).
-* ``links``    -- optional: per topic, the seq of that topic's previous message, as
-  little-endian u32s indexed like :data:`TOPICS` (version-2 publishers sent them; the
-  publisher's ping reply still carries them, for a subscriber's tail check).
-
-On the PUB socket a window is two frames, ``[WINDOW_TOPIC, window]`` (envelopes of
-version 2 were ``[topic, envelope]``). The journal and the replay service hold the
-window alone.
-
-Control requests (subscriber to publisher) are msgpack maps with an ``op``.
-Decoding is bounded in bytes, container sizes, nesting depth and types;
-anything else raises :class:`ProtocolError`.
+Message kinds: ``header`` (run metadata, first of a run), ``event`` (an Event and a state
+snapshot), ``metrics`` (logged metrics), ``end`` (the run closed). ``run_id`` is 32 hex chars
+shared by every rank; seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is
+pickled. Control requests are msgpack maps with an ``op``. Decoding is bounded in bytes,
+container sizes, nesting depth and types; anything else raises :class:`ProtocolError`.
+Windows are encoded and their columns decoded by msgspec (typed, in C); payload maps are read
+by msgpack's bounded unpacker (string keys, no extension types).
 """
 
 from __future__ import annotations
 
 import array
+import re
 import sys
-from typing import Any, Iterable, Optional, Union
+from typing import Annotated, Any, Iterable, Optional, Sequence, Union
 
 import msgpack
+import msgspec
 
-from eventbus.bus.schema import Kind
+from eventbus.bus.schema import TIMESTAMP_FIELDS, TIMESTAMP_KEYS, Kind
 from eventbus.core.events import Event
 from eventbus.errors import ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "MESSAGE_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode",
-    "encode_request", "decode_request", "TOPICS", "topic_index", "previous_of", "pack_payload",
-    "check_payload", "WINDOW_VERSION", "WINDOW_TOPIC", "Window", "encode_window", "decode_window", "decode_all",
+    "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode", "encode_request",
+    "decode_request", "TOPICS", "topic_index", "previous_of", "pack_payload", "check_payload",
+    "WINDOW_VERSION", "WINDOW_TOPIC", "Window", "encode_window", "decode_window", "decode_all",
+    "subscription", "group_table", "DELTA_BASE",
 ]
 
-PROTOCOL_VERSION = 1  # of requests, and of the first message format (still read)
-MESSAGE_VERSION = 2
-WINDOW_VERSION = 3
-WINDOW_TOPIC = b"w"  # the PUB socket's one topic: what a subscriber subscribes to
-MAX_WINDOW_MESSAGES = 0xFFFF  # refs are u16
-_MESSAGE_VERSIONS = (PROTOCOL_VERSION, MESSAGE_VERSION)
+PROTOCOL_VERSION = 1  # of requests
+WINDOW_VERSION = 4
+WINDOW_TOPIC = b"wa"  # windows for every subscriber (each subscribes to it besides its group)
+GROUP_TOPIC = b"wg"  # + a topic mask: one subscription group's windows
+MAX_WINDOW_MESSAGES = 0xFFFF
+DELTA_BASE = "~"  # in a payload sent as a delta: the index of the payload it changes
 KINDS = frozenset({Kind.HEADER, Kind.EVENT, Kind.METRICS, Kind.END})
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 8
 MAX_CONTAINER_LEN = 100_000
 
-_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+_packer = msgpack.Packer(use_bin_type=True, autoreset=True)  # requests (their tests compare bytes)
+
+
+def _plain(value: Any) -> Any:
+    """What msgspec does not encode itself: subclasses of str, int and float (enums of them) as
+    their plain values, as msgpack's Packer did; anything else is a TypeError."""
+    for base in (str, bool, int, float):
+        if isinstance(value, base):
+            return base(value) if base is not str else str.__str__(value)
+    raise TypeError(f"cannot encode {type(value).__name__} on the wire")
+
+
+_encode = msgspec.msgpack.Encoder(enc_hook=_plain).encode  # windows and payloads: 1.5-2.6x msgpack's Packer
 _SCALARS = (str, int, float, bool, bytes, type(None))
 
 # Topics: the message kinds that are not events, then the 40 events in Composer's order.
 TOPICS: tuple[str, ...] = ("header", "metrics", "end", *(e.value for e in Event))
 _TOPIC_INDEX = {name: i for i, name in enumerate(TOPICS)}
-_EVENT_NAMES = frozenset(e.value for e in Event)
 LINKS_BYTES = 4 * len(TOPICS)
+MASK_BYTES = (len(TOPICS) + 7) // 8
+_M = MAX_WINDOW_MESSAGES
+
+
+class _Frame(msgspec.Struct, array_like=True):
+    """A window's fields as msgspec checks them while decoding (types and sizes, in C)."""
+
+    version: int
+    run_id: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    first: Annotated[int, msgspec.Meta(ge=1)]
+    last: Annotated[int, msgspec.Meta(ge=1)]
+    wall: float
+    mono: float
+    topics: Annotated[bytes, msgspec.Meta(min_length=1, max_length=_M)]
+    seqs: Annotated[bytes, msgspec.Meta(max_length=4 * _M)]
+    times: Annotated[bytes, msgspec.Meta(max_length=8 * _M)]
+    refs: Annotated[bytes, msgspec.Meta(max_length=2 * _M)]
+    payloads: Annotated[list[bytes], msgspec.Meta(min_length=1, max_length=_M)]
+
+
+_decode_frame = msgspec.msgpack.Decoder(_Frame).decode
 
 
 def topic_index(kind: str, event: Optional[str]) -> int:
@@ -101,35 +127,58 @@ def previous_of(links: bytes, topics: Iterable[int]) -> int:
     return max((seqs[i] for i in topics), default=0)
 
 
-class Envelope:
-    """One decoded message. A version-2 payload stays packed until :attr:`payload` is first read
-    (then decoded, and checked unless the envelope was decoded with ``check_payload=False``)."""
+def subscription(topics: Optional[Iterable[int]]) -> bytes:
+    """The PUB topic of the group of subscribers of ``topics`` (indices; None: all of them)."""
+    mask = bytearray(MASK_BYTES)
+    for i in range(len(TOPICS)) if topics is None else topics:
+        mask[i >> 3] |= 1 << (i & 7)
+    return GROUP_TOPIC + bytes(mask)
 
-    __slots__ = ("kind", "run_id", "rank", "seq", "event", "wall_time", "mono_time", "links", "_payload", "_packed",
-                 "_check")
+
+def group_table(topic: bytes) -> Optional[bytes]:
+    """For a group's PUB topic, a table for ``bytes.translate``: 1 at each topic index of the
+    group, 0 elsewhere; None for any other topic."""
+    if len(topic) != len(GROUP_TOPIC) + MASK_BYTES or not topic.startswith(GROUP_TOPIC):
+        return None
+    mask = topic[len(GROUP_TOPIC):]
+    return bytes((mask[i >> 3] >> (i & 7)) & 1 if i < len(TOPICS) else 0 for i in range(256))
+
+
+class _Cell:
+    """A window's payload: decoded once, on first read, for every message that refers to it."""
+
+    __slots__ = ("data", "value")
+
+    def __init__(self, data: bytes):
+        self.data: bytes = data
+        self.value: Optional[dict[str, Any]] = None
+
+
+class Envelope:
+    """One decoded message. Its payload stays packed until :attr:`payload` is first read (then
+    decoded, and checked unless decoded with ``check_payload=False``). ``recovered``: it was
+    read back from the replay service or the journal to fill a gap."""
+
+    __slots__ = ("kind", "run_id", "rank", "seq", "event", "wall_time", "mono_time", "_payload", "_cells",
+                 "_ref", "_check", "recovered")
 
     def __init__(self, kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-                 mono_time: float, payload: dict[str, Any], links: bytes = b""):
+                 mono_time: float, payload: Optional[dict[str, Any]]):
         self.kind, self.run_id, self.rank, self.seq, self.event = kind, run_id, rank, seq, event
-        self.wall_time, self.mono_time, self.links = wall_time, mono_time, links
-        self._payload: Optional[dict[str, Any]] = payload
-        self._packed: Union[bytes, _Shared, None] = None
+        self.wall_time, self.mono_time = wall_time, mono_time
+        self._payload = payload
+        self._cells: list[_Cell] = []
+        self._ref = 0
         self._check = False
+        self.recovered = False
 
     @property
     def payload(self) -> dict[str, Any]:
-        """The payload map; ProtocolError (naming the seq) if a packed one is malformed. The
-        messages of a window that share a payload share its map: read it, never change it."""
+        """The payload map; ProtocolError (naming the seq) if it is malformed. The messages of a
+        window that share a payload share its map: read it, never change it."""
         payload = self._payload
         if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
-            packed = self._packed
-            if packed.__class__ is _Shared:
-                payload = packed.value  # type: ignore[union-attr]
-                if payload is None:
-                    payload = packed.value = _unpack_payload(packed.data, self.seq, self._check)  # type: ignore[union-attr]
-            else:
-                payload = _unpack_payload(packed or b"", self.seq, self._check)  # type: ignore[arg-type]
-            self._payload = payload
+            payload = self._payload = _payload_of(self._cells, self._ref, self.seq, self._check)
         return payload
 
     @property
@@ -142,7 +191,7 @@ class Envelope:
 
     def _fields(self) -> tuple[Any, ...]:
         return (self.kind, self.run_id, self.rank, self.seq, self.event, self.wall_time, self.mono_time,
-                self.payload, self.links)
+                self.payload)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Envelope) and self._fields() == other._fields()
@@ -150,25 +199,14 @@ class Envelope:
     __hash__ = None  # type: ignore[assignment]  # the payload is a dict
 
     def __repr__(self) -> str:
-        packed = self._packed.data if isinstance(self._packed, _Shared) else self._packed or b""
-        payload = self.payload if self._payload is not None else f"<{len(packed)} bytes packed>"
+        payload = self.payload if self._payload is not None else "<packed>"
         return (f"Envelope(kind={self.kind!r}, run_id={self.run_id!r}, rank={self.rank}, seq={self.seq}, "
                 f"event={self.event!r}, wall_time={self.wall_time}, mono_time={self.mono_time}, payload={payload!r})")
 
 
-class _Shared:
-    """A window's payload: decoded once, on first read, for every message that refers to it."""
-
-    __slots__ = ("data", "value")
-
-    def __init__(self, data: bytes):
-        self.data: bytes = data
-        self.value: Optional[dict[str, Any]] = None
-
-
 class Window:
-    """A decoded frame: the seqs ``first..last`` it covers, and the messages of them that were
-    kept (all, or those of the topics asked for). A single envelope is a window of one."""
+    """A decoded frame: the seqs ``first..last`` it covers, and the messages of them it holds that
+    were kept (all, or those of the topics asked for)."""
 
     __slots__ = ("run_id", "rank", "first", "last", "messages")
 
@@ -185,20 +223,73 @@ _TOPIC_MESSAGE: tuple[tuple[str, Optional[str]], ...] = tuple(
 _NATIVE_LITTLE = sys.byteorder == "little"
 
 
-def encode_window(run_id: str, rank: int, first_seq: int, topics: bytes, times: "array.array[float]",
-                  refs: "array.array[int]", payloads: list[bytes]) -> bytes:
-    """One window: message ``n`` has seq ``first_seq + n``, topic ``topics[n]``, wall and mono
-    time ``times[2n]``, ``times[2n + 1]``, and payload ``payloads[refs[n]]`` (each packed once)."""
+def _little(values: "array.array[Any]") -> bytes:
     if not _NATIVE_LITTLE:
-        times, refs = array.array(times.typecode, times), array.array(refs.typecode, refs)
-        times.byteswap()
-        refs.byteswap()
-    return _packer.pack([WINDOW_VERSION, run_id, rank, first_seq, topics, times.tobytes(), refs.tobytes(), payloads])
+        values = array.array(values.typecode, values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def _native(typecode: str, data: bytes) -> "array.array[Any]":
+    values = array.array(typecode, data)
+    if not _NATIVE_LITTLE:
+        values.byteswap()
+    return values
+
+
+def encode_window(run_id: str, rank: int, first: int, last: int, wall: float, mono: float, topics: bytes,
+                  offsets: Optional["array.array[int]"], times: "array.array[float]", refs: Sequence[int],
+                  payloads: list[bytes]) -> bytes:
+    """One window. Message ``n`` has topic ``topics[n]``, seq ``first + n`` (``offsets``: ``first +
+    offsets[n]``, an ``array("I")``), wall and mono time ``wall + times[2n]``, ``mono + times[2n + 1]``
+    (``times``: an ``array("f")``) and payload ``payloads[refs[n]]``; it covers ``first..last``."""
+    refs_bytes = array.array("B", refs).tobytes() if len(payloads) <= 0x100 else _little(array.array("H", refs))
+    return _encode([WINDOW_VERSION, run_id, rank, first, last, wall, mono, topics,
+                    _little(offsets) if offsets is not None else b"", _little(times), refs_bytes, payloads])
+
+
+def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
+           mono_time: float, payload: Union[dict[str, Any], bytes]) -> bytes:
+    """A window of one message (``payload`` a whole map, or one already packed)."""
+    packed = payload if isinstance(payload, bytes) else _encode(payload)
+    return encode_window(run_id, rank, seq, seq, wall_time, mono_time, bytes((topic_index(kind, event),)), None,
+                         array.array("f", (0.0, 0.0)), (0,), [packed])
+
+
+def pack_payload(payload: dict[str, Any]) -> bytes:
+    return _encode(payload)
 
 
 #: How many packed payloads were decoded in this process (lazily, on first read): what a
 #: subscriber that reads only headers is shown not to pay for.
 payload_decodes = 0
+
+
+def _payload_of(cells: list[_Cell], ref: int, seq: int, check: bool) -> dict[str, Any]:
+    """Payload ``ref`` of a window: decoded with every earlier payload it is a delta of."""
+    cell = cells[ref]
+    if cell.value is not None:
+        return cell.value
+    chain: list[tuple[_Cell, dict[str, Any]]] = []
+    base: Optional[dict[str, Any]] = None
+    index = ref
+    while True:  # back to a decoded payload or a whole one; each step goes to a lower index
+        cell = cells[index]
+        if cell.value is not None:
+            base = cell.value
+            break
+        part = _unpack_payload(cell.data, seq, check)
+        below = part.pop(DELTA_BASE, None)
+        chain.append((cell, part))
+        if below is None:
+            break
+        if type(below) is not int or not 0 <= below < index:
+            raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r}")
+        index = below
+    for cell, part in reversed(chain):
+        base = cell.value = part if base is None else {**base, **part}
+    assert base is not None
+    return base
 
 
 def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
@@ -209,32 +300,13 @@ def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
         raise ProtocolError(f"message {seq}: payload must be a map")
     if check:
         _check_plain(payload, 1, f"message {seq} payload")
+    for key in TIMESTAMP_KEYS:  # sent as arrays, read as Timestamp.state_dict() maps
+        stamp = payload.get(key)
+        if stamp.__class__ is list:
+            if len(stamp) != len(TIMESTAMP_FIELDS):  # type: ignore[arg-type]
+                raise ProtocolError(f"message {seq}: {key} must hold {len(TIMESTAMP_FIELDS)} numbers")
+            payload[key] = dict(zip(TIMESTAMP_FIELDS, stamp))  # type: ignore[arg-type]
     return payload
-
-
-def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-           mono_time: float, payload: Union[dict[str, Any], bytes], links: Optional[bytes] = None) -> bytes:
-    """One version-2 envelope. ``payload`` may be already packed (``pack_payload``): most events of
-    a batch carry the same snapshot, so the bus thread packs it once and reuses the bytes."""
-    fields: list[Any] = [MESSAGE_VERSION, kind, run_id, rank, seq, event, wall_time, mono_time]
-    if links is not None:
-        fields.append(links)
-    packed = payload if isinstance(payload, bytes) else _packer.pack(payload)
-    # A fixarray's first byte is 0x90 | length: the same array with one more element, the payload as bin.
-    head = _packer.pack(fields)
-    return b"".join((bytes([0x90 | (len(fields) + 1)]), head[1:], _bin_header(len(packed)), packed))
-
-
-def _bin_header(length: int) -> bytes:
-    if length < 0x100:
-        return bytes((0xC4, length))
-    if length < 0x10000:
-        return b"\xc5" + length.to_bytes(2, "big")
-    return b"\xc6" + length.to_bytes(4, "big")
-
-
-def pack_payload(payload: dict[str, Any]) -> bytes:
-    return _packer.pack(payload)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -276,116 +348,88 @@ def _check_plain(value: Any, depth: int, where: str) -> None:
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True,
            lazy: bool = False) -> Envelope:
-    """Parse and validate one single-message envelope; raises ProtocolError saying what is wrong
-    (a window too: read frames that may be windows with :func:`decode_window`).
+    """The one message of a window of one (:func:`encode`); ProtocolError saying what is wrong."""
+    window = decode_window(data, max_bytes, check_payload, lazy)
+    if len(window.messages) != 1:
+        raise ProtocolError(f"message: expected a window of one message, got {len(window.messages)}")
+    return window.messages[0]
 
-    ``check_payload=False`` skips the per-value walk of the payload: msgpack's own limits
-    (container sizes, its nesting stack, no extension types, string keys) already bound it,
-    and a subscriber's hot path saves most of its decoding time. ``lazy``: a version-2 payload
-    is decoded when first read (its errors are raised then), not here."""
-    return _envelope(_unpack(data, "message", max_bytes), check_payload, lazy)
+
+def decode_all(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True) -> list[Envelope]:
+    """Every message of a window, payloads decoded and checked."""
+    return decode_window(data, max_bytes, check_payload).messages
 
 
 def decode_window(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True,
                   lazy: bool = False, wanted: Optional[bytes] = None) -> Window:
-    """Parse and validate a window, or a single envelope as a window of one; ProtocolError saying
-    what is wrong. ``wanted``: one flag per topic index; messages of the other topics are not
-    built (the window still covers their seqs). ``check_payload`` and ``lazy`` as in :func:`decode`."""
-    obj = _unpack(data, "message", max_bytes)
-    if isinstance(obj, list) and obj and obj[0] == WINDOW_VERSION:
-        return _window(obj, check_payload, lazy, wanted)
-    envelope = _envelope(obj, check_payload, lazy)
-    kept = [envelope] if wanted is None or wanted[envelope.topic] else []
-    return Window(envelope.run_id, envelope.rank, envelope.seq, envelope.seq, kept)
+    """Parse and validate a window; ProtocolError saying what is wrong. ``wanted``: one flag per
+    topic index; messages of the other topics are not built (the window still covers their
+    seqs). ``check_payload=False`` skips the per-value walk of the payloads (msgpack's own limits
+    still bound them); ``lazy``: payloads are decoded when first read (errors raised then)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"window: expected bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"window: {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        frame = _decode_frame(data)
+    except (msgspec.DecodeError, RecursionError) as err:
+        if len(data) > 1 and 0x90 <= data[0] <= 0x9F and data[1] < 0x80 and data[1] != WINDOW_VERSION:
+            raise ProtocolError(f"window: format version {data[1]} is not read by this side (it reads "
+                                f"{WINDOW_VERSION}); run the same eventbus version on both sides") from None
+        raise ProtocolError(f"window: {_named(str(err))}") from None
+    if frame.version != WINDOW_VERSION:
+        raise ProtocolError(f"window: format version {frame.version} is not read by this side (it reads "
+                            f"{WINDOW_VERSION}); run the same eventbus version on both sides")
+    return _window(frame, check_payload, lazy, wanted)
 
 
-def decode_all(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True) -> list[Envelope]:
-    """Every message of a frame (a window or a single envelope), payloads decoded and checked."""
-    return decode_window(data, max_bytes, check_payload).messages
+def _named(message: str) -> str:
+    """msgspec's error with the field named: "... - at `$[1]`" says "... - at run_id"."""
+    fields = _Frame.__struct_fields__
+    return re.sub(r"`\$\[(\d+)\](.*?)`", lambda m: fields[int(m[1])] + m[2] if int(m[1]) < len(fields) else m[0],
+                  message)
 
 
-def _window(obj: list[Any], check_payload: bool, lazy: bool, wanted: Optional[bytes]) -> Window:
-    if len(obj) != 8:
-        raise ProtocolError("window: expected an 8-field array")
-    _, run_id, rank, first, topics, times, refs, payloads = obj
-    if not isinstance(run_id, str) or not 1 <= len(run_id) <= 64:
-        raise ProtocolError("window: run_id must be a short string")
-    if type(rank) is not int or rank < 0 or type(first) is not int or first < 1:
-        raise ProtocolError("window: rank must be an int >= 0 and the first seq an int >= 1")
-    if not isinstance(topics, bytes) or not 1 <= len(topics) <= MAX_WINDOW_MESSAGES:
-        raise ProtocolError(f"window: topics must be 1 to {MAX_WINDOW_MESSAGES} bytes")
+def _window(frame: _Frame, check_payload: bool, lazy: bool, wanted: Optional[bytes]) -> Window:
+    topics, first, last = frame.topics, frame.first, frame.last
     count = len(topics)
     if max(topics) >= len(TOPICS):
         raise ProtocolError(f"window: unknown topic {max(topics)}")
-    if not isinstance(times, bytes) or len(times) != 16 * count:
-        raise ProtocolError("window: times must hold two f64 per message")
-    if not isinstance(refs, bytes) or len(refs) != 2 * count:
-        raise ProtocolError("window: refs must hold one u16 per message")
-    if not isinstance(payloads, list) or not 1 <= len(payloads) <= count \
-            or not all(isinstance(p, bytes) for p in payloads):
-        raise ProtocolError("window: payloads must be 1 to one-per-message packed maps")
-    stamps, indices = array.array("d", times), array.array("H", refs)
-    if not _NATIVE_LITTLE:
-        stamps.byteswap()
-        indices.byteswap()
-    if max(indices) >= len(payloads):
+    if frame.seqs:
+        if len(frame.seqs) != 4 * count:
+            raise ProtocolError("window: seqs must hold one u32 per message")
+        offsets = _native("I", frame.seqs)
+        if any(b <= a for a, b in zip(offsets, offsets[1:])) or first + offsets[-1] > last:
+            raise ProtocolError("window: seqs must increase and stay within the window")
+    elif last - first + 1 != count:
+        raise ProtocolError("window: it must hold every seq it covers, or list its seqs")
+    else:
+        offsets = None
+    if len(frame.times) != 8 * count:
+        raise ProtocolError("window: times must hold two f32 per message")
+    payloads = frame.payloads
+    wide = len(payloads) > 0x100
+    if len(frame.refs) != (2 if wide else 1) * count:
+        raise ProtocolError("window: refs must hold one index per message")
+    refs = _native("H", frame.refs) if wide else frame.refs
+    if max(refs) >= len(payloads):
         raise ProtocolError("window: a ref points past the payloads")
-    cells = [_Shared(p) for p in payloads]
-    if not lazy:  # decoded and checked now: errors are raised here, naming a message that refers to it
-        owner: dict[int, int] = {}
-        for n, index in enumerate(indices):
-            owner.setdefault(index, first + n)
-        for index, cell in enumerate(cells):
-            cell.value = _unpack_payload(cell.data, owner.get(index, first), check_payload)
+    stamps = _native("f", frame.times)
+    cells = [_Cell(p) for p in payloads]
+    run_id, rank, wall, mono = frame.run_id, frame.rank, frame.wall, frame.mono
     messages = []
     kinds = _TOPIC_MESSAGE
     picked = range(count) if wanted is None else [n for n in range(count) if wanted[topics[n]]]
     for n in picked:
         kind, event = kinds[topics[n]]
-        envelope = Envelope(kind, run_id, rank, first + n, event, stamps[2 * n], stamps[2 * n + 1], None)  # type: ignore[arg-type]
-        envelope._packed, envelope._check = cells[indices[n]], check_payload
+        seq = first + (n if offsets is None else offsets[n])
+        envelope = Envelope(kind, run_id, rank, seq, event, wall + stamps[2 * n], mono + stamps[2 * n + 1], None)
+        envelope._cells, envelope._ref, envelope._check = cells, refs[n], check_payload
         messages.append(envelope)
-    return Window(run_id, rank, first, first + count - 1, messages)
-
-
-def _envelope(obj: Any, check_payload: bool, lazy: bool) -> Envelope:
-    if not isinstance(obj, list) or len(obj) not in (9, 10):
-        raise ProtocolError("message: expected a 9-field envelope array (10 with links)")
-    links = obj.pop(8) if len(obj) == 10 else b""
-    if not isinstance(links, bytes) or len(links) not in (0, LINKS_BYTES):
-        raise ProtocolError(f"message: links must be {LINKS_BYTES} bytes")
-    version, kind, run_id, rank, seq, event, wall, mono, payload = obj
-    if version not in _MESSAGE_VERSIONS:
-        raise ProtocolError(
-            f"message: protocol version {version!r} is not supported (this side reads "
-            f"{' and '.join(map(str, _MESSAGE_VERSIONS))}); upgrade the older side"
-        )
-    if kind not in KINDS:
-        raise ProtocolError(f"message: unknown kind {kind!r}")
-    if not isinstance(run_id, str) or not 1 <= len(run_id) <= 64:
-        raise ProtocolError("message: run_id must be a short string")
-    if type(rank) is not int or rank < 0 or type(seq) is not int or seq < 1:
-        raise ProtocolError("message: rank must be an int >= 0 and seq an int >= 1")
-    if event is not None and (not isinstance(event, str) or len(event) > 64):
-        raise ProtocolError("message: event must be a short string or nil")
-    if kind == "event" and event not in _EVENT_NAMES:
-        raise ProtocolError(f"message: unknown event {str(event)[:40]!r}")
-    if not isinstance(wall, (int, float)) or not isinstance(mono, (int, float)):
-        raise ProtocolError("message: wall_time and mono_time must be numbers")
-    if version == MESSAGE_VERSION:
-        if not isinstance(payload, bytes):
-            raise ProtocolError("message: payload must be a packed map")
-        envelope = Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), None, links)  # type: ignore[arg-type]
-        if lazy:
-            envelope._packed, envelope._check = payload, check_payload
-        else:  # decoded and checked now: errors are raised here
-            envelope._payload = _unpack_payload(payload, seq, check_payload)
-        return envelope
-    if not isinstance(payload, dict):
-        raise ProtocolError("message: payload must be a map")
-    if check_payload:
-        _check_plain(payload, 1, "message payload")
-    return Envelope(kind, run_id, rank, seq, event, float(wall), float(mono), payload, links)
+    if not lazy:  # decoded and checked now: errors are raised here, naming the message
+        for envelope in messages:
+            envelope.payload  # noqa: B018
+    return Window(run_id, rank, first, last, messages)
 
 
 def check_payload(payload: dict[str, Any]) -> None:

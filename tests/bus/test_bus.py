@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
 import logging
@@ -198,8 +197,7 @@ async def test_malformed_messages_are_counted_not_fatal(tmp_path):
             message = wire.encode("event", run_id, 0, seq, "batch_end", time.time(), 0.0, {"loss": 1.0})
             await pub.send_multipart([topic, message])  # a window of one
             await pub.send_multipart([topic, bad])
-        end = wire.encode_window(run_id, 0, seq + 1, bytes([wire.TOPICS.index("end")]),
-                                 array.array("d", [time.time(), 0.0]), array.array("H", [0]), [wire.pack_payload({})])
+        end = wire.encode("end", run_id, 0, seq + 1, None, time.time(), 0.0, {})
         await pub.send_multipart([topic, end])
         await asyncio.wait_for(collector, 5)
     pub.close(0)

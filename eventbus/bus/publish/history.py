@@ -1,23 +1,30 @@
 """The run's record on the bus thread: numbering, windows, journal, replay cache, the send order.
 
-Every message gets the next seq and joins the open *window* (see
-:mod:`eventbus.bus.wire`): its topic, times and a reference to its payload go
-into columns, and a payload that several messages share (the events of a batch
-carry one snapshot) is stored once. At the end of the bus thread's turn the
-window becomes one frame, one journal record and one send: the per-message work
-is a few appends, not an encoding, a record and a send each.
+Every message gets the next seq and joins the open *window* (see :mod:`eventbus.bus.wire`):
+its topic, times and a reference to its payload go into columns. A payload several messages
+share (the events of a batch carry one snapshot) is stored once, and an event's snapshot is
+stored as what changed since the window's previous one. At the end of the bus thread's turn
+the window becomes one frame and one journal record.
 
-A window is journaled before it goes on the wire (``flush_and_send``), and before
-the replay service serves any of it: a message a subscriber saw is always in the
-journal. Recent windows stay in a bounded cache for replay; older ones are read
-back from the journal (its sparse seq index keeps memory bounded).
+Sending: the XPUB socket passes up each *subscription group* (the subscribers of one set of
+topics, :func:`~eventbus.bus.wire.subscription`) when it appears and when it goes. Each group
+gets a window holding its topics only, and only when the turn published one of them: a worker
+whose callbacks handle a few events an epoch is woken a few times an epoch. The window covers
+every seq since the group's previous one, so a subscriber still sees every gap. Past
+:data:`MAX_GROUPS` groups every subscriber gets the whole window instead.
+
+A window is journaled before it goes on the wire (``flush_and_send``), and before the replay
+service serves any of it: a message a subscriber saw is always in the journal. Recent windows
+stay in a bounded cache for replay; older ones are read back from the journal (its sparse
+seq index keeps memory bounded).
 """
 
 from __future__ import annotations
 
 import array
 import collections
-from typing import Any, Optional, Union
+import dataclasses
+from typing import Any, Optional
 
 import zmq
 
@@ -25,14 +32,38 @@ from eventbus.bus import wire
 from eventbus.bus.journal import JournalWriter
 from eventbus.bus.schema import Kind
 
-__all__ = ["History", "WINDOW_BYTES"]
+__all__ = ["History", "WINDOW_BYTES", "MAX_GROUPS"]
 
 #: A window is closed before its payloads would pass this size (a larger payload gets a window of
 #: its own), or an eighth of the replay cache if that is less (the cache holds whole windows):
 #: frames stay far below what a subscriber accepts, and replay replies small.
 WINDOW_BYTES = 1 << 20
+#: Subscription groups served a window of their own each turn (an encode and a send each).
+MAX_GROUPS = 16
 
 _HEADER = wire.topic_index(Kind.HEADER, None)
+_ABSENT = object()
+
+
+@dataclasses.dataclass(slots=True)
+class _Closed:
+    """A journaled window not sent yet, with the columns its groups' windows are cut from."""
+
+    frame: bytes
+    first: int
+    last: int
+    wall: float
+    mono: float
+    topics: bytes
+    times: "array.array[float]"
+    refs: "array.array[int]"
+    payloads: list[bytes]
+
+
+@dataclasses.dataclass(slots=True)
+class _Group:
+    table: bytes  # 1 at the topic indices of the group (bytes.translate)
+    covered: int  # the last seq its windows covered so far
 
 
 class History:
@@ -48,56 +79,80 @@ class History:
         self._cache: collections.deque[tuple[int, int, bytes]] = collections.deque()
         self._cache_size, self._cache_max_bytes, self.cache_bytes, self._cached = cache_size, cache_bytes, 0, 0
         self._window_max = min(WINDOW_BYTES, max(cache_bytes // 8, 1))
-        # Per topic, its latest message (seq, wall, mono, packed payload): a joiner's snapshot.
-        self._latest: dict[int, tuple[int, float, float, bytes]] = {}
+        # Per topic, its latest message (seq, wall, mono, payload): a joiner's snapshot.
+        self._latest: dict[int, tuple[int, float, float, dict[str, Any]]] = {}
         self._last_by_topic = array.array("I", bytes(wire.LINKS_BYTES))  # each topic's latest seq
         self._open_window()
-        self._unsent: list[tuple[bytes, int]] = []  # journaled windows not yet sent: (frame, messages)
-        self._prefixes = {b"": False, wire.WINDOW_TOPIC: False}  # subscribed to (the XPUB socket says)
-        self._subscribed = False  # to either: windows are sent
+        self._unsent: list[_Closed] = []
+        self._groups: dict[bytes, _Group] = {}  # by PUB topic, as the XPUB socket reported them
         self.published = 0  # messages journaled
         self.sent = 0  # messages handed to ZeroMQ (none while nobody subscribes)
 
     def _open_window(self) -> None:
         self._first = self.seq + 1
+        self._wall = self._mono = 0.0
         self._topics = bytearray()
-        self._times: array.array[float] = array.array("d")
+        self._times: array.array[float] = array.array("f")  # offsets from the first message's times
         self._refs: array.array[int] = array.array("H")
         self._payloads: list[bytes] = []
-        self._payload_index: dict[int, int] = {}  # id(payload) -> its index (the list keeps it alive)
+        self._payload_index: dict[int, int] = {}  # id(payload) -> its index (_kept keeps it alive)
+        self._kept: list[dict[str, Any]] = []
+        self._base: Optional[tuple[int, dict[str, Any]]] = None  # the window's latest event payload
         self._window_bytes = 0
 
-    def append(self, kind: str, event: Optional[str], wall: float, mono: float,
-               payload: Union[dict[str, Any], bytes]) -> None:
-        """Number one message and add it to the open window; ``payload`` packed or a map. The same
-        packed bytes object given again is stored once."""
-        packed = payload if isinstance(payload, bytes) else wire.pack_payload(payload)
+    def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
+        """Number one message and add it to the open window. The same payload object given again
+        (never changed since) is stored once; an event's is stored as a delta when it can be."""
         if len(self._topics) >= wire.MAX_WINDOW_MESSAGES:
             self._close_window()
-        index = self._payload_index.get(id(packed))
+        index = self._payload_index.get(id(payload))
         if index is None:
+            packed = self._pack(kind, payload)
             if self._topics and self._window_bytes + len(packed) > self._window_max:
                 self._close_window()
-            index = self._payload_index[id(packed)] = len(self._payloads)
+                packed = self._pack(kind, payload)  # whole: the first of its window
+            index = self._payload_index[id(payload)] = len(self._payloads)
             self._payloads.append(packed)
+            self._kept.append(payload)
             self._window_bytes += len(packed)
+            if kind == Kind.EVENT:
+                self._base = (index, payload)
+        if not self._topics:
+            self._wall, self._mono = wall, mono
         self.seq = seq = self.seq + 1
         topic = wire.topic_index(kind, event)
         self._topics.append(topic)
-        self._times.append(wall)
-        self._times.append(mono)
+        self._times.append(wall - self._wall)
+        self._times.append(mono - self._mono)
         self._refs.append(index)
         if seq <= 0xFFFFFFFF:  # links are exact while seqs fit 32 bits
             self._last_by_topic[topic] = seq
-        self._latest[topic] = (seq, wall, mono, packed)
+        self._latest[topic] = (seq, wall, mono, payload)
+
+    def _pack(self, kind: str, payload: dict[str, Any]) -> bytes:
+        """An event's payload as the keys that changed since the window's previous event payload
+        (most events of a batch change a few fields of the snapshot); anything else whole."""
+        if kind != Kind.EVENT or self._base is None:
+            return wire.pack_payload(payload)
+        below, old = self._base
+        delta: dict[str, Any] = {wire.DELTA_BASE: below}
+        for key, value in payload.items():
+            was = old.get(key, _ABSENT)
+            if was is not value and (was is _ABSENT or not _equal(was, value)):
+                delta[key] = value
+        for key in old:
+            if key not in payload:
+                delta[key] = None
+        return wire.pack_payload(delta)
 
     def _close_window(self) -> None:
         """The open window becomes a frame: journaled and cached now, sent by the next flush."""
         if not self._topics:
             return
-        frame = wire.encode_window(self.run_id, self.rank, self._first, bytes(self._topics), self._times,
-                                   self._refs, self._payloads)
-        count = len(self._topics)
+        topics = bytes(self._topics)
+        frame = wire.encode_window(self.run_id, self.rank, self._first, self.seq, self._wall, self._mono, topics,
+                                   None, self._times, self._refs, self._payloads)
+        count = len(topics)
         if self.journal is not None:
             self.journal.append(frame, self._first, count)
         self._cache.append((self._first, self.seq, frame))
@@ -107,7 +162,8 @@ class History:
             first, last, old = self._cache.popleft()
             self.cache_bytes -= len(old)
             self._cached -= last - first + 1
-        self._unsent.append((frame, count))
+        self._unsent.append(_Closed(frame, self._first, self.seq, self._wall, self._mono, topics, self._times,
+                                    self._refs, self._payloads))
         self.published += count
         self._open_window()
 
@@ -118,52 +174,90 @@ class History:
             self.journal.flush()
 
     def flush_and_send(self, pub: zmq.Socket) -> int:
-        """Journal first (one write per window), then the wire (never blocking: at the high-water
-        mark ZeroMQ drops for that slow subscriber, who recovers the gap by replay); while nobody
-        subscribes nothing is handed to ZeroMQ. Returns how many messages were sent."""
+        """Journal first (one write per window), then the wire: each subscription group its window,
+        if the turn holds any of its topics (never blocking: at the high-water mark ZeroMQ drops for
+        that slow subscriber, who recovers the gap by replay). Returns how many messages were sent."""
         if not self._topics and not self._unsent:
             return 0
         self.commit()
         self._read_subscriptions(pub)
         sent = 0
-        if self._subscribed:
-            send, topic, more, dontwait = pub.send, wire.WINDOW_TOPIC, zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
-            for frame, count in self._unsent:
+        groups = self._groups
+        send, more, dontwait = pub.send, zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
+        for window in self._unsent if groups else ():
+            if len(groups) > MAX_GROUPS:  # each group's window costs an encode: everyone gets it all
+                send(wire.WINDOW_TOPIC, more)
+                send(window.frame, dontwait)
+                sent += window.last - window.first + 1
+                for group in groups.values():
+                    group.covered = window.last
+                continue
+            for topic, group in groups.items():
+                picked = window.topics.translate(group.table)
+                if 1 not in picked:
+                    continue  # none of its topics: not woken, and the next window covers these seqs
+                if 0 not in picked and group.covered == window.first - 1:
+                    frame, held = window.frame, len(picked)
+                else:
+                    frame, held = self._cut(window, group.covered + 1, picked)
                 send(topic, more)
                 send(frame, dontwait)
-                sent += count
+                group.covered = window.last
+                sent += held
         self._unsent = []
         self.sent += sent
         return sent
 
+    def _cut(self, window: _Closed, first: int, picked: bytes) -> tuple[bytes, int]:
+        """The messages of ``window`` flagged in ``picked``, as a window covering ``first..window.last``."""
+        if window.last - first >= 0xFFFFFFFF:  # seq offsets are u32: the subscriber replays the rest
+            first = window.first
+        held = [n for n, flag in enumerate(picked) if flag]
+        start, times, refs = window.first - first, window.times, window.refs
+        offsets = array.array("I", [start + n for n in held])
+        cut_times = array.array("f")
+        for n in held:
+            cut_times.append(times[2 * n])
+            cut_times.append(times[2 * n + 1])
+        cut_refs = [refs[n] for n in held]
+        frame = wire.encode_window(self.run_id, self.rank, first, window.last, window.wall, window.mono,
+                                   bytes(window.topics[n] for n in held), offsets, cut_times, cut_refs,
+                                   window.payloads[:max(cut_refs) + 1])  # a delta's bases come before it
+        return frame, len(held)
+
     def _read_subscriptions(self, pub: zmq.Socket, budget: int = 256) -> None:
         """Apply the (un)subscriptions the XPUB socket passed up: ZeroMQ passes the first subscription
-        to a topic and its last unsubscription (a subscriber that leaves unsubscribes). The window
-        topic, or the empty prefix, receives the windows. Bounded per turn: a flood of them delays a
-        subscriber's first messages, which it then recovers by replay, never the bus."""
+        to a topic and its last unsubscription (a subscriber that leaves unsubscribes). A group's
+        topic starts or ends its windows; other topics are not served by name. Bounded per turn: a
+        flood of them delays a subscriber's first messages, which it then recovers by replay."""
         get, recv, pollin = pub.get, pub.recv, zmq.POLLIN
         for _ in range(budget):
             if not int(get(zmq.EVENTS)) & pollin:  # asked first: a recv that finds nothing raises, and costs that
                 return
             note = recv()
-            if note and note[0] <= 1 and note[1:] in self._prefixes:
-                self._prefixes[note[1:]] = note[0] == 1
-                self._subscribed = any(self._prefixes.values())
+            table = wire.group_table(note[1:]) if note and note[0] <= 1 else None
+            if table is None:
+                continue
+            if note[0] == 1:
+                covered = self._unsent[0].first - 1 if self._unsent else self.seq
+                self._groups.setdefault(note[1:], _Group(table, covered))
+            else:
+                self._groups.pop(note[1:], None)
 
     @property
     def header_bytes(self) -> bytes:
-        """The latest run header, as a single-message envelope (b"" before the first)."""
+        """The latest run header, as a window of one (b"" before the first)."""
         return self._envelope(_HEADER) if _HEADER in self._latest else b""
 
     def latest(self) -> list[bytes]:
-        """The latest message of each event and kind but the header, as single-message envelopes."""
+        """The latest message of each event and kind but the header, each a window of one."""
         return [self._envelope(topic) for topic in self._latest if topic != _HEADER]
 
     def _envelope(self, topic: int) -> bytes:
-        seq, wall, mono, packed = self._latest[topic]
+        seq, wall, mono, payload = self._latest[topic]
         name = wire.TOPICS[topic]
         kind, event = (name, None) if name in wire.KINDS else (Kind.EVENT, name)
-        return wire.encode(kind, self.run_id, self.rank, seq, event, wall, mono, packed)
+        return wire.encode(kind, self.run_id, self.rank, seq, event, wall, mono, payload)
 
     def last_of(self, topics: Optional[list[str]]) -> int:
         """The seq of the latest message among ``topics`` (names); of any message when None."""
@@ -195,3 +289,11 @@ class History:
         if self.journal is None:
             return []
         return self.journal.read_range(first, last, max_bytes)  # older than the cache: the journal's sparse index
+
+
+def _equal(old: Any, new: Any) -> bool:
+    """Whether two plain values are equal (False when they cannot be compared)."""
+    try:
+        return bool(old == new)
+    except Exception:
+        return False

@@ -2,7 +2,9 @@
 
 The builder keeps the run's current snapshot and applies each record's changes
 to it, so the training thread only captures what changed while every event
-message still carries the full snapshot.
+message still carries the full snapshot (the window stores it as what changed:
+:mod:`eventbus.bus.publish.history`). Timestamps are kept in their compact form
+(:func:`~eventbus.bus.schema.compact_timestamp`).
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from eventbus.bus.publish.records import EventRecord
-from eventbus.bus.schema import PER_BATCH_KEYS, Key
-from eventbus.bus.wire import pack_payload
+from eventbus.bus.schema import PER_BATCH_KEYS, Key, compact_timestamp
 
 __all__ = ["PayloadBuilder", "resolve"]
 
@@ -41,42 +42,45 @@ class PayloadBuilder:
             Key.MAX_DURATION: None, Key.STOP_REASON: None, **dict.fromkeys(PER_BATCH_KEYS),
         }
         self._last_timestamp: Any = None
-        self._last_timestamp_dict: dict[str, Any] = {}
+        self._last_timestamp_dict: list[Any] = []
         self._last_previous: Any = None
-        self._last_previous_dict: Optional[dict[str, Any]] = None
-        self._packed: Optional[bytes] = None  # the previous event's packed snapshot, and what it was of
-        self._packed_key: tuple[Any, ...] = ()
+        self._last_previous_dict: Optional[list[Any]] = None
+        self._last_eval: Any = None
+        self._last_eval_fields: list[Any] = []
+        self._last: Optional[dict[str, Any]] = None  # the previous event's snapshot, and what it was of
+        self._last_key: tuple[Any, ...] = ()
         self._settings: dict[str, Any] = {}  # the last optimizer and scheduler settings captured, as captured
 
-    def event_payload(self, record: EventRecord) -> bytes:
-        """The full snapshot at this event, packed. Waits for the record's staged device copies.
+    def event_payload(self, record: EventRecord) -> dict[str, Any]:
+        """The full snapshot at this event; never changed once returned. Waits for the record's
+        staged device copies.
 
-        Most events of a batch change nothing but the event name: the packed snapshot of the
-        previous event is reused then (one msgpack of the snapshot per change, not per event)."""
+        Most events of a batch change nothing but the event name: the snapshot of the previous
+        event is returned again then (the window stores it once)."""
         if record.event == "batch_start" and any(self._current[key] is not None for key in PER_BATCH_KEYS):
             self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
-            self._packed = None
+            self._last = None
         weights = record.changes.pop(Key.WEIGHTS, None) if record.changes else None  # this event's only
         if record.changes and self._apply(record.changes):
-            self._packed = None
-        key = (record.timestamp, record.previous_timestamp, record.dataloader_label, record.dataloader_len,
-               record.batch_num_samples, record.batch_num_tokens)
-        reusable = record.checkpoint is None and record.eval_timestamp is None and weights is None
-        if reusable and self._packed is not None and _same(key, self._packed_key):
-            return self._packed
-        packed = pack_payload(self._build(record) if weights is None else
-                              dict(self._build(record), **{Key.WEIGHTS: resolve(weights)}))
+            self._last = None
+        key = (record.timestamp, record.previous_timestamp, record.eval_timestamp, record.dataloader_label,
+               record.dataloader_len, record.batch_num_samples, record.batch_num_tokens)
+        reusable = record.checkpoint is None and weights is None
+        if reusable and self._last is not None and _same(key, self._last_key):
+            return self._last
+        payload = (self._build(record) if weights is None else
+                   dict(self._build(record), **{Key.WEIGHTS: resolve(weights)}))
         if reusable:
-            self._packed, self._packed_key = packed, key
-        return packed
+            self._last, self._last_key = payload, key
+        return payload
 
     def _build(self, record: EventRecord) -> dict[str, Any]:
         if record.timestamp is not self._last_timestamp:  # most events of a batch share one Timestamp
             self._last_timestamp = record.timestamp
-            self._last_timestamp_dict = record.timestamp.state_dict()
+            self._last_timestamp_dict = compact_timestamp(record.timestamp.state_dict())
         if record.previous_timestamp is not self._last_previous:  # changes once per batch
             self._last_previous = record.previous_timestamp
-            self._last_previous_dict = (record.previous_timestamp.state_dict()
+            self._last_previous_dict = (compact_timestamp(record.previous_timestamp.state_dict())
                                         if record.previous_timestamp is not None else None)
         payload = dict(self._current)
         payload[Key.TIMESTAMP] = self._last_timestamp_dict
@@ -91,7 +95,10 @@ class PayloadBuilder:
                 record.checkpoint.copied.synchronize()  # the device-to-host staging copy; releases the GIL
             payload[Key.CHECKPOINT] = record.checkpoint.descriptor
         if record.eval_timestamp is not None:
-            payload[Key.EVAL_TIMESTAMP] = record.eval_timestamp.state_dict()
+            if record.eval_timestamp is not self._last_eval:  # changes once per evaluation batch
+                self._last_eval = record.eval_timestamp
+                self._last_eval_fields = compact_timestamp(record.eval_timestamp.state_dict())
+            payload[Key.EVAL_TIMESTAMP] = self._last_eval_fields
         return payload
 
     def _apply(self, changes: dict[str, Any]) -> bool:
@@ -139,4 +146,5 @@ def _equal(old: Any, new: Any) -> bool:
 
 def _same(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
     """Timestamps by identity (immutable objects, shared by the events of a batch), the rest by value."""
-    return len(key) == len(other) and key[0] is other[0] and key[1] is other[1] and key[2:] == other[2:]
+    return (len(key) == len(other) and key[0] is other[0] and key[1] is other[1] and key[2] is other[2]
+            and key[3:] == other[3:])

@@ -19,9 +19,9 @@ RUN = "run-a"
 def window(first: int, *events: str, run_id: str = RUN) -> bytes:
     """A window of messages from seq ``first``: one per event ("end" for the run's end)."""
     topics = bytes(wire.TOPICS.index(event) for event in events)
-    times = array.array("d", [0.0] * 2 * len(events))
-    return wire.encode_window(run_id, 0, first, topics, times, array.array("H", [0] * len(events)),
-                              [wire.pack_payload({})])
+    times = array.array("f", [0.0] * 2 * len(events))
+    return wire.encode_window(run_id, 0, first, first + len(events) - 1, 0.0, 0.0, topics, None, times,
+                              [0] * len(events), [wire.pack_payload({})])
 
 
 def frame(seq: int, event: str = "batch_end", run_id: str = RUN) -> bytes:
