@@ -242,15 +242,18 @@ def test_an_unreadable_foreign_file_is_still_refused(tmp_path):
         list(read_journal(tmp_path / "notes.txt"))
 
 
-def test_a_first_format_journal_is_read_up_to_its_damage(tmp_path):
+def test_a_segment_of_an_earlier_format_is_reported_and_the_rest_still_reads(tmp_path):
     import struct
     import zlib
     path = tmp_path / "events.journal"
-    bodies = [b"a" * 10, b"b" * 10, b"c" * 10]
-    data = b"EVBJOURNAL1\n" + b"".join(struct.pack("<II", len(b), zlib.crc32(b)) + b for b in bodies)
-    path.write_bytes(data[:-3] + b"zzz")
+    bodies = [b"a" * 10, b"b" * 10]
+    path.write_bytes(b"EVBJOURNAL1\n" + b"".join(struct.pack("<II", len(b), zlib.crc32(b)) + b for b in bodies))
+    writer = JournalWriter(path)  # a new segment, of the current format
+    writer.append(wire.encode("metrics", "run", 0, 1, None, 0.0, 0.0, {"step": 1}), 1)
+    writer.close()
     reader = JournalReader(path)
-    assert [r.data for r in reader.records()] == bodies[:2] and len(reader.damage) == 1
+    assert [r.seq for r in reader.records()] == [1]
+    assert len(reader.damage) == 1 and "earlier eventbus (journal format 1)" in reader.damage[0].describe()
 
 
 def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_journal(tmp_path):

@@ -65,9 +65,10 @@ class Subscriber:
     """Receives one publisher's messages; see the module docstring for the guarantees.
 
     ``events`` limits which events are delivered (with the run header, the end of the run, and
-    logged metrics unless ``metrics=False``): windows carry every topic, and the messages of the
-    others are never built from them; gaps are noticed whatever the topics
-    (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`).
+    logged metrics unless ``metrics=False``): the trainer sends this subscriber windows holding
+    those topics only, and only when it published some (a subscriber is not woken for the
+    others); each window covers every seq since the previous one, so gaps are noticed whatever
+    the topics (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`).
     ``resume=(run_id, seq)`` continues after ``seq`` if the run is still ``run_id``.
     ``journal`` is a path to fall back on when the replay service cannot answer
     (by default the path announced in the run header, if it exists here).
@@ -175,7 +176,10 @@ class Subscriber:
         self._sub.setsockopt(zmq.RCVHWM, self._receive_hwm)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
-        self._sub.setsockopt(zmq.SUBSCRIBE, wire.WINDOW_TOPIC)  # every window: this side keeps its topics
+        # Its group's windows (holding its topics only: a window without them never wakes it), and
+        # what is sent to every subscriber.
+        self._sub.setsockopt(zmq.SUBSCRIBE, wire.subscription(self._sequencer.topics))
+        self._sub.setsockopt(zmq.SUBSCRIBE, wire.WINDOW_TOPIC)
         self._sub.connect(self.address)  # before the snapshot request: the Clone pattern
         # The same socket, used synchronously to drain what arrived without an await per message.
         self._drain: zmq.Socket = zmq.Socket.shadow(self._sub.underlying)
