@@ -38,6 +38,7 @@ from eventbus.checkpoint.uploads import Uploader
 from eventbus.core.atomic import temp_name
 from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
+from eventbus.core.run_folder import announced_run_folder
 from eventbus.errors import ConfigError
 from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
 
@@ -281,11 +282,8 @@ class CheckpointSaver(Callback):
         return path, latest
 
     def _folder(self, state: Any, rank: int) -> pathlib.Path:
-        base = pathlib.Path(self.runs_dir) if self.runs_dir is not None else None
-        if base is None:
-            header = getattr(state, "header", None) or {}
-            run_folder = header.get("run_folder")
-            base = pathlib.Path(run_folder).parent if run_folder else pathlib.Path("runs")
+        # The runs dir given, else the one holding the run folder the trainer announced (./runs by default).
+        base = pathlib.Path(self.runs_dir) if self.runs_dir is not None else announced_run_folder(state).parent
         return base / _format(self.folder, state, rank)
 
     def _remote_url(self, state: Any, rank: int) -> str:

@@ -16,21 +16,16 @@ import datetime
 import os
 import pathlib
 import sys
-import time
 from typing import Any, Callable, Mapping, Optional, Union
 
 from eventbus.capture.event_capture import EventCapture
 from eventbus.capture.session import BusArgument, open_bus
 from eventbus.core.events import Event
+from eventbus.core.run_folder import resolve_run_folder
 from eventbus.core.time import Time, Timestamp, elapsed_duration
 from eventbus.runtime.supervisor import DaemonsArgument, DaemonSet, daemons_from
 
-__all__ = ["RunState", "BusAdapter", "default_run_name"]
-
-
-def default_run_name(prefix: str) -> str:
-    """A run name when the user gives none: the trainer's name, the time and the pid (unique per host)."""
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+__all__ = ["RunState", "BusAdapter"]
 
 
 class RunState:
@@ -120,7 +115,7 @@ class BusAdapter:
         if self.capture is not None:
             return
         self.state = state
-        folder = self.run_folder or pathlib.Path("runs") / state.run_name
+        folder = resolve_run_folder(state.run_name, self.run_folder)
         self.capture = open_bus(self.bus, state, run_folder=folder, hyperparameters=hyperparameters,
                                 checkpoint_source=checkpoint_source,
                                 header={"trainer": trainer, **(header or {})}, quiet=True)

@@ -28,11 +28,13 @@ from typing import Any, Mapping, Optional, Union
 import lightning.pytorch as pl
 import torch
 
+from eventbus.capture.plain import plain_hyperparameters
 from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.staging import Staged
 from eventbus.core.events import Event
+from eventbus.core.run_folder import new_run_name
 from eventbus.core.time import Time, Timestamp, TimeUnit
-from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
+from eventbus.integrations.adapter import BusAdapter, RunState
 from eventbus.integrations.lightning_checkpoint import EventBusCheckpointIO
 from eventbus.runtime.supervisor import DaemonsArgument
 
@@ -42,20 +44,6 @@ log = logging.getLogger(__name__)
 
 EVAL_LABEL = "eval"  # Composer's default evaluator label: eval metrics read as state.eval_metric_values["eval"]
 _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT.value, Event.EPOCH_CHECKPOINT.value, Event.FIT_END.value})
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """Hyperparameters as msgpack carries them: plain values kept, anything else by its repr."""
-    if isinstance(value, _PLAIN):
-        return value
-    if depth < 8 and isinstance(value, Mapping):
-        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
-    if depth < 8 and isinstance(value, (list, tuple)):
-        return [_plain(v, depth + 1) for v in value]
-    return repr(value)
-
-
 def _batch_size(batch: Any) -> int:
     """Samples in a batch from tensor shapes (no device read); 0 when the batch holds no tensor."""
     from lightning.pytorch.utilities.data import extract_batch_size
@@ -72,7 +60,7 @@ class EventBusCallback(pl.Callback):
     Args:
         bus: as :class:`eventbus.Trainer`'s (None: ``runs/<run_name>/`` with its ipc address and
             journal; an address string; a ``BusConfig``; False: publish nothing).
-        run_name: the run's name (default ``lightning-<time>-<pid>``, rank 0's under DDP).
+        run_name: the run's name (default ``lightning-<date>-<time>``, rank 0's under DDP).
         run_folder: where the journal lives (default ``runs/<run_name>``).
         daemons: True (or ``Daemons(...)``) starts ``eventbus run``'s daemons with the fit (rank 0 starts
             one set for the job), waits for them, and stops them when the fit ends.
@@ -106,7 +94,7 @@ class EventBusCallback(pl.Callback):
         import eventbus.distributed as distributed
 
         world_size = trainer.world_size
-        run_name = self.run_name or default_run_name("lightning")
+        run_name = self.run_name or new_run_name("lightning")
         if world_size > 1 and torch.distributed.is_initialized():
             run_name = distributed.broadcast_object(run_name)
         self.state = RunState(run_name, rank=trainer.global_rank, world_size=world_size, model=pl_module,
@@ -118,8 +106,8 @@ class EventBusCallback(pl.Callback):
                   "precision": str(trainer.precision)}
         # Checkpoints reach the worker through EventBusCheckpointIO only (Lightning's own saves, off the
         # training thread); a checkpoint lease stages nothing else from a Lightning run.
-        self.adapter.open(self.state, hyperparameters=_plain(dict(pl_module.hparams)), trainer="lightning",
-                          header=header)
+        self.adapter.open(self.state, hyperparameters=plain_hyperparameters(dict(pl_module.hparams)),
+                          trainer="lightning", header=header)
         self._checkpoint_io = _find_plugin(trainer)
         if self._checkpoint_io is not None:
             self._checkpoint_io.attach(self)

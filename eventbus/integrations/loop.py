@@ -51,11 +51,13 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 
 import eventbus.distributed as distributed
+from eventbus.capture.plain import plain_hyperparameters
 from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.naming import latest_path
 from eventbus.core.events import Event
+from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time, Timestamp, TimeUnit
-from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
+from eventbus.integrations.adapter import BusAdapter, RunState
 from eventbus.integrations.loop_checkpoint import LoopCheckpoint, unwrap_model, unwrap_optimizer
 from eventbus.runtime.supervisor import Daemons, DaemonsArgument
 from eventbus.training.checks import check_max_duration
@@ -63,7 +65,6 @@ from eventbus.training.checks import check_max_duration
 __all__ = ["Daemons", "Evaluation", "LoopRun", "StepMarks", "start"]
 
 log = logging.getLogger(__name__)
-_PLAIN = (bool, int, float, str, type(None))
 
 
 def start(model: torch.nn.Module, optimizers: Any = None, *, max_duration: Union[int, str, Time, None] = None,
@@ -80,7 +81,7 @@ def start(model: torch.nn.Module, optimizers: Any = None, *, max_duration: Union
         max_duration: the loop's length (``"200ba"`` optimizer steps, ``"3ep"``, an int for epochs);
             ``run.should_stop`` turns True when it is reached.
         schedulers: LR schedulers, saved in checkpoints and read for the learning rate.
-        run_name: the run's name (default ``loop-<time>-<pid>``, rank 0's under torchrun).
+        run_name: the run's name (default ``loop-<date>-<time>``, rank 0's under torchrun).
         run_folder: where the journal and the daemons' files go (default ``runs/<run_name>``).
         bus: as :class:`eventbus.Trainer`'s (None: ``ipc://<run_folder>/bus``; an address; a BusConfig;
             False: publish nothing).
@@ -101,16 +102,6 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    if isinstance(value, _PLAIN):
-        return value
-    if depth < 8 and isinstance(value, Mapping):
-        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
-    if depth < 8 and isinstance(value, (list, tuple)):
-        return [_plain(v, depth + 1) for v in value]
-    return repr(value)
 
 
 class StepMarks:
@@ -149,10 +140,10 @@ class LoopRun:
                  load_path: Union[str, os.PathLike[str], None], resume: bool, steps_per_epoch: Optional[int],
                  seed: Optional[int]):
         rank, world_size = _rank_and_world_size()
-        name = run_name or default_run_name("loop")
+        name = run_name or new_run_name("loop")
         if world_size > 1:
             name = distributed.broadcast_object(name)  # every rank's stream names the same run
-        self.run_folder = pathlib.Path(run_folder) if run_folder is not None else pathlib.Path("runs") / name
+        self.run_folder = resolve_run_folder(name, run_folder)
         self.optimizers = [unwrap_optimizer(o) for o in _as_list(optimizers)]
         self.schedulers = _as_list(schedulers)
         duration = check_max_duration(max_duration) if max_duration is not None else None
@@ -176,8 +167,8 @@ class LoopRun:
         self._window_loss: Any = None
         self._pending: list[Event] = []  # checkpoint events waiting for the loop's next mark
         self._hooks = [hook for o in self.optimizers for hook in self._watch(o)]
-        self.adapter.open(self.state, hyperparameters=_plain(dict(hyperparameters or {})), trainer="loop",
-                          checkpoint_source=self.checkpoint.state_dict,
+        self.adapter.open(self.state, hyperparameters=plain_hyperparameters(dict(hyperparameters or {})),
+                          trainer="loop", checkpoint_source=self.checkpoint.state_dict,
                           header={"seed": seed} if seed is not None else None)
         self._publish(Event.INIT, Event.BEFORE_LOAD)
         path = load_path if load_path is not None else _latest(self.run_folder) if resume else None

@@ -31,17 +31,18 @@ import torch
 import transformers
 
 import eventbus.distributed as distributed
+from eventbus.capture.plain import PLAIN_TYPES
 from eventbus.capture.session import BusArgument
 from eventbus.core.events import Event
+from eventbus.core.run_folder import new_run_name
 from eventbus.core.time import Time, Timestamp, TimeUnit
-from eventbus.integrations.adapter import BusAdapter, RunState, default_run_name
+from eventbus.integrations.adapter import BusAdapter, RunState
 from eventbus.runtime.supervisor import DaemonsArgument
 
 __all__ = ["EventBusCallback"]
 
 # What HF adds to every evaluation's metrics about its own speed: logged, but not a model metric.
 _SPEED_SUFFIXES = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
-_PLAIN = (int, float, bool, str, type(None))
 
 
 class EventBusCallback(transformers.TrainerCallback):
@@ -50,7 +51,7 @@ class EventBusCallback(transformers.TrainerCallback):
     Args:
         bus: as :class:`eventbus.Trainer`'s (None: ``runs/<run_name>/`` with its ipc address and journal;
             an address string; a ``BusConfig``; False: publish nothing).
-        run_name: the run's name (default ``hf-<time>-<pid>``; under torchrun rank 0's).
+        run_name: the run's name (default ``hf-<date>-<time>``; under torchrun rank 0's).
         run_folder: where the journal lives (default ``runs/<run_name>``).
         daemons: True (or ``Daemons(...)``) starts ``eventbus run``'s daemons with the run (rank 0 starts
             one set for the job), waits for them, and stops them when training ends.
@@ -121,7 +122,7 @@ class EventBusCallback(transformers.TrainerCallback):
 
     def _open(self, args: Any, model: Any) -> None:
         world_size = int(args.world_size)
-        name = self.run_name or default_run_name("hf")
+        name = self.run_name or new_run_name("hf")
         if world_size > 1:
             name = distributed.broadcast_object(name)  # every rank's stream names the same run
         self.state = RunState(name, rank=int(args.process_index), world_size=world_size, model=model,
@@ -345,9 +346,9 @@ def _eval_values(metrics: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, _PLAIN):
+    if isinstance(value, PLAIN_TYPES):
         return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, PLAIN_TYPES) for v in value):
         return list(value)
     return str(value)
 

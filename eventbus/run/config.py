@@ -15,11 +15,11 @@ import importlib.util
 import math
 import os
 import pathlib
-import re
 import tempfile
 import typing
 from typing import Any, Optional
 
+from eventbus.core.run_folder import RUNS_DIR, check_run_name
 from eventbus.errors import ConfigError
 from eventbus.runtime.supervisor import DAEMONS  # the one list of the default daemons
 
@@ -28,7 +28,6 @@ __all__ = ["DAEMONS", "LONG_DURATION", "PRECISIONS", "JobConfig", "add_run_argum
 
 LONG_DURATION = "10ep"  # what --long trains for
 PRECISIONS = ("fp32", "amp_bf16")
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 @dataclasses.dataclass
@@ -45,7 +44,7 @@ class JobConfig:
     precision: str = "fp32"
     eval_interval: str = "1ep"
     run_name: Optional[str] = None
-    runs_dir: str = "runs"
+    runs_dir: str = RUNS_DIR
     seed: int = 17
     bus: Optional[str] = None
     daemons: list[str] = dataclasses.field(default_factory=lambda: list(DAEMONS))
@@ -276,9 +275,8 @@ def validate_config(config: JobConfig) -> None:
         raise ConfigError(f"bus must be ipc://PATH or tcp://HOST:PORT, got {config.bus!r}")
     _check_bus_is_guarded(config.bus)
     _check_trackers(config)
-    if config.run_name is not None and not RUN_NAME.fullmatch(config.run_name):
-        raise ConfigError(f"run-name must be a plain folder name (letters, digits, '.', '_', '-'; no '/'), "
-                          f"got {config.run_name!r}")
+    if config.run_name is not None:
+        check_run_name(config.run_name, "run-name")
     _check_writable(pathlib.Path(config.runs_dir))
 
 

@@ -1,4 +1,5 @@
-"""Where a run goes: a fresh folder for a new run, or the run to resume and its latest checkpoint.
+"""Finding the run ``eventbus run`` trains: a free folder for a new run, or the run to resume and its
+latest checkpoint.
 
 The latest checkpoint is the run folder's ``latest`` link, else (with a remote save
 folder) the ``.symlink`` object there, as Composer's autoresume looks; the names are
@@ -11,34 +12,24 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
-import time
 from typing import Optional, Union
 
 from eventbus.checkpoint.naming import CHECKPOINTS, latest_name, latest_path, remote_latest_name
+from eventbus.core.run_folder import resolve_run_folder
 from eventbus.errors import ConfigError
 from eventbus.run.config import JobConfig
 
-__all__ = ["check_run_folder", "latest_checkpoint", "new_run_name", "resume_from"]
+__all__ = ["check_run_folder", "latest_checkpoint", "resume_from"]
 
 
 def check_run_folder(config: JobConfig) -> None:
     """A new run never goes into another run's folder (it would append to that run's journal)."""
     if config.resume or config.run_name is None or int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 made the folder the other ranks share
-    folder = pathlib.Path(config.runs_dir) / config.run_name
+    folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
     if folder.exists() and any(folder.iterdir()):
         raise ConfigError(f"run {config.run_name!r} already exists in {folder}; continue it with "
                           f"--run-name {config.run_name} --resume, or choose a new --run-name")
-
-
-def new_run_name(runs_dir: str) -> str:
-    """A generated name no run folder has yet."""
-    base = time.strftime("charlm-%Y%m%d-%H%M%S")
-    name, n = base, 1
-    while (pathlib.Path(runs_dir) / name).exists():
-        n += 1
-        name = f"{base}-{n}"
-    return name
 
 
 def latest_checkpoint(config: JobConfig) -> tuple[str, Union[str, pathlib.Path]]:

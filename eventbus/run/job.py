@@ -16,8 +16,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.run.config import JobConfig, config_from_args
-from eventbus.run.resume import check_run_folder, new_run_name, resume_from
+from eventbus.run.discovery import check_run_folder, resume_from
 from eventbus.run.summary import print_summary
 from eventbus.run.supervise import start_daemons, stop_daemons, wait_for_subscribers
 
@@ -29,6 +30,7 @@ __all__ = ["build_trainer", "job_hyperparameters", "run_job"]
 # The options that shape what is trained, logged as the run's hyperparameters (the trainer logs its own:
 # max_duration, seed, precision, device, the optimizer's name, the parameter count).
 _TRAINING_OPTIONS = ("lr", "batch_size", "seq_len", "d_model", "layers", "eval_interval", "save_interval")
+DEMO_RUN_PREFIX = "charlm"  # a generated run name says which model it trained
 
 
 def job_hyperparameters(config: JobConfig) -> dict[str, Any]:
@@ -50,8 +52,8 @@ def build_trainer(config: JobConfig, load_path: Optional[pathlib.Path]) -> Train
     torch.manual_seed(config.seed)
     train_loader, eval_loader, vocab_size = make_dataloaders(model_config, config.batch_size)
     model = CharLM(vocab_size, model_config)
-    run_name = config.run_name or new_run_name(config.runs_dir)
-    run_folder = pathlib.Path(config.runs_dir) / run_name
+    run_name = config.run_name or new_run_name(DEMO_RUN_PREFIX, config.runs_dir)
+    run_folder = resolve_run_folder(run_name, runs_dir=config.runs_dir)
     trainer = Trainer(
         model, train_loader, max_duration=config.max_duration, eval_dataloader=eval_loader,
         eval_interval=config.eval_interval, optimizers=torch.optim.AdamW(model.parameters(), lr=config.lr),
@@ -78,7 +80,7 @@ def run_job(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # every option checked: nothing has started yet
     load_path, downloaded = resume_from(config) if config.resume else (None, None)
     check_run_folder(config)
-    config.run_name = config.run_name or new_run_name(config.runs_dir)
+    config.run_name = config.run_name or new_run_name(DEMO_RUN_PREFIX, config.runs_dir)
     started = time.perf_counter()
     try:
         trainer, children = _start(config, load_path)
@@ -104,7 +106,7 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
     """The trainer and its daemons, ready to train; a start that fails (or is interrupted) closes what it
     opened and removes the run folder it made, so no half-made run is left behind."""
     assert config.run_name is not None
-    folder = pathlib.Path(config.runs_dir) / config.run_name
+    folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
     fresh = not folder.exists()
     trainer: Optional[Trainer] = None
     children: list[subprocess.Popen] = []

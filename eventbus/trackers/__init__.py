@@ -2,23 +2,6 @@
 
 A daemon hosts them on the live stream (``python -m workers.logger``) and
 ``eventbus export`` writes a journal into them; neither touches the trainer.
-Imported lazily: a tracker's own package is needed only when it is used.
+Imported lazily: a tracker's own package is needed only when it is used. Each
+writes into the run's folder (:func:`eventbus.core.run_folder.announced_run_folder`).
 """
-
-from __future__ import annotations
-
-import os
-import pathlib
-from typing import Any, Optional
-
-__all__ = ["run_folder"]
-
-
-def run_folder(state: Any, folder: Optional[os.PathLike]) -> pathlib.Path:
-    """An explicit folder, else the run folder the trainer announced, else ./runs/<run_name>."""
-    if folder is not None:
-        return pathlib.Path(folder)
-    header = getattr(state, "header", None) or {}
-    if header.get("run_folder"):
-        return pathlib.Path(header["run_folder"])
-    return pathlib.Path("runs") / str(state.run_name)

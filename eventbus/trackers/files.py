@@ -17,7 +17,7 @@ from typing import Any, Optional, TextIO
 
 from eventbus.core.atomic import write_atomic
 from eventbus.core.logger import Logger, LoggerDestination, to_number
-from eventbus.trackers import run_folder
+from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.points import Refused
 
 __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
@@ -61,7 +61,7 @@ class MetricsFileLogger(LoggerDestination):
         if (self._pending or self._file is not None) and self.folder is not None:
             self.close(state, logger)  # also what it made and has not written yet
         self._pending, self._written, self._held, self.path = {}, set(), None, None
-        self.folder = run_folder(state, self.configured_folder)
+        self.folder = announced_run_folder(state, self.configured_folder)
 
     def state_dict(self) -> dict[str, Any]:
         """The folder and the steps still held back: a restarted worker loses neither."""

@@ -10,7 +10,7 @@ import time
 from typing import Any, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination
-from eventbus.trackers import run_folder
+from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.outbox import Outbox
 from eventbus.trackers.points import Refused, scalars
 
@@ -52,7 +52,7 @@ class MLflowLogger(LoggerDestination):
                       "from its journal", len(self.outbox.items), self.run_name)
         self.outbox.items.clear()
         self._client, self._run_id, self._present, self._held = None, None, {}, {}
-        self.tracking_uri = self.configured_uri or (run_folder(state, None) / "mlruns").resolve().as_uri()
+        self.tracking_uri = self.configured_uri or (announced_run_folder(state) / "mlruns").resolve().as_uri()
         self.run_name = str(state.run_name)
         self.outbox.put(["open"])
 

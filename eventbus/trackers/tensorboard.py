@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination
-from eventbus.trackers import run_folder
+from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.points import Refused, scalars
 
 __all__ = ["TensorBoardLogger", "written_points", "written_steps"]
@@ -56,7 +56,7 @@ class TensorBoardLogger(LoggerDestination):
     def init(self, state: Any, logger: Logger) -> None:
         """A new run: its own folder, whatever a cursor of an earlier run restored."""
         self.close(state, logger)
-        self.log_dir = self.configured_dir or run_folder(state, None) / "tensorboard"
+        self.log_dir = self.configured_dir or announced_run_folder(state) / "tensorboard"
         self._held = None
         self._open()
 

@@ -11,7 +11,7 @@ import time
 from typing import Any, Iterator, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination, to_number
-from eventbus.trackers import run_folder
+from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.outbox import Outbox
 
 __all__ = ["WandBLogger", "persisted_steps"]
@@ -90,7 +90,7 @@ class WandBLogger(LoggerDestination):
             self._disabled = True
             return
         suffix = f"-rank{rank}" if rank else ""
-        folder = self.init_kwargs.get("dir") or os.environ.get("WANDB_DIR") or run_folder(state, None)
+        folder = self.init_kwargs.get("dir") or os.environ.get("WANDB_DIR") or announced_run_folder(state)
         self._run_args = {"id": f"{state.run_id}{suffix}", "name": f"{self.name or state.run_name}{suffix}",
                           "dir": str(pathlib.Path(folder).resolve())}
         self.outbox.put(("open",))  # at INIT, as Composer does: the run shows up as training starts
