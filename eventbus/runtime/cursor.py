@@ -13,6 +13,8 @@ import pathlib
 import threading
 from typing import Any, Optional, Sequence, Union
 
+from eventbus.core.atomic import write_atomic
+
 __all__ = ["Cursor"]
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class Cursor:
             if ended:
                 self.ended.add(name)
             self.journal = journal or self.journal
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
-                                       "journal": self.journal, "ended": sorted(self.ended)}, default=str))
-            os.replace(tmp, self.path)
+            # No fsync: a lost last commit after a machine crash only re-applies messages (at-least-once).
+            write_atomic(self.path, json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
+                                                "journal": self.journal, "ended": sorted(self.ended)},
+                                               default=str), fsync=False)
