@@ -1,7 +1,8 @@
 """``eventbus export``: write a run's journal into a tracker, resumable and idempotent.
 
-The journal is the run's complete record (DESIGN invariant 3), so a tracker that
-was down during training, or never attached, catches up afterwards from it::
+Every message is written to the journal before it is sent, so the journal holds all
+that any subscriber saw: a tracker that was down during training, or never attached,
+catches up afterwards from it::
 
     eventbus export runs/my-run --to tensorboard
     eventbus export runs/my-run --to mlflow --mlflow-uri http://mlflow:5000
