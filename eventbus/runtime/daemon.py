@@ -31,6 +31,7 @@ __all__ = ["OneLineErrorParser", "add_daemon_arguments", "add_verbose_argument",
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 VERBOSE_ENV = "EVENTBUS_VERBOSE"  # "1": every daemon says what it connects to, follows and did
+EVENT_LOOP_ENV = "EVENTBUS_EVENT_LOOP"  # "asyncio": the standard event loop even where uvloop is installed
 
 # The keyword arguments of run_worker that a daemon's parsed arguments may carry under the same name.
 _WORKER_OPTIONS = ("identity", "state_dir", "start", "events", "fail_fast", "journal", "follow", "verbose")
@@ -134,12 +135,25 @@ def serve(prog: str, args: argparse.Namespace,
         # A hint (or, with --timeout, an error) instead of a silent wait on an address nobody serves.
         wait_for_server(name, args.connect, getattr(args, "timeout", None), block=False)
         options = {option: getattr(args, option) for option in _WORKER_OPTIONS if hasattr(args, option)}
-        return asyncio.run(run_worker(args.connect, factory, name=name, **options))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(run_worker(args.connect, factory, name=name, **options))
     except EventBusError as err:
         return _error(name, err)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+
+
+def event_loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
+    """uvloop's event loop where it is installed (its sockets' readiness and callbacks run in C), else
+    asyncio's own (None); ``EVENTBUS_EVENT_LOOP=asyncio`` asks for asyncio's."""
+    if os.environ.get(EVENT_LOOP_ENV, "").strip().lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
 def _error(prog: str, err: BaseException) -> int:
