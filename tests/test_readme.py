@@ -49,7 +49,10 @@ def shell_lines() -> list[str]:
 
 def program(command: str) -> list[str] | None:
     """The argv (after the interpreter) of an eventbus or daemon command line, or None for anything else."""
-    words = shlex.split(command.removeprefix(".venv/bin/"))
+    text = command.removeprefix(".venv/bin/")
+    if not re.match(r"(eventbus|python -m (eventbus|workers))\b", text):
+        return None
+    words = shlex.split(text)
     if words[:1] == ["eventbus"]:
         return ["-m", "eventbus", *words[1:]]
     if words[:2] == ["python", "-m"] and words[2:3] and words[2].split(".")[0] in ("eventbus", "workers"):
@@ -168,6 +171,24 @@ def test_every_flag_the_readme_names_is_in_that_commands_help():
         if not any(has_flag(h, flag) for h in helps):
             missing.append(f"{flag} ({command or 'any command shown'})")
     assert not missing, "flags the README names that no --help has: " + ", ".join(missing)
+
+
+def test_every_flag_in_the_docs_command_blocks_is_in_that_commands_help():
+    """The documentation's shell blocks are copied as often as the README's: the same check for their
+    eventbus and daemon command lines (environment assignments in front are skipped)."""
+    missing = []
+    for page in sorted((REPO_ROOT / "docs").rglob("*.md")):
+        for lang, body in FENCE.findall(page.read_text()):
+            if lang not in ("sh", "bash", ""):
+                continue
+            for line in body.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                line = re.sub(r"^(export\s+)?([A-Z_]+=\S+\s+)+", "", line)
+                if not line or not program(line):
+                    continue
+                missing += [f"{page.name}: {flag} ({line})" for flag in FLAG.findall(line)
+                            if not has_flag(help_of(line), flag)]
+    assert not missing, missing
 
 
 def _names(tree: ast.AST) -> tuple[list[str], list[tuple[str, int, list[str]]]]:
