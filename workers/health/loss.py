@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import math
-import statistics
 from typing import Any, Optional
 
 from eventbus import Callback
@@ -48,6 +48,7 @@ class LossMonitor(Callback):
         self.spike_factor, self.warmup = spike_factor, warmup
         self.stop_on_nan, self.stop_on_spike = stop_on_nan, stop_on_spike
         self._losses: collections.deque[float] = collections.deque(maxlen=window)
+        self._sorted: list[float] = []  # the same losses in order: the median without sorting at every batch
         self._bad_since: Optional[int] = None  # first batch of the current run of non-finite losses
         self._stopped = False
 
@@ -56,6 +57,19 @@ class LossMonitor(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._losses.extend(float(v) for v in state.get("losses", ()))
+        self._sorted = sorted(self._losses)
+
+    def _median(self) -> float:
+        ordered, middle = self._sorted, len(self._sorted) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def _keep(self, loss: float) -> None:
+        """``loss`` joins the window (the oldest leaves a full one), in both orders."""
+        losses, ordered = self._losses, self._sorted
+        if len(losses) == losses.maxlen:
+            del ordered[bisect.bisect_left(ordered, losses[0])]
+        losses.append(loss)
+        bisect.insort(ordered, loss)
 
     def batch_end(self, state: Any, logger: Logger) -> None:
         loss = _loss(state)
@@ -69,8 +83,8 @@ class LossMonitor(Callback):
             log.warning("loss is finite again at batch %d (%.6g), non-finite since batch %d", batch, loss,
                         self._bad_since)
             self._bad_since = None
-        median = statistics.median(self._losses) if len(self._losses) >= self.warmup else 0.0
-        self._losses.append(loss)
+        median = self._median() if len(self._losses) >= self.warmup else 0.0
+        self._keep(loss)
         if self.spike_factor and median > 0 and loss > self.spike_factor * median:
             log.warning("loss spike at batch %d: %.6g is %.1f x the median %.6g of the last %d batches", batch,
                         loss, loss / median, median, len(self._losses) - 1)

@@ -53,7 +53,7 @@ class StallDetector(Watchdog):
         self._previous: dict[int, float] = {}  # rank -> publish time of its last BATCH_END
         self._armed = self._evaluating = False
         self._last_progress = time.monotonic()
-        self._last_batch = "none"
+        self._last_batch: Optional[tuple[int, int, float]] = None  # batch, epoch, publish time
         self._alarms = 0
         self._process: Optional[psutil.Process] = None
         self._where = "?"
@@ -76,9 +76,8 @@ class StallDetector(Watchdog):
                 self._steps.append(wall - previous)
             self._previous[rank] = wall
             self.step = int(state.timestamp.batch)
-            self._last_batch = (f"{self.step} (in epoch {int(state.timestamp.epoch) + 1}) at "
-                                f"{datetime.datetime.fromtimestamp(wall).strftime('%H:%M:%S')}")
-            self._progress(logger, f"batch {self.step} finished")
+            self._last_batch = (self.step, int(state.timestamp.epoch), wall)  # put in words only for an alarm
+            self._progress(logger)
             self._armed = True
 
     def eval_start(self, state: Any, logger: Logger) -> None:
@@ -100,13 +99,14 @@ class StallDetector(Watchdog):
             self._progress(logger, "training ended")
             self._armed = False
 
-    def _progress(self, logger: Logger, what: str) -> None:
-        """The trainer moved on (under the lock): reset the clock; say so if a stall was reported."""
+    def _progress(self, logger: Logger, what: Optional[str] = None) -> None:
+        """The trainer moved on (under the lock): reset the clock; say so if a stall was reported
+        (``what`` moved on; None: the last batch finished)."""
         now = time.monotonic()
         if self._alarms:
             stalled = now - self._last_progress
             log.warning("recovered: %s after %.1fs without progress (%d stall alarm%s)",
-                        what, stalled, self._alarms, "" if self._alarms == 1 else "s")
+                        what or f"batch {self.step} finished", stalled, self._alarms, "" if self._alarms == 1 else "s")
             logger.log_metrics({"health/stall_seconds": stalled}, step=self.step)
         self._alarms = 0
         self._last_progress = now
@@ -128,8 +128,14 @@ class StallDetector(Watchdog):
             self._alarms += 1
             log.warning("stall: no batch has finished for %.1fs (alarm at %.1fs: %g x median step %.3fs, at "
                         "least %gs); last batch %s; trainer %s", stalled, threshold, self.factor, median,
-                        self.min_seconds, self._last_batch, trainer)
+                        self.min_seconds, self._last_batch_words(), trainer)
             self._send({"health/stall_seconds": stalled})
+
+    def _last_batch_words(self) -> str:
+        if self._last_batch is None:
+            return "none"
+        step, epoch, wall = self._last_batch
+        return f"{step} (in epoch {epoch + 1}) at {datetime.datetime.fromtimestamp(wall).strftime('%H:%M:%S')}"
 
     def _trainer_state(self) -> str:
         """The trainer's process in words: is it alive, busy or asleep (a deadlock), how big."""
