@@ -1,7 +1,8 @@
 """9. Trainer adapters: PyTorch Lightning, Hugging Face Trainer and Composer (a) alone, (b) with the
 eventbus adapter (bus, no subscriber), (c) with the adapter and ``eventbus run``'s daemons writing
 TensorBoard, (d) with the trainer's own in-process logging every step; and the Lightning checkpoint
-plugin's stall against Lightning's own save and a plain copy of the state.
+plugin's stall against Lightning's own save and a plain copy of the state
+(:mod:`bench.lightning_checkpoint`).
 
 Steps/s are over the steady part of ``fit``: from the end of the first tenth of the steps to the last
 step's end, read by a callback every setup has (bus opening and closing, daemon start and the
@@ -37,10 +38,21 @@ def _load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def _warm(times: list[float]) -> int:
+    """The first step-end reading counted: the first tenth of the steps is the warm-up."""
+    return max(2, len(times) // 10)
+
+
 def _steps_per_sec(times: list[float]) -> float:
     """Steps/s from the step-end clock readings, without the first tenth (warm-up)."""
-    warm = max(2, len(times) // 10)
+    warm = _warm(times)
     return (len(times) - 1 - warm) / (times[-1] - times[warm])
+
+
+def _mark(times: list[float], cpu: list[float]) -> None:
+    """A step's end: the wall clock, and the CPU time of this (the training) process, all its threads."""
+    times.append(time.perf_counter())
+    cpu.append(time.process_time())
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
@@ -139,7 +151,7 @@ def _environment(**values: str) -> Iterator[None]:
 # ---------------------------------------------------------------------- one fit per trainer
 
 def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str,
-               warmup: _Warmup) -> list[float]:
+               warmup: _Warmup) -> tuple[list[float], list[float]]:
     import lightning.pytorch as pl
 
     from eventbus.integrations.lightning import EventBusCallback
@@ -163,11 +175,12 @@ def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, se
     class Clock(pl.Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if not self.times:
                 warmup.wait(callbacks[0])
-            self.times.append(time.perf_counter())
+            _mark(self.times, self.cpu)
 
     clock = Clock()
     callbacks: list[Any] = [clock]
@@ -180,11 +193,11 @@ def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, se
                          accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(folder))
     trainer.fit(Net(), loader(steps, batch_size))
-    return clock.times
+    return clock.times, clock.cpu
 
 
 def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str,
-                  warmup: _Warmup) -> list[float]:
+                  warmup: _Warmup) -> tuple[list[float], list[float]]:
     import transformers
 
     from eventbus.integrations.transformers import EventBusCallback
@@ -203,11 +216,12 @@ def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path,
     class Clock(transformers.TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if not self.times:
                 warmup.wait(bus)
-            self.times.append(time.perf_counter())
+            _mark(self.times, self.cpu)
 
     data = loader(steps, batch_size).dataset
     dataset = [{"x": x, "labels": y} for x, y in zip(*data.tensors)]
@@ -231,11 +245,11 @@ def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path,
         if bus is not None:
             EventBusCallback.attach(trainer)  # the step's loss tensor, as the README recommends
         trainer.train()
-    return clock.times
+    return clock.times, clock.cpu
 
 
 def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str,
-              warmup: _Warmup) -> list[float]:
+              warmup: _Warmup) -> tuple[list[float], list[float]]:
     from composer import Callback
     from composer import Trainer as ComposerTrainer
     from composer.loggers import TensorboardLogger
@@ -248,11 +262,12 @@ def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, set
     class Clock(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def batch_end(self, state: Any, logger: Any) -> None:
             if not self.times:
                 warmup.wait(callbacks[0])
-            self.times.append(time.perf_counter())
+            _mark(self.times, self.cpu)
 
     clock = Clock()
     callbacks: list[Any] = [clock]
@@ -265,11 +280,11 @@ def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, set
                               callbacks=callbacks, loggers=loggers, run_name=folder.name, seed=0)
     trainer.fit()
     trainer.close()  # ends the run on the bus (the daemons then exit)
-    return clock.times
+    return clock.times, clock.cpu
 
 
-RUNNERS: dict[str, Callable[..., list[float]]] = {"lightning": _lightning, "transformers": _transformers,
-                                                  "composer": _composer}
+RUNNERS: dict[str, Callable[..., tuple[list[float], list[float]]]] = {
+    "lightning": _lightning, "transformers": _transformers, "composer": _composer}
 
 
 def _setups(trainer: str) -> list[str]:
@@ -285,11 +300,13 @@ def _fit(trainer: str, shape: tuple[int, int, int], steps: int, folder: pathlib.
         warnings.simplefilter("ignore")
         if setup == "daemons":
             warmup.pids = [child.pid for child in stack.enter_context(_daemons(f"ipc://{folder}/bus", folder))]
-        times = RUNNERS[trainer](shape, steps, folder, setup, warmup)
+        times, cpu = RUNNERS[trainer](shape, steps, folder, setup, warmup)
         returned = time.perf_counter()
         daemon_cpu = warmup.cpu_since()
+    warm = _warm(times)
     result = {"steps_per_sec": _steps_per_sec(times), "end_s": returned - times[-1], "warmup_s": warmup.seconds,
-              "warmup_cpu_s": warmup.cpu, "daemons_exit_s": time.perf_counter() - returned}
+              "warmup_cpu_s": warmup.cpu, "daemons_exit_s": time.perf_counter() - returned,
+              "trainer_cpu_ms_per_step": 1000 * (cpu[-1] - cpu[warm]) / (len(cpu) - 1 - warm)}
     for name, seconds in zip(DAEMONS, daemon_cpu):  # per step after the warm-up, against the step's time
         result[f"{name}_cpu_ms_per_step"] = 1000 * seconds / (len(times) - 1)
     return result
@@ -318,7 +335,7 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
     sizes = {"~1 ms": STEP_SIZES["~1 ms"]} if quick else STEP_SIZES
     trainers = [t for t in TRAINERS if _installed(t)]
     results: dict[str, Any] = {}
-    rows, ends = [], []
+    rows, ends, cpu_rows = [], [], []
     for label, shape in sizes.items():
         steps = (30 if quick else 400) if shape[0] < 512 else 60
         fits: dict[str, dict[str, list[dict[str, float]]]] = {t: {s: [] for s in _setups_for(t, quick)}
@@ -336,11 +353,16 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
             alone = steps_s["alone"]
             ratios = {f"{s}/alone": v / alone for s, v in steps_s.items() if s != "alone"}
             own = [steps_s[s] for s in steps_s if s.startswith("own")]
+            trainer_cpu = {s: median([f["trainer_cpu_ms_per_step"] for f in v]) for s, v in runs.items()}
+            daemon_cpu = {name: median([f[f"{name}_cpu_ms_per_step"] for f in runs["daemons"]]) for name in DAEMONS} \
+                if "daemons" in runs else {}
+            cpu_rows.append(_cpu_row(trainer, label, trainer_cpu, daemon_cpu))
             if "daemons" not in runs:  # --quick: the daemons are started for one trainer only
                 rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], "-", ratios["own/alone"],
                              f"{ratios['own-wandb/alone']:.3g}" if "own-wandb/alone" in ratios else "-", "-"))
                 results.setdefault(trainer, {})[label] = {"steps": steps, "steps_per_sec": steps_s,
-                                                          "ratios": ratios, "fits": runs}
+                                                          "ratios": ratios, "trainer_cpu_ms_per_step": trainer_cpu,
+                                                          "fits": runs}
                 continue
             met = ratios["daemons/alone"] >= TARGETS[label] and all(steps_s["daemons"] > v for v in own)
             rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], ratios["daemons/alone"],
@@ -348,161 +370,34 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
                          else "-", "yes" if met else "NO"))
             daemons = runs["daemons"]
             end_of_run = {s: median([f["end_s"] for f in v]) for s, v in runs.items()}
-            cpu = {name: median([f[f"{name}_cpu_ms_per_step"] for f in daemons]) for name in DAEMONS}
             ends.append((trainer, label, median([f["warmup_s"] for f in daemons]),
                          median([f["warmup_cpu_s"] for f in daemons]), end_of_run["alone"], end_of_run["bus"],
-                         end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons]),
-                         " ".join(f"{cpu[n]:.2g}" for n in DAEMONS)))
+                         end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons])))
             results.setdefault(trainer, {})[label] = {
                 "steps": steps, "steps_per_sec": steps_s, "ratios": ratios, "target_met": met,
-                "end_of_run_s": end_of_run, "daemon_cpu_ms_per_step": cpu, "fits": runs}
+                "end_of_run_s": end_of_run, "trainer_cpu_ms_per_step": trainer_cpu,
+                "daemon_cpu_ms_per_step": daemon_cpu,
+                "daemons_total_cpu_ms_per_step": sum(daemon_cpu.values()) + trainer_cpu["daemons"], "fits": runs}
     table(f"9. adapters: steps/s of the trainer alone (a) and ratios to it (medians); {_load()}",
           ["trainer", "step", "(a) steps/s", "ms/step", "(b) bus", "(c) daemons", "(d) own TB", "(d) own W&B",
            f"(c)>={'/'.join(f'{v}' for v in TARGETS.values())} & >(d)"], rows)
     table("9. adapters: (c)'s daemons: warm-up from the first step and its CPU (s), the end of the run (last step "
-          "to fit's return, s), the daemons' CPU per step after the warm-up (ms)",
-          ["trainer", "step", "warm-up", "its CPU", "end (a)", "end (b)", "end (c)", "daemons exit",
-           "CPU/step: " + " ".join(DAEMONS)], ends)
+          "to fit's return, s)",
+          ["trainer", "step", "warm-up", "its CPU", "end (a)", "end (b)", "end (c)", "daemons exit"], ends)
+    table("9. adapters: CPU per step (ms; user + system, every thread) of the training process in each setup, of "
+          "each of (c)'s daemons after their warm-up, and (c)'s total (training process + daemons)",
+          ["trainer", "step", "(a)", "(b)", "(c)", "(d) own TB", "(d) own W&B", *DAEMONS, "(c) total"], cpu_rows)
     return results
 
 
-# ---------------------------------------------------------------------- the Lightning checkpoint stall
+def _cpu_row(trainer: str, label: str, trainer_cpu: dict[str, float], daemon_cpu: dict[str, float]) -> tuple:
+    """One row of the CPU table: '-' where a setup was not run (--quick runs the daemons for one trainer)."""
+    def cell(value: Any) -> Any:
+        return "-" if value is None else value
 
-class _Fallbacks(logging.Handler):
-    """Counts the plugin's "writing ... on the training thread" lines: a save that was not staged."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += "on the training thread" in record.getMessage()
-
-
-def _checkpoint_fit(megabytes: int, saves: int, folder: pathlib.Path, plugin: bool) -> dict[str, list[float]]:
-    """One Lightning fit saving ``saves`` times with ``trainer.save_checkpoint`` from a callback: the
-    seconds inside each save and a plain copy of the same tensors just before it."""
-    import lightning.pytorch as pl
-
-    from eventbus.integrations.lightning import EventBusCallback, EventBusCheckpointIO
-
-    every = 4  # steps between saves: the worker writes the last one meanwhile
-
-    class Payload(pl.LightningModule):
-        """A small MLP trained on, and ``megabytes`` of state in 4 MiB buffers (a checkpoint's bulk)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = mlp(64, 2)
-            for i in range(max(1, megabytes // 4)):
-                self.register_buffer(f"payload{i}", torch.randn(1024, 1024))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.net.parameters(), lr=0.01, momentum=0.9)
-
-    class Saver(pl.Callback):
-        def __init__(self) -> None:
-            self.stall: list[float] = []
-            self.copy: list[float] = []
-            self.dump: list[float] = []
-            self.buffers: list[torch.Tensor] = []
-
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            if plugin:  # the checkpoint worker holds its lease before the first save
-                publisher = bus.adapter.capture.publisher
-                _wait(publisher.holds_checkpoint_lease, "the checkpoint worker's lease")
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if trainer.global_step % every:
-                return
-            if plugin:  # the previous checkpoint written and acknowledged: a free buffer, as in steady training
-                staging = bus.adapter.capture.staging
-                _wait(lambda: not staging.busy(), "the checkpoint worker's acknowledgement")
-            tensors = [t for t in pl_module.state_dict().values()]
-            tensors += [t for s in trainer.optimizers[0].state_dict()["state"].values() for t in s.values()
-                        if isinstance(t, torch.Tensor)]
-            if not self.buffers:
-                self.buffers = [torch.empty_like(t) for t in tensors]
-            start = time.perf_counter()
-            for target, source in zip(self.buffers, tensors):
-                target.copy_(source)
-            self.copy.append(time.perf_counter() - start)
-            # Lightning building the checkpoint dict (its hooks, loops' state): part of both saves, not of a copy
-            start = time.perf_counter()
-            trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            self.dump.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            trainer.save_checkpoint(folder / f"step{trainer.global_step}.ckpt")
-            self.stall.append(time.perf_counter() - start)
-
-    saver = Saver()
-    bus = EventBusCallback(bus=f"ipc://{folder}/bus", run_name=folder.name, run_folder=folder)
-    callbacks: list[Any] = [bus, saver] if plugin else [saver]
-    fallbacks = _Fallbacks()
-    log = logging.getLogger("eventbus.integrations.lightning")
-    log.addHandler(fallbacks)
-    folder.mkdir(parents=True)
-    worker = None
-    if plugin:
-        log_file = open(folder / "checkpoint.log", "w")
-        worker = subprocess.Popen([sys.executable, "-m", "workers.checkpoint", "--connect", f"ipc://{folder}/bus",
-                                   "--save-interval", "0ep", "--state-dir", str(folder / ".workers")],
-                                  cwd=folder, env=python_env(), stdout=log_file, stderr=log_file)
-        log_file.close()
-    try:
-        trainer = pl.Trainer(max_steps=every * saves, max_epochs=1, logger=False, callbacks=callbacks,
-                             plugins=[EventBusCheckpointIO()] if plugin else None, accelerator="cpu", devices=1,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, default_root_dir=str(folder))
-        trainer.fit(Payload(), loader(every * saves, 16))
-    finally:
-        log.removeHandler(fallbacks)
-        if worker is not None:
-            try:
-                worker.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
-    written = sorted(folder.glob("step*.ckpt"))
-    if len(written) != saves:
-        raise RuntimeError(f"bench adapters: {len(written)} of {saves} checkpoints written in {folder}")
-    return {"stall": saver.stall, "copy": saver.copy, "dump": saver.dump, "fallbacks": [float(fallbacks.count)]}
-
-
-def checkpoint_stall(quick: bool, root: pathlib.Path) -> dict[str, Any]:
-    if not _installed("lightning"):
-        return {}
-    sizes = [10] if quick else [100, 1000]
-    saves = 3 if quick else 4
-    repeats = 1 if quick else 2
-    rows, result = [], {}
-    for size in sizes:
-        runs: dict[str, dict[str, list[float]]] = {k: {"stall": [], "copy": [], "dump": [], "fallbacks": []}
-                                                   for k in ("plugin", "own")}
-        for r in range(repeats):  # alternating; the first save of each fit allocates its buffers: left out
-            for name in ("plugin", "own"):
-                fit = _checkpoint_fit(size, saves, root / f"ckpt-{size}-{name}-{r}", plugin=name == "plugin")
-                for key, values in fit.items():
-                    runs[name][key] += values if key == "fallbacks" else values[1:]
-        plugin, own = median(runs["plugin"]["stall"]), median(runs["own"]["stall"])
-        copy = median(runs["plugin"]["copy"] + runs["own"]["copy"])
-        dump = median(runs["plugin"]["dump"] + runs["own"]["dump"])
-        fallbacks = int(sum(runs["plugin"]["fallbacks"]))
-        rows.append((f"{size} MB", 1000 * copy, 1000 * dump, 1000 * plugin, 1000 * own, plugin / copy, own / plugin,
-                     fallbacks))
-        result[f"{size}MB"] = {"copy_ms": 1000 * copy, "dump_checkpoint_ms": 1000 * dump,
-                               "plugin_stall_ms": 1000 * plugin, "lightning_save_ms": 1000 * own,
-                               "stall_over_copy": plugin / copy, "save_over_stall": own / plugin,
-                               "written_on_training_thread": fallbacks, "target_met": plugin / copy <= 1.2}
-    table(f"9. adapters: Lightning checkpoint stall, time inside trainer.save_checkpoint (ms, median); {_load()}",
-          ["state", "copy", "dump_checkpoint", "EventBusCheckpointIO", "Lightning's save", "stall/copy (<=1.2)",
-           "save/stall",
-           "not staged"], rows)
-    return result
+    total = trainer_cpu["daemons"] + sum(daemon_cpu.values()) if daemon_cpu else None
+    return (trainer, label, *(cell(trainer_cpu.get(s)) for s in ("alone", "bus", "daemons", "own", "own-wandb")),
+            *(cell(daemon_cpu.get(name)) for name in DAEMONS), cell(total))
 
 
 def run(quick: bool) -> dict:
@@ -513,6 +408,8 @@ def run(quick: bool) -> dict:
     print(f"\n9. adapters ({_load()})", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         result["steps_per_sec"] = steps_per_sec(quick, pathlib.Path(folder))
+        from bench.lightning_checkpoint import checkpoint_stall  # it uses this module's helpers
+
         result["checkpoint"] = checkpoint_stall(quick, pathlib.Path(folder))
     result["load_average_end"] = list(os.getloadavg())
     emit("adapters", result)

@@ -2,7 +2,9 @@
 and Composer with the same callbacks in process, at two step sizes; worker CPU per message beside floors.
 
 Steps/s are medians over alternating repeats (this machine is noisy). A worker's CPU per message is
-its user+system CPU from the moment training starts to its exit, divided by the messages it received.
+its user+system CPU from the moment training starts to its exit, divided by the messages it received;
+its CPU per step is the same CPU divided by the steps, printed beside the training process's own CPU
+per step (all its threads, the bus thread included, during ``fit``) and their total.
 """
 
 from __future__ import annotations
@@ -13,26 +15,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from bench.common import emit, median, python_env, table
 from bench.models import classifier, loader
 from eventbus import Trainer
+from eventbus.bus.wire import WINDOW_TOPIC, subscription, topic_index
 
 # name: (width, depth, batch size) -> about 1 ms and about 30 ms per step on one CPU thread
 STEP_SIZES = {"~1 ms": (64, 2, 16), "~30 ms": (1024, 3, 512)}
-DAEMONS = ("logger", "timing", "checkpoint")
+DAEMONS = ("logger", "timing", "checkpoint", "health")
 FLOOR_READER = r"""
 import sys, time, resource, msgpack, zmq
 sock = zmq.Context().socket(zmq.SUB)
-sock.setsockopt(zmq.SUBSCRIBE, b"")
+for topic in sys.argv[4:]:  # what a subscriber of every message subscribes to
+    sock.setsockopt(zmq.SUBSCRIBE, bytes.fromhex(topic))
 sock.connect(sys.argv[1])
 decode = sys.argv[2] == "decode"
+end = int(sys.argv[3])  # the end of the run's topic
 print("ready", flush=True)
 n, cpu, ended = 0, None, False
-while not ended and sock.poll(3000):  # one wait, then drain without waiting
+while not ended and sock.poll(3000 if cpu is not None else 60000):  # one wait, then drain without waiting
     if cpu is None:
         usage = resource.getrusage(resource.RUSAGE_SELF); cpu = usage.ru_utime + usage.ru_stime
     while True:
@@ -40,15 +45,16 @@ while not ended and sock.poll(3000):  # one wait, then drain without waiting
             frames = sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             break
+        # A window (eventbus.bus.wire.encode_window): its eighth field is its topics, a byte a message.
         if decode:  # the whole window: its columns and every payload
-            topics = msgpack.unpackb(frames[-1], raw=False)[4]
-        else:  # its first five fields only: how many messages it holds
+            topics = msgpack.unpackb(frames[-1], raw=False)[7]
+        else:  # its first eight fields only: how many messages it holds
             unpacker = msgpack.Unpacker(raw=False)
             unpacker.feed(frames[-1])
             unpacker.read_array_header()
-            topics = [unpacker.unpack() for _ in range(5)][4]
+            topics = [unpacker.unpack() for _ in range(8)][7]
         n += len(topics)
-        ended = ended or 2 in topics  # the end of the run
+        ended = ended or end in topics
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(f"messages {n} cpu {usage.ru_utime + usage.ru_stime - (cpu or 0):.6f}", flush=True)
 """
@@ -73,8 +79,10 @@ class _Worker:
     def __init__(self, name: str, command: list[str], folder: str):
         self.name = name
         self.log = open(f"{folder}/{name}.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, *command], cwd=folder, env=python_env(),
-                                     stdout=subprocess.DEVNULL, stderr=self.log)
+        # Verbose: its "done; N messages" line, which counts the messages it received.
+        self.proc = subprocess.Popen([sys.executable, *command], cwd=folder,
+                                     env=dict(python_env(), EVENTBUS_VERBOSE="1"), stdout=subprocess.DEVNULL,
+                                     stderr=self.log)
         self.start_cpu = 0.0
         self.cpu = 0.0
 
@@ -99,7 +107,8 @@ class _Worker:
 
 
 def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bus: Any,
-           workers: list[_Worker] = ()) -> float:
+           workers: Sequence[_Worker] = (), cpu: Optional[list[float]] = None) -> float:
+    """Steps/s of one fit; with ``cpu``, the training process's CPU seconds per step is appended to it."""
     width, depth, batch_size = shape
     trainer = Trainer(classifier(width, depth), loader(batches, batch_size), max_duration=f"{batches}ba",
                       device="cpu", run_folder=f"{folder}/{name}", bus=bus, progress_bar=False)
@@ -110,9 +119,11 @@ def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bu
         time.sleep(0.5)
         for worker in workers:
             worker.mark()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     trainer.fit()
     seconds = time.perf_counter() - started
+    if cpu is not None:
+        cpu.append((time.process_time() - cpu_started) / batches)
     trainer.close()  # returns once live workers applied the whole run (or after drain_timeout)
     for worker in workers or ():
         worker.sample()
@@ -162,15 +173,18 @@ def _daemons(address: str, folder: str, name: str) -> list[_Worker]:
     commands = [("logger", ["-m", "workers.logger", "--connect", address, "--no-console", *state]),
                 ("timing", ["-m", "workers.timing", "--connect", address, *state]),
                 ("checkpoint", ["-m", "workers.checkpoint", "--connect", address, "--save-interval", "1ep",
-                                "--keep", "1", "--overwrite", "--runs-dir", f"{folder}/{name}-ck", *state])]
+                                "--keep", "1", "--overwrite", "--runs-dir", f"{folder}/{name}-ck", *state]),
+                ("health", ["-m", "workers.health", "--connect", address, *state])]
     return [_Worker(n, c, folder) for n, c in commands]
 
 
 def _floors(shape: tuple[int, int, int], batches: int, folder: str) -> dict[str, float]:
     """CPU per message of minimal receivers and of no-op eventbus workers, on one real run."""
     address = f"ipc://{folder}/floor.bus"
-    readers = {kind: subprocess.Popen([sys.executable, "-c", FLOOR_READER, address, kind], stdout=subprocess.PIPE,
-                                      text=True, env=python_env()) for kind in ("recv", "decode")}
+    arguments = [str(topic_index("end", None)), subscription(None).hex(), WINDOW_TOPIC.hex()]
+    readers = {kind: subprocess.Popen([sys.executable, "-c", FLOOR_READER, address, kind, *arguments],
+                                      stdout=subprocess.PIPE, text=True, env=python_env())
+               for kind in ("recv", "decode")}
     noop = "bench.callbacks:NoOpBatchEnd"
     workers = [_Worker("noop", ["-m", "eventbus", "worker", "--connect", address, "--callback", noop], folder),
                _Worker("noop-identity", ["-m", "eventbus", "worker", "--connect", address, "--callback", noop,
@@ -201,17 +215,21 @@ def run(quick: bool) -> dict:
             batches = (60 if quick else 600) if shape[0] < 512 else (8 if quick else 100)
             times: dict[str, list[float]] = {k: [] for k in ("plain", "alone", "bus", "daemons", "composer")}
             cpu: dict[str, list[float]] = {name: [] for name in DAEMONS}
+            per_step: dict[str, list[float]] = {name: [] for name in ("alone", "bus", "daemons", *DAEMONS)}
             for r in range(repeats):  # alternate the setups so that noise hits them alike
                 tag = f"{label[1:-3]}-{r}"
                 times["plain"].append(_plain(shape, batches))
-                times["alone"].append(_train(shape, batches, folder, f"a{tag}", False))
-                times["bus"].append(_train(shape, batches, folder, f"b{tag}", f"ipc://{folder}/b{tag}.bus"))
+                times["alone"].append(_train(shape, batches, folder, f"a{tag}", False, cpu=per_step["alone"]))
+                times["bus"].append(_train(shape, batches, folder, f"b{tag}", f"ipc://{folder}/b{tag}.bus",
+                                           cpu=per_step["bus"]))
                 address = f"ipc://{folder}/c{tag}.bus"
                 workers = _daemons(address, folder, f"c{tag}")
-                times["daemons"].append(_train(shape, batches, folder, f"c{tag}", address, workers))
+                times["daemons"].append(_train(shape, batches, folder, f"c{tag}", address, workers,
+                                               cpu=per_step["daemons"]))
                 for worker in workers:
                     seconds, messages = worker.finish()
                     cpu[worker.name].append(seconds / max(messages, 1) * 1e6)
+                    per_step[worker.name].append(seconds / batches)
                 composer = _composer(shape, batches, folder, f"d{tag}")
                 if composer is not None:
                     times["composer"].append(composer)
@@ -221,9 +239,16 @@ def run(quick: bool) -> dict:
                      (1 / steps[k] - 1 / steps["plain"]) * 1e3) for k in steps]
             table(f"6. daemons, {label} steps ({batches} batches; steps/s, ratios)",
                   ["", "steps/s", "x trainer alone", "x plain loop", "ms/batch over plain"], rows)
+            cpu_ms = {k: median(v) * 1e3 for k, v in per_step.items()}
+            total = cpu_ms["daemons"] + sum(cpu_ms[name] for name in DAEMONS)
+            table(f"6. daemons, {label} steps: CPU per step (ms; user + system, every thread): the training "
+                  "process in each setup, each daemon, and the total with the daemons",
+                  ["trainer alone", "trainer + bus", "trainer (daemons)", *DAEMONS, "total (daemons)"],
+                  [[cpu_ms["alone"], cpu_ms["bus"], cpu_ms["daemons"], *(cpu_ms[n] for n in DAEMONS), total]])
             results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": steps["daemons"] / alone,
                               "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
-                              "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()}}
+                              "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()},
+                              "cpu_ms_per_step": dict(cpu_ms, total=total)}
         floors = _floors(STEP_SIZES["~1 ms"], 60 if quick else 600, folder)
     per_message = dict(results["~1 ms"]["worker_cpu_us_per_message"], **floors)
     table("6. worker CPU per message received (µs), ~1 ms steps", ["", "µs"], list(per_message.items()))
