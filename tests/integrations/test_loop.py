@@ -111,20 +111,24 @@ def test_the_same_loop_under_accelerate(tmp_path):
     check_followed(tmp_path, outputs, record)
 
 
-def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tmp_path):
+@pytest.mark.parametrize("way", ["plain", "accelerate"])
+def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tmp_path, way):
     """The loop without a bus is the reference; a worker stops a second run (at step 4: the test holds
     step 3 until the request arrived), the checkpoint daemon wrote step 4, and a third run resumes from
     it: the same losses for every later step and the same final weights, dropout and batches included."""
+    if way == "accelerate":
+        pytest.importorskip("accelerate")
+    options = ["--accelerate"] if way == "accelerate" else []
     reference = tmp_path / "reference"
     reference.mkdir()
-    finished(loop(reference, "--bus", "off"))
+    finished(loop(reference, "--bus", "off", *options))
     expected = result(reference)
 
     bus = f"ipc://{tmp_path}/runs/loop/bus"
     stopper = worker(tmp_path, bus, f'{CALLBACKS}:StopAtBatch:{{"batch": 3}}', identity="stopper")
     try:
         stopper.wait_for("following", timeout=120)
-        first = loop(tmp_path, "--daemons", "1ba", "--wait-checkpoint-worker", "--stop-gate", "3")
+        first = loop(tmp_path, "--daemons", "1ba", "--wait-checkpoint-worker", "--stop-gate", "3", *options)
         output = finished(first)
         finished(stopper, timeout=120)
     finally:
@@ -135,7 +139,7 @@ def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tm
     latest = tmp_path / "runs" / "loop" / "checkpoints" / "latest-rank0.pt"
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 4
 
-    finished(loop(tmp_path, "--resume", "--bus", "off"))
+    finished(loop(tmp_path, "--resume", "--bus", "off", *options))
     resumed = result(tmp_path)
     assert resumed["started_at"] == 4 and resumed["step"] == 8
     assert resumed["losses"] == {step: loss for step, loss in expected["losses"].items() if int(step) > 4}
