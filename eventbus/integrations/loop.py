@@ -173,7 +173,11 @@ class LoopRun:
         self._publish(Event.INIT, Event.BEFORE_LOAD)
         path = load_path if load_path is not None else _latest(self.run_folder) if resume else None
         if path is not None:
-            self.checkpoint.load(path)
+            try:
+                self.checkpoint.load(path)
+            except BaseException:
+                self._end()  # a checkpoint that does not fit: the run ends on the bus, the daemons exit
+                raise
             log.info("eventbus: %s continues from %s at batch %d", name, path, self.step)
         self._publish(Event.AFTER_LOAD, Event.FIT_START)
         if path is None:
