@@ -99,6 +99,8 @@ def setup_logging(level: int = logging.WARNING, name: Optional[str] = None) -> N
     """Log records to stderr (a no-op if logging is configured): each line starts with the daemon's
     ``name`` when given (several daemons share one terminal), else with a timestamp and the logger's name."""
     logging.basicConfig(level=level, format=f"{name}: %(levelname)s: %(message)s" if name else LOG_FORMAT)
+    if name:
+        logging.captureWarnings(True)  # a library's warning is a log record too: it carries the daemon's name
 
 
 def run_daemon(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]],
