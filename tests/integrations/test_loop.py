@@ -217,3 +217,17 @@ def test_ctrl_c_ends_the_loop_and_its_daemons_cleanly(tmp_path):
     assert journal.stat().st_size > 0 and (tmp_path / "runs" / "loop" / "metrics.jsonl").stat().st_size > 0
     ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     assert not [line for line in ps.splitlines() if "workers." in line and str(tmp_path) in line]
+
+
+def test_a_checkpoint_that_does_not_fit_the_loop_is_a_clear_error(tmp_path):
+    from eventbus.errors import ConfigError
+    from eventbus.integrations import loop as bus_loop
+
+    small = torch.nn.Linear(2, 2)
+    torch.save({"state": {"model": small.state_dict(), "optimizers": {}, "schedulers": {},
+                          "timestamp": {"batch": 3}}, "rng": []}, tmp_path / "other.pt")
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="does not match this loop"):
+        bus_loop.start(model, torch.optim.SGD(model.parameters(), lr=0.1), bus=False, load_path=tmp_path / "other.pt")
+    with pytest.raises(ConfigError, match="does not exist"):
+        bus_loop.start(model, bus=False, load_path=tmp_path / "missing.pt")
