@@ -191,6 +191,13 @@ def test_every_flag_in_the_docs_command_blocks_is_in_that_commands_help():
     assert not missing, missing
 
 
+def test_the_security_page_lists_every_environment_variable_the_code_reads():
+    read = {name for folder in ("eventbus", "workers") for path in (REPO_ROOT / folder).rglob("*.py")
+            for name in re.findall(r"EVENTBUS_[A-Z0-9_]+", path.read_text())}
+    listed = set(re.findall(r"`(EVENTBUS_[A-Z0-9_]+)`", (REPO_ROOT / "docs" / "security.md").read_text()))
+    assert read and not read - listed, sorted(read - listed)
+
+
 def _names(tree: ast.AST) -> tuple[list[str], list[tuple[str, int, list[str]]]]:
     """A snippet's import statements, and each dotted name it uses from them (with the call's arity and
     keywords where it is called)."""
