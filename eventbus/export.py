@@ -32,10 +32,13 @@ Nothing lost, nothing doubled, on two levels:
 
 Exit codes: 0 done; 1 the tracker failed (the cursor holds what it took:
 ``--resume`` later); 2 bad usage (unknown target, no journal); 3 the journal is
-damaged or holds records that cannot be exported (not valid messages, metrics
-that are not a map, a step that is not an integer): every other record was
-exported, and one line counts and names what was lost or skipped. A skipped
-record is never handed to the tracker, so ``--resume`` goes past it too.
+damaged or holds records or values that cannot be exported (not valid messages,
+metrics that are not a map, a step that is not an integer, a metric whose value
+is a map, a list or anything else that is not a number, a bool, text or null:
+:func:`~eventbus.trackers.points.metric_value_problem`, the same check for every
+target): every other record and value was exported, and one line counts and
+names what was lost or skipped. A skipped record or value is never handed to
+the tracker, so ``--resume`` goes past it too.
 ``--follow`` polls the journal for new records (a live run) until the run's end
 message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed.
 
@@ -67,6 +70,7 @@ from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.errors import ConfigError
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.host import CallbackHost
+from eventbus.trackers.points import Refused, metric_value_problem
 
 __all__ = ["TARGETS", "ExportOptions", "export", "resolve_journal"]
 
@@ -177,6 +181,8 @@ class _Counts:
     points: int = 0  # metric values handed to the tracker
     present: int = 0  # metric values skipped: already in the tracker
     steps: set[int] = dataclasses.field(default_factory=set)
+    # Metric values no target takes (metric_value_problem): skipped, counted, named in the last line.
+    unexportable: Refused = dataclasses.field(default_factory=lambda: Refused("export", quiet=True))
 
 
 class _Exporting(LoggerDestination):
@@ -212,7 +218,11 @@ class _Exporting(LoggerDestination):
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._ensure_ready()
         at = int(step or 0)
-        fresh = {k: v for k, v in metrics.items() if at not in (self.inner.held_steps(k) or ())}
+        problems = {key: problem for key, value in metrics.items() if (problem := metric_value_problem(value))}
+        for key, problem in problems.items():
+            self._counts.unexportable.note(key, at, problem)
+        fresh = {k: v for k, v in metrics.items()
+                 if k not in problems and at not in (self.inner.held_steps(k) or ())}
         self._counts.present += _numbers(metrics) - _numbers(fresh)
         metrics = fresh
         if metrics:
@@ -336,7 +346,7 @@ def export(options: ExportOptions) -> int:
     unfinished = stream.unfinished()
     if unfinished is not None:
         print(f"eventbus export: {unfinished}", file=sys.stderr, flush=True)
-    return _check(journal, stream)
+    return _check(journal, stream, counts.unexportable)
 
 
 def _following(seq: int) -> None:
@@ -344,10 +354,15 @@ def _following(seq: int) -> None:
           file=sys.stderr, flush=True)
 
 
-def _check(journal: pathlib.Path, stream: JournalStream) -> int:
+def _check(journal: pathlib.Path, stream: JournalStream, unexportable: Refused) -> int:
     """3 with one line naming what the journal lost or what could not be exported (as
     ``eventbus replay`` says it), else 0."""
-    lost = [line for line in (damage_summary(journal), stream.skipped.summary()) if line is not None]
+    values = None
+    if unexportable.count:
+        more = ", ..." if unexportable.count > len(unexportable.named) else ""
+        values = (f"{unexportable.count} metric value(s) that no tracker takes skipped "
+                  f"({'; '.join(unexportable.named)}{more})")
+    lost = [line for line in (damage_summary(journal), stream.skipped.summary(), values) if line is not None]
     if lost:
         print(f"eventbus export: {journal}: {'; '.join(lost)} (every other record was exported)", file=sys.stderr)
         return 3

@@ -1,11 +1,14 @@
 """What a tracker can hold of a logged step's metrics: converted where it can, counted where it cannot.
 
 Metrics come from the journal or from subscribers (untrusted): a value may be a
-nested map, text, a list; a key may be anything a client sent. Each tracker turns
-them into what it stores before writing (a nested map becomes ``key/sub`` scalars
-for TensorBoard and MLflow) and notes each value it cannot store in its
-:class:`Refused`, which ``eventbus export`` reports in its summary line and a
-daemon logs once per key: nothing is dropped in silence.
+map, text, a list; a key may be anything a client sent. One check says what a
+metric value may be (:func:`metric_value_problem`: a number, a bool, text or
+null); ``eventbus export`` skips every other value for every target alike
+(counted, named in one line, exit code 3) and the scalar trackers leave it out
+the same way. Each tracker notes each value it cannot store in its
+:class:`Refused` (text in TensorBoard, a name MLflow rejects), which
+``eventbus export`` reports in its summary line and a daemon logs once per key:
+nothing is dropped in silence.
 """
 
 from __future__ import annotations
@@ -15,19 +18,20 @@ from typing import Any, Callable, Optional
 
 from eventbus.core.logger import to_number
 
-__all__ = ["Refused", "scalars"]
+__all__ = ["Refused", "metric_value_problem", "scalars"]
 
 log = logging.getLogger(__name__)
 
 MAX_NAMED = 3  # refusals named in the summary line (all are counted)
-MAX_DEPTH = 4  # nested maps flattened this deep into ``key/sub/...``; deeper is refused
 
 
 class Refused:
     """The values a tracker left out: how many, and the first few by key and step."""
 
-    def __init__(self, tracker: str):
+    def __init__(self, tracker: str, *, quiet: bool = False):
+        """``quiet``: no log line per key (the caller says it all in one line)."""
         self.tracker = tracker
+        self.quiet = quiet
         self.count = 0
         self.named: list[str] = []
         self._warned: set[str] = set()
@@ -39,7 +43,7 @@ class Refused:
         where = f"{str(key)[:80]!r} at step {step}: {why}"
         if len(self.named) < MAX_NAMED:
             self.named.append(where)
-        if len(self._warned) < 100 and str(key) not in self._warned:  # bounded: keys are client data
+        if not self.quiet and len(self._warned) < 100 and str(key) not in self._warned:  # keys are client data
             self._warned.add(str(key))
             log.log(logging.INFO if expected else logging.WARNING,
                     "%s cannot hold %s; left out (every later refusal of this key is counted only)",
@@ -59,32 +63,34 @@ def _kind(value: Any) -> str:
         type(value), type(value).__name__)
 
 
+def metric_value_problem(value: Any) -> Optional[str]:
+    """None when ``value`` may be a logged metric's value (a number, a bool, text, null, or a one-element
+    tensor), else what it is instead ("a map, not a number"): the one check every tracker and every
+    export target applies alike."""
+    value = to_number(value)
+    if value is None or isinstance(value, (int, float, str)):
+        return None
+    return f"{_kind(value)}, not a number"
+
+
 def scalars(metrics: dict[str, Any], step: int, refused: Refused,
             valid_key: Optional[Callable[[str], Optional[str]]] = None) -> dict[str, float]:
-    """The numbers in ``metrics`` a scalar tracker stores, a nested map as ``key/sub`` keys; booleans
-    count as 0/1. Everything else (text, lists, null, bad keys) is noted in ``refused``.
+    """The numbers in ``metrics`` a scalar tracker stores; booleans count as 0/1. Everything else
+    (text, null, what :func:`metric_value_problem` refuses, bad keys) is noted in ``refused``.
 
     ``valid_key`` maps a key to the name the tracker stores it under, or None when it cannot."""
     out: dict[str, float] = {}
-
-    def take(key: Any, value: Any, depth: int) -> None:
+    for key, value in metrics.items():
         if not isinstance(key, str):
             refused.note(key, step, f"a {type(key).__name__} key, not text")
-            return
+            continue
         value = to_number(value)
-        if isinstance(value, dict) and depth < MAX_DEPTH:
-            for sub, item in value.items():
-                take(f"{key}/{sub}" if isinstance(sub, str) else sub, item, depth + 1)
-            return
         if not isinstance(value, (int, float)):
             refused.note(key, step, f"{_kind(value)}, not a number", expected=isinstance(value, str))
-            return
+            continue
         name = valid_key(key) if valid_key is not None else key
         if name is None:
             refused.note(key, step, "a name this tracker does not accept")
-            return
+            continue
         out[name] = float(value)
-
-    for key, value in metrics.items():
-        take(key, value, 1)
     return out

@@ -4,6 +4,7 @@ own JournalWriter and wire.encode), or cut in half, run through the real command
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -135,38 +136,72 @@ def test_a_metric_named_step_is_counted_and_the_csv_is_still_written(clean_run, 
     assert (run / "metrics.csv").exists() and not (run / "metrics.csv.tmp").exists()
 
 
-def test_map_valued_metrics_reach_tensorboard_as_scalars_and_text_is_counted(clean_run, tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+HOSTILE_KEY = "loss/train/total"
 
+
+def tracked_at(target: str, run, output, step: int) -> dict:
+    """What ``target`` holds for ``step`` after an export into ``output``, read back with the tracker's
+    own reader: key -> value."""
+    if target == "jsonl":
+        lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+        return {k: v for line in lines if line["step"] == step for k, v in line.items() if k != "step"}
+    if target == "csv":
+        with open(output / "metrics.csv", newline="") as f:
+            rows = [row for row in csv.DictReader(f) if row["step"] == str(step)]
+        return {k: v for row in rows for k, v in row.items() if k != "step" and v != ""}
+    if target == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        accumulator = EventAccumulator(str(output), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        return {tag: s.value for tag in accumulator.Tags()["scalars"] for s in accumulator.Scalars(tag)
+                if s.step == step}
+    if target == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=(output / "mlruns").resolve().as_uri())
+        (mlflow_run,) = client.search_runs([client.get_experiment_by_name("eventbus").experiment_id])
+        return {key: m.value for key in mlflow_run.data.metrics
+                for m in client.get_metric_history(mlflow_run.info.run_id, key) if m.step == step}
+    from tests.workers.test_wandb import read_runs
+
+    run_id = next(read_messages(run / "events.journal")).run_id
+    return {k: v for copy in read_runs(output / "wandb", run_id) for at, values in copy["history"] if at == step
+            for k, v in values.items() if not k.startswith("_")}
+
+
+@pytest.mark.parametrize("target", ["jsonl", "csv", "tensorboard", "mlflow", "wandb"])
+def test_a_metric_value_that_is_a_map_is_skipped_counted_and_said_once_by_every_target(
+        clean_run, tmp_path, monkeypatch, target):
+    """`loss/train/total` as a map at one step: every target skips that value (nothing of it stored, not
+    even flattened), keeps the step's other values, and the export says so in one line and exits 3, as
+    for any other record it cannot export; a rerun adds nothing and says it again."""
+    pytest.importorskip({"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}.get(target, "json"))
+    env = {"MLFLOW_ALLOW_FILE_STORE": "true"}
+    if target == "wandb":
+        from tests.workers.test_wandb import offline_env
+
+        env.update(offline_env(tmp_path))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     run, seq, step = rewritten(clean_run, tmp_path / "run", lambda e: with_payload(
-        metrics={**e.payload["metrics"], "grad": {"norm": 2.5, "max": 7.0}, "note": "hello"})(e))
-    result = command(tmp_path, "export", str(run), "--to", "tensorboard")
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert "TensorBoard cannot hold 1 logged value(s)" in last and f"'note' at step {step}: text" in last, last
-    accumulator = EventAccumulator(str(run / "tensorboard"))
-    accumulator.Reload()
-    assert [(s.step, s.value) for s in accumulator.Scalars("grad/norm")] == [(step, 2.5)]
-    assert [(s.step, s.value) for s in accumulator.Scalars("grad/max")] == [(step, 7.0)]
-
-
-def test_map_valued_metrics_reach_mlflow_and_a_name_it_rejects_is_counted(clean_run, tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
-    run, seq, step = rewritten(clean_run, tmp_path / "run", lambda e: with_payload(
-        metrics={**e.payload["metrics"], "grad": {"norm": 2.5}, "bad!name": 1.0})(e))
-    for _ in range(2):  # a rerun does not fail on the name MLflow rejects either
-        result = command(tmp_path, "export", str(run), "--to", "mlflow")
-        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert "MLflow cannot hold 1 logged value(s)" in last and "'bad!name'" in last, last
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the export's own local store, read back here
-    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
-    experiment = client.get_experiment_by_name("eventbus")
-    (mlflow_run,) = client.search_runs([experiment.experiment_id])
-    assert [(m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, "grad/norm")] == [(step, 2.5)]
+        metrics={**e.payload["metrics"], HOSTILE_KEY: {"total": 2.5, "parts": [1, 2]}, "note": "hello"})(e))
+    expected: dict = {}  # the step's numbers as every record but the hostile value logged them
+    for message in read_messages(run / "events.journal"):
+        if message.kind == "metrics" and message.payload["step"] == step:
+            expected.update({k: v for k, v in message.payload["metrics"].items()
+                             if isinstance(v, (int, float)) and not (message.seq == seq and k == HOSTILE_KEY)})
+    output = tmp_path / "out"
+    for _ in range(2):  # a rerun adds nothing and says it again
+        result = command(tmp_path, "export", str(run), "--to", target, "--output", str(output))
+        assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr
+        said = [line for line in result.stderr.splitlines() if "that no tracker takes" in line]
+        assert len(said) == 1 and said == result.stderr.strip().splitlines()[-1:], result.stderr
+        assert f"1 metric value(s) that no tracker takes skipped ('{HOSTILE_KEY}' at step {step}: a map, " \
+               "not a number)" in said[0] and "every other record was exported" in said[0], said
+    held = tracked_at(target, run, output, step)
+    assert not any(key.startswith(f"{HOSTILE_KEY}/") for key in held), held  # not flattened either
+    assert {k: float(v) for k, v in held.items() if k != "note"} == pytest.approx(expected)
 
 
 def test_a_journal_cut_in_half_is_said_to_end_without_its_runs_end(clean_run, tmp_path):
