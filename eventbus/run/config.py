@@ -239,12 +239,20 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     return config
 
 
+# The most each numeric option may be: a value of the right type can still be absurd (a timeout of
+# 1e308 seconds, a billion layers); the memory check catches sizes that cannot fit, these the rest.
+MOST = {"batch_size": 1 << 16, "seq_len": 1 << 16, "d_model": 1 << 16, "layers": 1024, "keep": 10_000,
+        "lr": 10.0, "daemon_timeout": 86_400.0}
+
+
 def _positive(value: Any, name: str, kind: type = int) -> None:
-    """``value`` is a ``kind`` (int or float) above zero and finite."""
+    """``value`` is a ``kind`` (int or float) above zero, finite and at most its ``MOST``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
-    if not ok or not math.isfinite(value) or value <= 0:
+    most = MOST.get(name)
+    if not ok or not math.isfinite(value) or value <= 0 or (most is not None and value > most):
         what = "a positive integer" if kind is int else "a positive number"
-        raise ConfigError(f"{name.replace('_', '-')} must be {what}, got {value!r}")
+        bound = f" of at most {most:g}" if most is not None else ""
+        raise ConfigError(f"{name.replace('_', '-')} must be {what}{bound}, got {value!r}")
 
 
 def validate_config(config: JobConfig) -> None:
@@ -317,8 +325,9 @@ def _check_checkpoint_options(config: JobConfig) -> None:
     from eventbus.checkpoint.remote import RemoteFolder, is_url, parse_storage_options
     from eventbus.checkpoint.retention import Retention, parse_monitor
 
-    if config.keep_best < 0:
-        raise ConfigError(f"keep-best must be 0 (off) or a positive integer, got {config.keep_best!r}")
+    if not 0 <= config.keep_best <= MOST["keep"]:
+        raise ConfigError(f"keep-best must be 0 (off) or a positive integer of at most {MOST['keep']}, "
+                          f"got {config.keep_best!r}")
     Retention(config.keep, config.keep_best, config.mode)  # the mode
     if config.keep_best and not config.monitor:
         raise ConfigError("keep-best needs --monitor: the metric to rank checkpoints by")

@@ -22,6 +22,13 @@ BAD = [
     ("job.toml", "lr = nan\n", "lr"),
     ("job.toml", f"layers = {2**63 - 1}\n", "layers"),
     ("job.toml", "seq_len = 100000000\n", "seq-len"),
+    # Absurd but of the right type: each option's range is in the line.
+    ("job.toml", "daemon_timeout = 1e308\n", "daemon-timeout must be a positive number of at most 86400"),
+    ("job.toml", "daemon_timeout = inf\n", "daemon-timeout must be a positive number of at most 86400"),
+    ("job.toml", "daemon_timeout = nan\n", "daemon-timeout must be a positive number of at most 86400"),
+    ("job.toml", "lr = 1e9\n", "lr must be a positive number of at most 10"),
+    ("job.toml", "keep = 1000000000\n", "keep must be a positive integer of at most 10000"),
+    ("job.toml", "keep_best = 1000000000\n", "keep-best must be 0 (off) or a positive integer of at most 10000"),
     ("job.yaml", "daemons: 5\n", "daemons"),
     ("job.yaml", "d_model: 1000000000\n", "d-model"),
     ("job.yaml", "batch_size: 64.5\n", "batch_size"),
