@@ -210,3 +210,38 @@ def test_windows_still_go_out_after_one_of_two_subscriptions_leaves(tmp_path):
         asyncio.run(follow())
     finally:
         publisher.close()
+
+
+def test_a_subscriber_is_sent_only_the_windows_holding_its_topics_and_misses_no_seq(tmp_path):
+    """The FIT_END subscriber's group gets a window only when the trainer published one of its
+    topics (header, fit_end, end): three frames for a run of hundreds of windows, each covering every
+    seq since the previous one; the Subscriber of the same group sees no gap and delivers them all."""
+    address = bus_address(tmp_path)
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="groups", bus=address)
+    group = wire.subscription([wire.TOPICS.index(name) for name in ("header", "end", "fit_end")])
+    raw = zmq.Context.instance().socket(zmq.SUB)
+    raw.setsockopt(zmq.SUBSCRIBE, group)
+    raw.connect(trainer.publisher.address)
+
+    async def follow() -> tuple[list, object, list]:
+        async with Subscriber(address, events=[Event.FIT_END], metrics=False, start="beginning") as sub:
+            background = BackgroundTrainer(trainer).start()
+            windows = [[(m.kind, m.event) for m in window] async for window in sub.windows()]
+            background.join()
+            frames = []
+            while raw.poll(1000):
+                frames.append(raw.recv_multipart())
+        return windows, sub.stats(), frames
+
+    windows, stats, frames = asyncio.run(follow())
+    raw.close(0)
+    delivered = [message for window in windows for message in window]
+    assert delivered == [("header", None), ("event", Event.FIT_END), ("end", None)]
+    assert stats.lost == 0 and stats.duplicates == 0 and stats.received <= 3
+    decoded = [wire.decode_window(frame[1]) for frame in frames]
+    assert all(frame[0] == group for frame in frames) and len(decoded) <= 3
+    assert [m.event or m.kind for w in decoded for m in w.messages][-2:] == ["fit_end", "end"]
+    covered = [(w.first, w.last) for w in decoded]
+    assert all(a[1] + 1 == b[0] for a, b in zip(covered, covered[1:]))  # contiguous: no seq unaccounted
+    journaled = list(read_messages(trainer.publisher.journal_path))
+    assert covered[-1][1] == journaled[-1].seq and len(journaled) > 100

@@ -3,14 +3,15 @@
 The live :class:`~eventbus.bus.subscribe.subscriber.Subscriber` and the journal
 stream (:mod:`eventbus.bus.subscribe.journal_stream`) deliver through the same
 RunView, so a message read from the wire and one read back from the journal are
-the same object with the same snapshot.
+the same object with the same snapshot. A message's snapshot is built when its
+``state`` is first read: a consumer that looks at the event and seq alone builds
+one small object per message.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from eventbus.bus import wire
 from eventbus.bus.protocol import Op
@@ -25,20 +26,52 @@ __all__ = ["Message", "RunView"]
 _EVENTS = {event.value: event for event in Event}  # a dict lookup: Event(name) costs an enum call per message
 
 
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """One delivered message. ``state`` is the snapshot as of this message."""
+class _State:
+    """The snapshot as of one event (under the header then current), built when first read and
+    shared by the messages that follow it until the next event."""
 
-    kind: str
-    event: Optional[Event]
-    state: Snapshot
-    seq: int
-    run_id: str
-    rank: int
-    metrics: Optional[dict[str, Any]] = None
-    step: Optional[int] = None
-    source: Optional[str] = None
-    recovered: bool = False
+    __slots__ = ("envelope", "header", "view", "snapshot")
+
+    def __init__(self, envelope: Optional[wire.Envelope], header: dict[str, Any], view: "RunView"):
+        self.envelope, self.header, self.view = envelope, header, view
+        self.snapshot: Optional[Snapshot] = None
+
+    def get(self, own: Optional[wire.Envelope]) -> Snapshot:
+        """The snapshot (``own``: the message asking, whose seq an empty snapshot carries before any event)."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            source = self.envelope
+            if source is None:  # no event yet: an empty snapshot as of this message
+                assert own is not None
+                return self.view._snapshot(own, None, {}, self.header)
+            snapshot = self.snapshot = self.view._snapshot(source, source.event, source, self.header)
+        return snapshot
+
+
+class Message:
+    """One delivered message. ``state`` is the snapshot as of this message (built when first read)."""
+
+    __slots__ = ("kind", "event", "seq", "run_id", "rank", "metrics", "step", "source", "recovered", "_state",
+                 "_envelope")
+
+    def __init__(self, kind: str, event: Optional[Event], state: Any, seq: int, run_id: str, rank: int,
+                 metrics: Optional[dict[str, Any]] = None, step: Optional[int] = None, source: Optional[str] = None,
+                 recovered: bool = False, envelope: Optional[wire.Envelope] = None):
+        self.kind, self.event, self.seq, self.run_id, self.rank = kind, event, seq, run_id, rank
+        self.metrics, self.step, self.source, self.recovered = metrics, step, source, recovered
+        self._state, self._envelope = state, envelope
+
+    @property
+    def state(self) -> Snapshot:
+        state = self._state
+        if state.__class__ is _State:
+            state = self._state = state.get(self._envelope)
+        return state  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return (f"Message(kind={self.kind!r}, event={self.event!r}, seq={self.seq}, run_id={self.run_id!r}, "
+                f"rank={self.rank}, metrics={self.metrics!r}, step={self.step!r}, source={self.source!r}, "
+                f"recovered={self.recovered})")
 
 
 class RunView:
@@ -59,46 +92,61 @@ class RunView:
         self._events = events
         self._control = control
         self._fetch = fetch
-        self.header: dict[str, Any] = {}
-        self.state: Optional[Snapshot] = None
+        self._header: dict[str, Any] = {}
+        self._current = _State(None, self._header, self)
+
+    @property
+    def header(self) -> dict[str, Any]:
+        """The run header delivered last."""
+        return self._header
+
+    @header.setter
+    def header(self, header: dict[str, Any]) -> None:
+        self._header = header
+        self._current = _State(self._current.envelope, header, self)  # what follows sees it
+
+    @property
+    def state(self) -> Optional[Snapshot]:
+        """The latest snapshot delivered; None before the first event."""
+        current = self._current
+        return current.get(current.envelope) if current.envelope is not None else None
 
     def reset(self) -> None:
         """A new run: nothing known about it yet."""
-        self.header, self.state = {}, None
+        self._header = {}
+        self._current = _State(None, self._header, self)
 
-    def absorb(self, envelope: wire.Envelope) -> Optional[Snapshot]:
-        """Update the header or the current snapshot from a message; returns the snapshot."""
-        if envelope.kind == Kind.HEADER:
-            self.header = envelope.payload
-            if self.state is not None:  # re-published mid-run: what follows sees its hyperparameters
-                self.state = self.state.with_header(self.header)
-            return self.state
-        if envelope.kind == Kind.EVENT:
-            self.state = self._snapshot(envelope, envelope.event, envelope)  # its payload read when used
-        return self.state
+    def absorb(self, envelope: wire.Envelope) -> None:
+        """Update the header or the current snapshot from a message."""
+        kind = envelope.kind
+        if kind == Kind.EVENT:
+            self._current = _State(envelope, self._header, self)  # its payload read when used
+        elif kind == Kind.HEADER:
+            self.header = envelope.payload  # re-published mid-run: what follows sees its hyperparameters
 
     def deliver(self, item: Decoded) -> Optional[Message]:
         """The message to yield, or None when its event is filtered out (its state is still absorbed)."""
         envelope = item.envelope
-        state = self.absorb(envelope)
-        if state is None:
-            state = self._snapshot(envelope, None, {})
-        event = _EVENTS[envelope.event or ""] if envelope.kind == Kind.EVENT else None  # checked by decode
+        self.absorb(envelope)
+        kind = envelope.kind
+        event = _EVENTS[envelope.event or ""] if kind == Kind.EVENT else None  # checked by decode
         if event is not None and self._events is not None and event not in self._events:
             return None
-        self._stats.delivered += 1
-        self._stats.lag_seconds = max(0.0, time.time() - envelope.wall_time)
-        payload = envelope.payload if envelope.kind == Kind.METRICS else {}
-        return Message(
-            kind=envelope.kind, event=event, state=state, seq=envelope.seq, run_id=envelope.run_id,
-            rank=envelope.rank, metrics=payload.get("metrics") if envelope.kind == Kind.METRICS else None,
-            step=payload.get("step"), source=payload.get("source"), recovered=item.recovered,
-        )
+        stats = self._stats
+        stats.delivered += 1
+        stats.lag_seconds = max(0.0, time.time() - envelope.wall_time)
+        if kind == Kind.METRICS:
+            payload = envelope.payload
+            return Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
+                           payload.get("metrics"), payload.get("step"), payload.get("source"), item.recovered,
+                           envelope)
+        return Message(kind, event, self._current, envelope.seq, envelope.run_id, envelope.rank,
+                       recovered=item.recovered, envelope=envelope)
 
-    def _snapshot(self, envelope: wire.Envelope, event: Optional[str],
-                  payload: Union[dict[str, Any], wire.Envelope]) -> Snapshot:
+    def _snapshot(self, envelope: wire.Envelope, event: Optional[str], payload: Any,
+                  header: dict[str, Any]) -> Snapshot:
         return Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=event,
-                        wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=self.header,
+                        wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=header,
                         payload=payload, control=self._control, fetch=self._fetch)
 
 
