@@ -20,9 +20,9 @@ only the top layer imports the package root (``tests/test_layout.py`` checks it,
 with no import circle across folders, no module over 450 lines, no class over 300):
 
 1. ``errors``, ``version``, ``core``, ``distributed``
-2. ``bus`` (its shared modules)
-3. ``bus.publish`` | ``bus.subscribe`` (the two wings never import each other)
-4. ``checkpoint``, ``trackers``
+2. ``checkpoint``, ``trackers`` (files both ends of the bus read and write)
+3. ``bus`` (its shared modules)
+4. ``bus.publish`` | ``bus.subscribe`` (the two wings never import each other)
 5. ``capture``
 6. ``training``, ``integrations``, ``runtime``
 7. ``run``, ``monitor``, ``export``, ``cli``

@@ -199,9 +199,10 @@ def test_core_imports_nothing_above_it():
 # top layer (and tests) may import ``eventbus`` itself.
 LAYERS = (
     ("eventbus.errors", "eventbus.version", "eventbus.core", "eventbus.distributed"),
+    # Checkpoint files and staged buffers, and the trackers' writers, are read by both ends of the bus.
+    ("eventbus.checkpoint", "eventbus.trackers"),
     ("eventbus.bus",),  # the shared wire modules
     ("eventbus.bus.publish", "eventbus.bus.subscribe"),
-    ("eventbus.checkpoint", "eventbus.trackers"),
     ("eventbus.capture",),
     ("eventbus.training", "eventbus.integrations", "eventbus.runtime"),
     ("eventbus.run", "eventbus.monitor", "eventbus.export", "eventbus.cli", "eventbus.__main__"),
