@@ -44,16 +44,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+MAX_SECONDS = 7 * 86_400.0  # the longest duration any option takes: a week (1e308 is a typo, not a wish)
+MAX_VALUE = 1e9  # the largest factor, window or count check_positive lets through
+
+
 def seconds(text: str) -> float:
-    """An argparse ``type`` for every duration option: a positive finite number of seconds.
+    """An argparse ``type`` for every duration option: a positive finite number of seconds, at most
+    :data:`MAX_SECONDS`.
 
     Anything else is argparse's one-line error naming the option (exit code 2)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    if not (0 < value <= MAX_SECONDS):  # NaN compares false: refused too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, at most {MAX_SECONDS:g}, "
+                                         f"got {text!r}")
     return value
 
 
@@ -68,11 +74,12 @@ def timeout_seconds(text: str) -> float:
     return seconds(text)
 
 
-def check_positive(name: str, value: float, zero_ok: bool = False) -> None:
-    """``value`` is finite and above zero (or zero, where zero turns something off); ValueError naming
-    ``name`` otherwise, which :func:`serve` reports as a one-line error."""
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{name} must be {'zero or ' if zero_ok else ''}a positive finite number, got {value:g}")
+def check_positive(name: str, value: float, zero_ok: bool = False, most: float = MAX_VALUE) -> None:
+    """``value`` is finite, above zero (or zero, where zero turns something off) and at most ``most``;
+    ValueError naming ``name`` and the range otherwise, which :func:`serve` reports as a one-line error."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or value > most:
+        raise ValueError(f"{name} must be {'zero or ' if zero_ok else ''}a positive finite number, at most "
+                         f"{most:g}, got {value:g}")
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser, identity: str) -> None:
