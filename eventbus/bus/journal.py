@@ -43,7 +43,7 @@ import zlib
 from typing import BinaryIO, Iterator, Optional, Union
 
 from eventbus.bus import wire
-from eventbus.errors import ConfigError
+from eventbus.errors import ConfigError, ProtocolError
 
 __all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "read_journal", "read_messages",
            "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
@@ -273,6 +273,15 @@ class Record:
     data: bytes  # a window
     last_seq: int = 0  # its last message's
 
+    def mismatch(self, first: int, last: int) -> Optional[str]:
+        """What is wrong when this record's header and its window (seqs ``first..last``) disagree on the
+        messages it holds, else None. A journal is a file anyone may have written: the damage accounting
+        reads the header, delivery the window, so a record whose two counts differ is not read at all."""
+        if (first, last) == (self.seq, self.last_seq):
+            return None
+        return (f"the record says seqs {self.seq}..{self.last_seq} ({self.last_seq - self.seq + 1} messages), "
+                f"its window holds {first}..{last} ({last - first + 1})")
+
 
 @dataclasses.dataclass
 class Damage:
@@ -432,6 +441,11 @@ def read_journal(path: PathLike) -> Iterator[bytes]:
 
 
 def read_messages(path: PathLike) -> Iterator[wire.Envelope]:
-    """Every message of the intact records, in order, decoded and checked (ProtocolError if one is not)."""
+    """Every message of the intact records, in order, decoded and checked (ProtocolError if one is not,
+    or if a record's count of messages is not its window's)."""
     for record in JournalReader(path).records():
-        yield from wire.decode_all(record.data)
+        window = wire.decode_window(record.data)
+        problem = record.mismatch(window.first, window.last)
+        if problem is not None:
+            raise ProtocolError(f"journal record at seq {record.seq}: {problem}")
+        yield from window.messages

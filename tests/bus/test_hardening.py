@@ -285,3 +285,30 @@ def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_jou
     journal_size = sum(path.stat().st_size for path in segment_paths(trainer.publisher.journal_path))
     assert journal_size > 5 * 20_000  # most of the run is older than the cache
     assert seqs == list(range(1, last + 1)), "a message older than the cache was not replayed"
+
+
+def test_a_record_whose_count_is_not_its_windows_is_named_and_skipped(tmp_path):
+    """A journal record's header says how many messages it holds, and so does its window: the damage
+    accounting reads one, delivery the other. When they differ the record is not read, and said so."""
+    from eventbus.errors import ProtocolError
+
+    run_id = "ab" * 16
+    journal = tmp_path / "run" / "events.journal"
+    journal.parent.mkdir()
+    writer = JournalWriter(journal)
+    writer.append(wire.encode("header", run_id, 0, 1, None, 0.0, 0.0, {"run_name": "counts"}), 1)
+    writer.append(wire.encode("metrics", run_id, 0, 2, None, 0.0, 0.0, {"metrics": {"x": 1.0}, "step": 1}), 2,
+                  count=3)  # the header claims seqs 2..4; its window holds seq 2 alone
+    writer.append(wire.encode("metrics", run_id, 0, 5, None, 0.0, 0.0, {"metrics": {"x": 2.0}, "step": 2}), 5)
+    writer.append(wire.encode("end", run_id, 0, 6, None, 0.0, 0.0, {"seq": 6}), 6)
+    writer.close()
+    with pytest.raises(ProtocolError, match=r"record at seq 2: the record says seqs 2..4 \(3 messages\), its "
+                                            r"window holds 2..2 \(1\)"):
+        list(read_messages(journal))
+    result = subprocess.run([sys.executable, "-m", "eventbus", "export", str(journal.parent), "--to", "jsonl"],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "1 unreadable record(s) skipped (seq 2: the record says seqs 2..4" in last, last
+    lines = [json.loads(line) for line in (journal.parent / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 2, "x": 2.0}]  # every other record exported

@@ -145,11 +145,15 @@ class JournalStream:
             try:
                 # Each payload decoded now, once for the messages that share it: a malformed one
                 # skips the record (counted and named), not a callback later.
-                envelopes = wire.decode_window(record.data, wire.MAX_MESSAGE_BYTES, check_payload=False).messages
+                window = wire.decode_window(record.data, wire.MAX_MESSAGE_BYTES, check_payload=False)
+                mismatch = record.mismatch(window.first, window.last)
+                if mismatch is not None:
+                    raise ProtocolError(mismatch)
             except ProtocolError as err:
                 self.stats.protocol_errors += 1
                 self.skipped.note(record.seq, str(err))
                 continue
+            envelopes = window.messages
             for envelope in envelopes:
                 try:
                     if envelope.kind != Kind.EVENT:
