@@ -270,3 +270,59 @@ def test_messages_of_thousands_of_small_frames_are_dropped_without_a_copy(tmp_pa
     assert publisher.stats().failed_requests == 0
     records = list(read_messages(publisher.journal_path))
     assert [r.seq for r in records] == list(range(1, len(records) + 1)) and records[-1].kind == "end"
+
+
+def test_a_subscriber_whose_snapshot_is_refused_asks_again_and_joins_by_snapshot(tmp_path, caplog):
+    """Forged identities spend the budget all clients share, so a joining subscriber's snapshot is refused
+    (told so: it is within its own budget). It asks again until it gets one, and joins where the snapshot
+    says the run is, not at seq 1 nor wherever the first live message happens to be."""
+    import asyncio
+
+    from eventbus.bus.publish.publisher import Publisher
+    from eventbus.bus.subscribe.subscriber import Subscriber
+
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1),
+                          tmp_path / "run")
+    publisher.start({"run_name": "busy"})
+    for step in range(20):
+        publisher.log_metrics({"x": float(step)}, step=step)
+    context = zmq.Context()
+    forger = context.socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.connect(publisher.service_address)
+    body = wire.encode_request("snapshot", id=1)
+    forging = threading.Event()
+
+    def forge() -> None:  # a new routing frame per request: each a client of its own, all of one total
+        i = 0
+        while not forging.is_set():
+            i += 1
+            forger.send_multipart([f"forged-{i}".encode(), body])
+            while forger.poll(0):
+                forger.recv_multipart()
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=forge, daemon=True)
+    thread.start()
+    wait_for_count(lambda: publisher.stats().refused.get("over total budget", 0), 50, "over-total refusals")
+
+    async def join() -> int:
+        async with Subscriber(publisher.address) as subscriber:
+            while "asking again" not in caplog.text:  # refused at least once while the forger goes on
+                await asyncio.sleep(0.05)
+            forging.set()
+            publisher.log_metrics({"x": 99.0}, step=99)
+            async for message in subscriber:
+                return message.seq
+        return 0
+
+    try:
+        with caplog.at_level(logging.INFO, logger="eventbus.bus.subscribe.subscriber"):
+            first = asyncio.run(asyncio.wait_for(join(), HANG_SECONDS))
+    finally:
+        forging.set()
+        thread.join()
+        context.destroy(linger=0)
+        publisher.close()
+    assert "the trainer refused a snapshot (over the budget of all clients together" in caplog.text
+    assert first > 20, first  # after what the snapshot covered: joined by it, not replayed from seq 1

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from typing import Any, AsyncIterator, Iterable, Optional, Sequence, Union
 
@@ -61,6 +62,11 @@ from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.core.events import Event
 
 _DRAIN_BATCH = 1024  # messages taken per wake-up before the event loop gets a turn
+# Waits before asking again for a snapshot the trainer refused (its budget for all clients spent): about
+# 30 s in all, then the first live message is the join point, as when no trainer answers.
+_SNAPSHOT_RETRIES = (0.05, 0.1, 0.2, 0.5) + (1.0,) * 29
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Message", "Subscriber", "SubscriberStats"]
 
@@ -207,6 +213,17 @@ class Subscriber:
             # from this worker is that it has applied nothing of the run yet, so it waits for it.
             self._service.progress(0)
         frames = await self._service.request(Op.SNAPSHOT)
+        for wait in _SNAPSHOT_RETRIES:
+            if frames is None or "error" not in (refusal := wire.decode_request(frames[0])):
+                break
+            # Refused (all clients together are over the trainer's budget): asked again, not joined at the
+            # first live message, which would miss the header and the latest state the snapshot carries.
+            log.info("the trainer refused a snapshot (%s); asking again in %g s", str(refusal["error"])[:200], wait)
+            await asyncio.sleep(wait)
+            frames = await self._service.request(Op.SNAPSHOT)
+        else:
+            log.warning("the trainer refused every snapshot for 30 s; joining at the first live message")
+            return
         if frames is None:
             # No publisher (not up yet, or the run is over): catch up from the journal if there is
             # one; otherwise a trainer answers a later request, or the first live message establishes
