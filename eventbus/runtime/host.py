@@ -40,7 +40,7 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.schema import Kind
@@ -135,7 +135,8 @@ class CallbackHost:
         """Stop receiving; queued events are still applied, then callbacks close."""
         self._stopping.set()
 
-    async def run(self, messages: AsyncIterator[Message]) -> None:
+    async def run(self, messages: AsyncIterator[Union[Message, list[Message]]]) -> None:
+        """Apply ``messages`` (one at a time, or a window's worth per item: ``Subscriber.windows()``)."""
         loop = asyncio.get_running_loop()
         tasks, committers = [], []
         for slot in self.slots:
@@ -169,18 +170,23 @@ class CallbackHost:
         if self.failure is not None and self.fail_fast:
             raise self.failure
 
-    async def _feed(self, messages: AsyncIterator[Message]) -> None:
-        async for message in messages:
-            self.run_id = message.run_id
-            if self._release_weights is not None and message.event is not None and message.state is not None \
-                    and message.event.value in WEIGHTS_EVENTS and message.event.value in self.weights_events():
-                staged = message.state.staged_weights()  # held for this worker until it applied the event
-                if staged is not None:
-                    with self._weights_lock:
-                        self._weights_held.append((message.seq, staged))
-            await self._put(message)
+    async def _feed(self, messages: AsyncIterator[Union[Message, list[Message]]]) -> None:
+        async for item in messages:
+            window = item if isinstance(item, list) else [item]
+            for message in window:
+                self.run_id = message.run_id
+                if self._release_weights is not None and message.event is not None \
+                        and message.event.value in WEIGHTS_EVENTS and message.event.value in self.weights_events():
+                    staged = message.state.staged_weights()  # held for this worker until it applied the event
+                    if staged is not None:
+                        with self._weights_lock:
+                            self._weights_held.append((message.seq, staged))
+                if not self.lane_only:
+                    await self._put(message)
+            if self.lane_only:  # a window in one hand-over: no await per message
+                await self._put_window(window)
             self._release_applied()
-            if message.kind == Kind.END:
+            if window and window[-1].kind == Kind.END:
                 return
 
     async def _put(self, item: Any) -> None:
@@ -202,6 +208,25 @@ class CallbackHost:
             lane.hand_over()
             await asyncio.sleep(0.005)
         lane.pending.append(item)
+        if not lane.handing_over:
+            lane.handing_over = True
+            asyncio.get_running_loop().call_soon(lane.hand_over)
+
+    @property
+    def lane_only(self) -> bool:
+        """Every callback is on the lane (none runs ``async`` methods): a window goes over whole."""
+        return not any(slot.runs_async for slot in self.slots)
+
+    async def _put_window(self, window: list[Message]) -> None:
+        """The lane's share of :meth:`_put`, for a whole window: held back while it is ``queue_size``
+        behind, then one hand-over."""
+        lane = self.lane
+        if lane is None or not window:
+            return
+        while lane.backlog() >= lane.slots[0].queue_size:
+            lane.hand_over()
+            await asyncio.sleep(0.005)
+        lane.pending.extend(window)
         if not lane.handing_over:
             lane.handing_over = True
             asyncio.get_running_loop().call_soon(lane.hand_over)

@@ -155,7 +155,8 @@ class _Runs:
     def __init__(self, subscriber: Subscriber, events: Optional[set[str]]):
         self._subscriber = subscriber
         self._events = events
-        self._next: Optional[Any] = None  # the first message of the next run, read ahead
+        self._windows = subscriber.windows()
+        self._next: Optional[list[Any]] = None  # what was read ahead of the next run
 
     async def one_run(self, joined: Optional[Callable[[str], None]] = None) -> Any:
         """One run's messages. ``joined(run_id)`` runs before the run's first message reaches a callback:
@@ -164,23 +165,31 @@ class _Runs:
         could otherwise end, and publish END, before it hears from this worker; what the callbacks
         then send back would come after END)."""
         run_id = None
-        while True:
-            if self._next is not None:
-                message, self._next = self._next, None
+        while True:  # a window at a time: one hand-over to the callbacks per wake-up
+            if self._next:
+                window, self._next = self._next, None
             else:
+                self._next = None
                 try:
-                    message = await self._subscriber.__anext__()
+                    window = await self._windows.__anext__()
                 except StopAsyncIteration:
                     return
-            if run_id is not None and message.run_id != run_id:
-                self._next = message  # the trainer restarted without ending this run
-                return
-            if run_id is None and joined is not None:
-                joined(message.run_id)  # sent before anything a callback sends about this run
-            run_id = message.run_id
-            if message.kind != Kind.EVENT or self._events is None or message.event.value in self._events:
-                yield message
-            if message.kind == Kind.END:
+            kept: list[Any] = []
+            for at, message in enumerate(window):
+                if run_id is not None and message.run_id != run_id:
+                    self._next = window[at:]  # the trainer restarted without ending this run
+                    break
+                if run_id is None and joined is not None:
+                    joined(message.run_id)  # sent before anything a callback sends about this run
+                run_id = message.run_id
+                if message.kind != Kind.EVENT or self._events is None or message.event.value in self._events:
+                    kept.append(message)
+                if message.kind == Kind.END:
+                    self._next = window[at + 1:]
+                    break
+            if kept:
+                yield kept
+            if self._next is not None:
                 return
 
 
