@@ -75,9 +75,7 @@ def with_payload(**changes):
 def with_raw_payload(payload_bytes):
     """The envelope with a payload written byte for byte (what wire.encode would never write)."""
     def make(e: wire.Envelope) -> bytes:
-        head = msgpack.packb([wire.PROTOCOL_VERSION, e.kind, e.run_id, e.rank, e.seq, e.event, e.wall_time,
-                              e.mono_time])
-        return bytes([0x99]) + head[1:] + payload_bytes(e)
+        return wire.encode(e.kind, e.run_id, e.rank, e.seq, e.event, e.wall_time, e.mono_time, payload_bytes(e))
     return make
 
 
