@@ -173,6 +173,38 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
     assert sorted(m.step for m in history) == sorted(s for s, m in published.items() if "loss/train/total" in m)
 
 
+def test_the_metrics_files_grow_during_the_run_and_a_sigterm_loses_nothing(tmp_path, spawn):
+    """metrics.jsonl and metrics.csv are written while the run goes (its lines are batched, not kept to
+    the end); a logger stopped with SIGTERM mid-run wrote what it applied, and one started after it
+    writes the rest: every step exactly once in both files."""
+    folder = tmp_path / "runs" / "growing"
+    trainer = Trainer(make_model(), make_loader(64 * 16, 16), max_duration="1ep", device="cpu", run_name="growing",
+                      bus=bus_address(tmp_path), callbacks=[SlowBatches(0.05)])
+    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+            "--no-console"]
+    first = spawn(*args)
+    first.wait_for("following")
+    background = BackgroundTrainer(trainer).start()
+    table = folder / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while not (table.exists() and len(table.read_text().splitlines()) > 2):  # a header and two rows
+        assert time.monotonic() < deadline, "metrics.csv did not appear during the run"
+        time.sleep(0.05)
+    assert int(trainer.state.timestamp.batch) < 64, "the run ended before metrics.csv was written"
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.finish() == 0, "\n".join(first.stderr)
+    second = spawn(*args)
+    background.join()
+    assert second.finish() == 0, "\n".join(second.stderr)
+
+    published = published_metrics(trainer.publisher.journal_path)
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == len(set(steps)), "a step was written twice"
+    assert set(steps) == set(published)
+    with open(table) as file:
+        assert [int(row["step"]) for row in csv.DictReader(file)] == sorted(published)
+
+
 def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, spawn):
     """Killed between applying the run's end and exiting, a worker started again with the same
     cursor finds the end in the journal, behind its resume point: it exits instead of waiting forever."""
