@@ -163,13 +163,11 @@ class Envelope:
                  "_ref", "_check", "recovered")
 
     def __init__(self, kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-                 mono_time: float, payload: Optional[dict[str, Any]]):
+                 mono_time: float, payload: Optional[dict[str, Any]], cells: Optional[list[_Cell]] = None,
+                 ref: int = 0, check: bool = False):
         self.kind, self.run_id, self.rank, self.seq, self.event = kind, run_id, rank, seq, event
         self.wall_time, self.mono_time = wall_time, mono_time
-        self._payload = payload
-        self._cells: list[_Cell] = []
-        self._ref = 0
-        self._check = False
+        self._payload, self._cells, self._ref, self._check = payload, cells, ref, check
         self.recovered = False
 
     @property
@@ -178,6 +176,7 @@ class Envelope:
         window that share a payload share its map: read it, never change it."""
         payload = self._payload
         if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
+            assert self._cells is not None, "an envelope holds its payload or the window's payloads"
             payload = self._payload = _payload_of(self._cells, self._ref, self.seq, self._check)
         return payload
 
@@ -417,15 +416,14 @@ def _window(frame: _Frame, check_payload: bool, lazy: bool, wanted: Optional[byt
     stamps = _native("f", frame.times)
     cells = [_Cell(p) for p in payloads]
     run_id, rank, wall, mono = frame.run_id, frame.rank, frame.wall, frame.mono
-    messages = []
+    messages: list[Envelope] = []
     kinds = _TOPIC_MESSAGE
     picked = range(count) if wanted is None else [n for n in range(count) if wanted[topics[n]]]
+    append = messages.append
     for n in picked:
         kind, event = kinds[topics[n]]
-        seq = first + (n if offsets is None else offsets[n])
-        envelope = Envelope(kind, run_id, rank, seq, event, wall + stamps[2 * n], mono + stamps[2 * n + 1], None)
-        envelope._cells, envelope._ref, envelope._check = cells, refs[n], check_payload
-        messages.append(envelope)
+        append(Envelope(kind, run_id, rank, first + n if offsets is None else first + offsets[n], event,
+                        wall + stamps[2 * n], mono + stamps[2 * n + 1], None, cells, refs[n], check_payload))
     if not lazy:  # decoded and checked now: errors are raised here, naming the message
         for envelope in messages:
             envelope.payload  # noqa: B018

@@ -134,7 +134,8 @@ class RunView:
             return None
         stats = self._stats
         stats.delivered += 1
-        stats.lag_seconds = max(0.0, time.time() - envelope.wall_time)
+        lag = time.time() - envelope.wall_time
+        stats.lag_seconds = lag if lag > 0.0 else 0.0
         if kind == Kind.METRICS:
             payload = envelope.payload
             return Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
