@@ -63,6 +63,8 @@ class SpeedMonitor(Callback):
         self.divider = _divider(time_unit)
         self._window: collections.deque[tuple[int, int, float, Optional[float]]] = collections.deque(
             maxlen=window_size)
+        self._sums = [0, 0, 0.0, 0.0, 0]  # over the window: samples, tokens, seconds, flops, batches without flops
+        self._since_summed = 0  # batches since the sums were last added up afresh (float drift stays bounded)
         self._eval_seconds = 0.0
         self._eval_started: Optional[float] = None
 
@@ -82,21 +84,18 @@ class SpeedMonitor(Callback):
 
     def batch_end(self, state: Any, logger: Logger) -> None:
         ts = state.timestamp
-        flops = getattr(state, "batch_flops", None)
-        self._window.append((state.batch_num_samples, state.batch_num_tokens, ts.batch_wct.total_seconds(), flops))
+        samples, tokens, seconds, flops, unknown = self._add(
+            (state.batch_num_samples, state.batch_num_tokens, ts.batch_wct.total_seconds(),
+             getattr(state, "batch_flops", None)))
         metrics: dict[str, float] = {}
         if len(self._window) == self.window_size:
-            seconds = sum(w[2] for w in self._window)
             if seconds > 0:
                 world = max(int(state.world_size), 1)
-                rates = {"batches_per_sec": len(self._window) / seconds,
-                         "samples_per_sec": sum(w[0] for w in self._window) / seconds}
-                tokens = sum(w[1] for w in self._window)
+                rates = {"batches_per_sec": len(self._window) / seconds, "samples_per_sec": samples / seconds}
                 if tokens:
                     rates["tokens_per_sec"] = tokens / seconds
-                flops = [w[3] for w in self._window if w[3] is not None]
-                if len(flops) == len(self._window):  # only when every batch in the window reported its flops
-                    rates["flops_per_sec"] = sum(flops) / seconds
+                if not unknown:  # only when every batch in the window reported its flops
+                    rates["flops_per_sec"] = flops / seconds
                 for name, value in rates.items():
                     metrics[f"throughput/{name}"] = value
                     metrics[f"throughput/device/{name}"] = value / world
@@ -107,6 +106,34 @@ class SpeedMonitor(Callback):
         metrics["time/val"] = self._eval_seconds / self.divider
         metrics["time/total"] = (train + self._eval_seconds) / self.divider
         logger.log_metrics(metrics)
+
+
+    def _add(self, batch: tuple[int, int, float, Optional[float]]) -> list[Any]:
+        """``batch`` joins the window (the oldest leaves a full one); the window's sums, kept as it moves
+        instead of added up at every batch, and added up afresh once a window."""
+        sums, window = self._sums, self._window
+        if len(window) == window.maxlen:
+            _count(sums, window[0], -1)
+        window.append(batch)
+        _count(sums, batch, 1)
+        self._since_summed += 1
+        if self._since_summed >= self.window_size:
+            self._since_summed = 0
+            sums[:] = [0, 0, 0.0, 0.0, 0]
+            for each in window:
+                _count(sums, each, 1)
+        return sums
+
+
+def _count(sums: list[Any], batch: tuple[int, int, float, Optional[float]], sign: int) -> None:
+    samples, tokens, seconds, flops = batch
+    sums[0] += sign * samples
+    sums[1] += sign * tokens
+    sums[2] += sign * seconds
+    if flops is None:
+        sums[4] += sign
+    else:
+        sums[3] += sign * flops
 
 
 def _fraction_done(state: Any) -> Optional[float]:
