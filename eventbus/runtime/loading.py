@@ -51,6 +51,11 @@ def load_callback(spec: str) -> Any:
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ConfigError(f"callback {spec!r}: {module_name!r} has no attribute {class_name!r}")
+    if _is_composer_checkpoint_saver(cls):
+        raise ConfigError(f"callback {spec!r}: Composer's CheckpointSaver saves the trainer's own state (its "
+                          "model, optimizers and FSDP settings), which a worker's snapshot does not hold; run the "
+                          "checkpoint daemon instead: python -m workers.checkpoint --connect ADDR (eventbus run "
+                          "starts it)")
     try:
         kwargs = json.loads(kwargs_text) if kwargs_text else {}
     except ValueError as err:
@@ -67,6 +72,13 @@ def load_callback(spec: str) -> Any:
             f"method or per-event methods such as batch_end(state, logger) (eventbus.Callback, "
             f"composer.Callback or composer.loggers.LoggerDestination)")
     return callback
+
+
+def _is_composer_checkpoint_saver(cls: Any) -> bool:
+    """Composer's CheckpointSaver, or a subclass: hosted in a worker it fails at its first save, deep in
+    Composer (``'Snapshot' object has no attribute 'fsdp_sharded_state_dict_enabled'``)."""
+    return isinstance(cls, type) and any(
+        c.__name__ == "CheckpointSaver" and c.__module__.startswith("composer.") for c in cls.__mro__)
 
 
 def follows_callback_protocol(obj: Any) -> bool:

@@ -202,6 +202,28 @@ def test_worker_loads_composer_callbacks_and_loggers():
     assert isinstance(load_callback("composer.loggers:InMemoryLogger"), InMemoryLogger)
 
 
+def test_composers_checkpoint_saver_in_a_worker_is_a_one_line_error_naming_the_checkpoint_daemon(tmp_path):
+    """Hosted, it would fail at its first save deep in Composer (a snapshot has no FSDP settings); the
+    worker refuses it before it connects, and says what to run instead."""
+    import os
+    import subprocess
+    import sys
+
+    from eventbus.errors import ConfigError
+    from eventbus.runtime.loading import load_callback
+    from tests.support import REPO_ROOT
+
+    with pytest.raises(ConfigError, match="python -m workers.checkpoint"):
+        load_callback('composer.callbacks:CheckpointSaver:{"save_folder": "never-made"}')
+    assert not (tmp_path / "never-made").exists()  # refused before it was built (the test runs in tmp_path)
+    result = subprocess.run([sys.executable, "-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus",
+                             "--callback", "composer.callbacks:CheckpointSaver"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "CheckpointSaver" in lines[0] and "python -m workers.checkpoint" in lines[0]
+
+
 def test_metric_order_is_the_models_own_as_in_composer(tmp_path):
     """Iterating state.eval_metrics / state.train_metrics gives Composer's order (its
     ComposerClassifier's: CrossEntropy before MulticlassAccuracy), which logs and CSV columns follow."""
