@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files")
     parser.add_argument("--mlflow", action="store_true", help="also log to MLflow")
     parser.add_argument("--mlflow-uri", help="MLflow tracking URI (default: a local store in the run folder)")
+    parser.add_argument("--write-every", type=seconds, default=1.0, metavar="SECONDS",
+                        help="how often the metrics files and TensorBoard are written while metrics arrive (also "
+                             "before each commit of the worker's progress, and at the end; default: 1)")
     parser.add_argument("--retry-every", type=seconds, default=30.0, metavar="SECONDS",
                         help="while a tracker (MLflow, W&B) is down, how often to try it again; meanwhile its "
                              "points are kept, in order, and the other outputs go on (default: 30)")
@@ -225,11 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_destinations(args: argparse.Namespace) -> list[LoggerDestination]:
     """The destinations the options ask for: metrics files always, then console, TensorBoard, MLflow, W&B."""
-    destinations: list[LoggerDestination] = [MetricsFileLogger(args.output)]
+    destinations: list[LoggerDestination] = [MetricsFileLogger(args.output, write_every=args.write_every)]
     if not args.no_console:
         destinations.append(ProgressLogger(log_interval=args.log_interval, prefix="logger: "))
     if args.tensorboard:
-        destinations.append(TensorBoardLogger(args.output / "tensorboard" if args.output else None))
+        destinations.append(TensorBoardLogger(args.output / "tensorboard" if args.output else None,
+                                              write_every=args.write_every))
     if args.mlflow:
         destinations.append(MLflowLogger(args.mlflow_uri))
     if args.wandb:
