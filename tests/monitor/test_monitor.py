@@ -1,5 +1,6 @@
 """``eventbus monitor``: render() on view models, a finished run's journal, and live runs watched
-the way a person does (piped, and in a real terminal under tmux)."""
+the way a person does (piped, and in a real terminal under tmux): colour for what needs attention,
+the metrics as charts with axes, the evaluations over time."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import pytest
 from eventbus import Callback, Trainer
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.monitor.app import main
+from eventbus.monitor.chart import chart
 from eventbus.monitor.fmt import sparkline
-from eventbus.monitor.model import DaemonView, SeriesView, Tracker, ViewModel
-from eventbus.monitor.render import render
+from eventbus.monitor.model import DaemonView, EvalRow, SeriesView, ViewModel
+from eventbus.monitor.render import render, render_ansi
+from eventbus.monitor.watched import WatchedRun
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
@@ -79,11 +82,13 @@ def full_view(**changes) -> ViewModel:
         max_duration="50ep", train_seconds=70.0, eta_seconds=130.0, eta_source="estimate", epoch=17,
         epochs_total=50, batch_in_epoch=2, batches_per_epoch=4, batch=70, batches_total=200, sample=1120,
         event="batch_end",
-        series=[SeriesView("loss/train/total", 0.123456, [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]),
-                SeriesView("metrics/eval/MulticlassAccuracy", 0.75, [0.5, 0.75])],
+        series=[SeriesView("loss/train/total", 0.123456, [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0], None, 63, 70),
+                SeriesView("metrics/eval/MulticlassAccuracy", 0.75, [0.5, 0.75], None, 34, 68)],
         throughput=[("samples/s", 2345.6), ("batches/s", 146.6)], throughput_source="timing worker",
         learning_rates=[("SGD", [0.1, 0.01])],
         evals=[("eval", [("CrossEntropy", 0.5), ("MulticlassAccuracy", 0.75)], 68)],
+        eval_history=[EvalRow("eval", 34, [("CrossEntropy", 0.7), ("MulticlassAccuracy", 0.5)]),
+                      EvalRow("eval", 68, [("CrossEntropy", 0.5), ("MulticlassAccuracy", 0.75)])],
         checkpoint="runs/demo-run/checkpoints/ep16-ba68-rank0.pt", checkpoint_kind="saved", checkpoint_batch=68,
         events_per_second=1234.5, seq=4321, messages=999, last_message_age=0.2,
         monitor={"lag_seconds": 0.012, "recovered": 3, "lost": 1, "protocol_errors": 2},
@@ -115,14 +120,25 @@ def test_render_shows_every_panel_of_a_live_run():
     assert "of 50ep" in progress and "█" in progress and "░" in progress
     position = line_with(frame, "position")
     assert "epoch 17/50" in position and "batch 2/4 in epoch" in position and "total batch 70/200" in position
-    loss = line_with(frame, "loss/train/total")
-    assert "0.1235" in loss and "█▇▆▅▄▃▂▁" in loss and "min 1 max 8" in loss
+    loss = frame.index(line_with(frame, "loss/train/total"))
+    assert "0.1235" in frame[loss]
+    # Its history as a chart with axes: max and min on the y axis, the steps it spans on the x axis.
+    plot = frame[loss + 1:loss + 9]
+    assert plot[0].split("┤")[0].strip() == "8" and plot[5].split("┤")[0].strip() == "1"
+    assert all(line.strip().startswith("│") for line in plot[1:5]) and plot[6].strip().startswith("└──")
+    assert plot[7].split() == ["step", "63", "70"]
+    top, bottom = (line.split("┤")[1] for line in (plot[0], plot[5]))
+    assert top[0] == "█" and top[-1] == " " and bottom[0] == "█" and bottom.rstrip()[-1] == "▁"  # 8 falling to 1
     assert "0.75" in line_with(frame, "metrics/eval/MulticlassAccuracy")
     assert "2,346 samples/s" in line_with(frame, "throughput") and "146.6 batches/s" in line_with(frame, "throughput")
     assert "SGD 0.1, 0.01" in line_with(frame, "learning rate")
     evaluation = line_with(frame, "eval eval")
     assert "CrossEntropy 0.5" in evaluation and "MulticlassAccuracy 0.75" in evaluation and "(at batch 68)" in evaluation
     assert "ep16-ba68-rank0.pt" in line_with(frame, "last checkpoint")
+    history = frame.index(line_with(frame, "evaluation"))  # the evaluations over time, oldest first
+    assert frame[history].split() == ["evaluation", "batch", "CrossEntropy", "MulticlassAccuracy"]
+    assert [line.split() for line in frame[history + 2:history + 4]] == [["eval", "34", "0.7", "0.5"],
+                                                                       ["eval", "68", "0.5", "0.75"]]
     bus = line_with(frame, "events/s")
     assert "1234.5 events/s" in bus and "seq 4321" in bus
     monitor = line_with(frame, "this monitor")
@@ -162,6 +178,42 @@ def test_render_fits_any_terminal():
     assert all(line.isascii() for line in plain) and "total batch 70/200" in "\n".join(plain)
 
 
+ALARM = "\x1b[1;31m"  # bold red, as a terminal receives it
+
+
+def coloured(ansi: str, text: str) -> str:
+    """The escape sequence just before ``text`` in ``ansi`` (empty when it is drawn without colour)."""
+    at = ansi.index(text)
+    start = ansi.rfind("\x1b[", 0, at)
+    return ansi[start:ansi.index("m", start) + 1] if start >= 0 and ansi.find("\x1b[0m", start, at) < 0 else ""
+
+
+def test_what_needs_attention_stands_out_in_colour():
+    failed = full_view(checkpoint="disk full", checkpoint_kind="error", trainer_answering=False, trainer=None)
+    ansi = render_ansi(failed, 120, 40)
+    assert coloured(ansi, "STALE") == ALARM and coloured(ansi, "FAILED: ") == ALARM
+    assert coloured(ansi, "not answering") == ALARM
+    assert coloured(ansi, "live") == "\x1b[1;32m"  # the run's state in the header: green while live
+    assert coloured(render_ansi(full_view(status="detached"), 120, 40), "detached") == "\x1b[1;33m"
+    assert coloured(ansi, "ok ") == "\x1b[32m"  # a healthy daemon is green, not an alarm
+    # The same frame as plain text (what a pipe gets) has no escape codes at all.
+    assert "\x1b" not in "\n".join(render(failed, 120, 40)) and "STALE" in "\n".join(render(failed, 120, 40))
+
+
+def test_chart_axes():
+    lines = [line.plain for line in chart([1, 2, 3, 4, 5, 6, 7, 8], 30, 4, first_step=100, last_step=107)]
+    assert len(lines) == 6 and all(len(line) <= 30 for line in lines)
+    assert lines[0].startswith("  8 ┤") and lines[3].startswith("  1 ┤") and lines[1].startswith("    │")
+    assert lines[4].startswith("    └─") and lines[5].split() == ["step", "100", "107"]
+    assert lines[0].rstrip().endswith("█") and lines[0][5] == " " and lines[3][5:].rstrip()[0] == "▁"  # rising
+    without_steps = [line.plain for line in chart([2.5, 0.5], 30, 2)]
+    assert without_steps[0].startswith("  2.5 ┤") and without_steps[1].startswith("  0.5 ┤")
+    assert without_steps[-1].split() == ["1", "point", "2"]  # no steps known: the points' count
+    flat = [line.plain for line in chart([3.0] * 4, 20, 2, ascii_only=True)]
+    assert all(line.isascii() for line in flat) and flat[0].startswith("  3 +")
+    assert chart([], 30, 4) == [] and chart([float("nan")], 30, 4) == []
+
+
 def test_sparkline():
     assert sparkline([1, 2, 3, 4, 5, 6, 7, 8], 20) == "▁▂▃▄▅▆▇█"
     assert sparkline([8, 1], 20) == "█▁"
@@ -184,14 +236,14 @@ def finished_run(name: str) -> Trainer:
     return trainer
 
 
-def test_tracker_follows_a_real_runs_messages():
+def test_watched_run_follows_a_real_runs_messages():
     trainer = finished_run("tracked")
 
-    async def read() -> Tracker:
-        tracker = Tracker(["loss/train/total", "metrics/eval/*"])
+    async def read() -> WatchedRun:
+        run = WatchedRun(["loss/train/total", "metrics/eval/*"])
         async for message in journal_messages("runs/tracked/events.journal"):
-            tracker.feed(message)
-        return tracker
+            run.feed(message)
+        return run
 
     view = asyncio.run(read()).view()
     assert view.run_name == "tracked" and view.status == "finished"
@@ -203,6 +255,22 @@ def test_tracker_follows_a_real_runs_messages():
     assert {s.key for s in view.series[1:]} == {"metrics/eval/CrossEntropy", "metrics/eval/MulticlassAccuracy"}
     assert [label for label, _, _ in view.evals] == ["eval"] and view.evals[0][2] == 12
     assert dict(view.learning_rates) and view.throughput_source == "from batch_wct"
+    # Every evaluation of the run, at the batch it ran, with what it measured; the last one is the run's.
+    assert [(row.label, row.batch) for row in view.eval_history] == [("eval", 4), ("eval", 8), ("eval", 12)]
+    assert dict(view.eval_history[-1].values) == pytest.approx(
+        {name: float(value) for name, value in trainer.state.eval_metric_values["eval"].items()})
+    assert len({dict(row.values)["CrossEntropy"] for row in view.eval_history}) == 3
+    # Drawn: the loss as a chart spanning the run's steps, the evaluations as a table.
+    frame = render(view, 100, 50)
+    plot = frame.index(line_with(frame, "loss/train/total")) + 1
+    low, high = min(loss.values), max(loss.values)
+    assert frame[plot].split("┤")[0].strip() == f"{high:.4g}"
+    assert line_with(frame[plot:], f"{low:.4g} ┤")
+    assert line_with(frame[plot:], "step ").split() == ["step", str(loss.first_step), str(loss.last_step)]
+    assert loss.last_step is not None and loss.first_step is not None and loss.last_step - loss.first_step == 11
+    history = frame.index(line_with(frame, "evaluation"))
+    assert [line.split()[:2] for line in frame[history + 2:history + 5]] == [["eval", "4"], ["eval", "8"],
+                                                                           ["eval", "12"]]
 
 
 def test_journal_mode_shows_the_final_state_of_a_finished_run(tmp_path):
@@ -297,9 +365,10 @@ def test_monitor_in_a_real_terminal(tmp_path):
                               check=check, env=ENV, timeout=30).stdout
 
     def open_monitor(session: str) -> None:
-        command = f"{shlex.quote(sys.executable)} -m eventbus monitor {shlex.quote(address)} --refresh 0.2"
+        command = (f"echo what was on the terminal before; {shlex.quote(sys.executable)} -m eventbus monitor "
+                   f"{shlex.quote(address)} --refresh 0.2")
         tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", "-c", str(REPO_ROOT),
-             "-e", f"PYTHONPATH={REPO_ROOT}", command)
+             "-e", f"PYTHONPATH={REPO_ROOT}", "sh", "-c", command)
         sessions.append(session)
 
     def screen(session: str) -> str:
@@ -337,6 +406,11 @@ def test_monitor_in_a_real_terminal(tmp_path):
         batch, total = shown_batch(text)
         assert total == 200 and reached <= batch <= current_batch(trainer)  # a batch the trainer really reached
         assert "loss/train/total" in text and "SGD" in text and "events/s" in text
+        # The loss as a chart with its axes, once the monitor has seen more than one value of it.
+        text = wait_for_screen(first, lambda s: "┤" in s and "step " in s, "the loss as a chart")
+        # Drawn on the alternate screen: what the terminal showed before is not wiped.
+        assert tmux("display-message", "-p", "-t", first, "#{alternate_on}").strip() == "1"
+        assert "what was on the terminal before" not in text
 
         open_monitor(second)  # a second monitor at the same time
         text2 = wait_for_screen(second, lambda s: "run watched · live" in s and shown_batch(s)[0] is not None,
@@ -360,6 +434,10 @@ def test_monitor_in_a_real_terminal(tmp_path):
         text = final_screen(first)
         assert "run watched · finished" in text and shown_batch(text) == (final, 200), text
         assert f"{trainer.state.loss.item():.4g}" in text and "100.0%" in text
+        # Back on the normal screen: the lines from before, then the last frame, left for reading.
+        history = tmux("capture-pane", "-p", "-S", "-", "-t", first)
+        assert history.index("what was on the terminal before") < history.rindex("run watched · finished")
+        assert tmux("display-message", "-p", "-t", first, "#{alternate_on}").strip() == "0"
     finally:
         pace.release.set()
         for session in sessions:
