@@ -70,12 +70,20 @@ async def _watch(address: str, run: WatchedRun, screen: Screen, refresh: float, 
                  timeout: Optional[float] = None) -> int:
     """Follow the run at ``address`` until it ends or a signal arrives (``once``: draw one frame);
     ``timeout``: EventBusError when nothing at all arrived within that many seconds."""
+    from eventbus.bus.security import ClientKeys
     from eventbus.bus.subscribe.subscriber import Subscriber
+    from eventbus.monitor.handshake import handshake_problem
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    problem = handshake_problem(address, ClientKeys.from_environment())
+    if problem is not None:  # refused at the handshake: nothing would ever arrive, so say so now
+        if once:  # its one frame all the same
+            run.set_trainer_stats(None)
+            screen.draw(run.view(ascii_only=screen.ascii_only))
+        raise EventBusError(f"no answer from a trainer at {address}: {problem}")
     screen.start()
     restore_keys = listen_for_quit(loop, stop) if screen.interactive else None
     tasks: list[asyncio.Task] = []
