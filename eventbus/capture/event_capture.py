@@ -111,6 +111,8 @@ class EventCapture(EventSink):
         self._last_total_losses: Any = None
         self._last_max_duration: Any = None
         self._last_stop_reason: Optional[str] = None
+        self._last_length: Any = None  # the dataloader length (a Time) last read, and its value
+        self._last_length_value: Optional[float] = None
         self._last_train_values: Any = None  # the trainer replaces the dict whenever it computes them
         self._skipped_reported = -_SKIPPED_REPORT_SECONDS  # monotonic time of the last report
         self._skipped_since = 0  # checkpoints skipped since that report, not yet reported
@@ -162,10 +164,12 @@ class EventCapture(EventSink):
         if staged is None and self._announced and event in _CHECKPOINT_EVENTS:
             staged = self._announced.popleft()
         length = state.dataloader_len
+        if length is not self._last_length:  # a Time, replaced when it changes: its value read once
+            self._last_length, self._last_length_value = length, length.value if length is not None else None
         self._put(EventRecord(
             event._value_, time.time(), time.monotonic(), state.timestamp,  # _value_: .value is a Python property
             state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
-            length.value if length is not None else None, state.batch_num_samples, state.batch_num_tokens,
+            self._last_length_value, state.batch_num_samples, state.batch_num_tokens,
             changes, staged, state.previous_timestamp))
 
     def _apply_stop_request(self, state: CaptureSource) -> None:
