@@ -35,7 +35,8 @@ with no import circle across folders, no module over 450 lines, no class over 30
     subscriber's Snapshot offer), ``callback`` (:class:`Callback`, and which of
     its methods an event calls, in process and out), ``logger``
     (:class:`Logger`, :class:`LoggerDestination`), ``artifacts`` (uploads stay in
-    the run's folder), ``engine`` (:class:`Engine`: Composer's order), ``interval``.
+    the run's folder), ``engine`` (:class:`Engine`: Composer's order), ``interval``,
+    ``run_folder`` (a run's name and folder), ``atomic`` (the one atomic write).
 ``eventbus.distributed`` -- torchrun helpers for the trainer and capture alike.
 
 ``eventbus.bus`` -- the wire (no torch). Shared by both ends: ``wire`` (envelope,
@@ -60,16 +61,20 @@ with no import circle across folders, no module over 450 lines, no class over 30
 
 ``eventbus.capture`` -- the training thread's side of the bus, for any trainer:
     ``source`` (``CaptureSource``: Composer's State names, what capture reads),
-    ``event_capture`` (``EventCapture``), ``session`` (``open_bus``: bind the
-    publisher for a ``bus=`` argument).
+    ``event_capture`` (``EventCapture``), ``settings`` (optimizer settings,
+    compared rather than rebuilt), ``staged`` (device values copied off the
+    training thread), ``plain`` (what is sent as it is), ``session``
+    (``open_bus``: bind the publisher for a ``bus=`` argument).
 
 ``eventbus.training`` -- the project's own trainer (torch): ``trainer``
     (:class:`Trainer`), ``loop``, ``clock``, ``evaluation``, ``resume``, ``state``
     (:class:`State`), ``model``, ``metrics``, ``evaluator``, ``algorithm``,
-    ``batch``, ``demo``, ``bus_link`` (the trainer's only contact with the bus).
+    ``batch``, ``checks`` (argument checks), ``schedulers``, ``seeding``, ``demo``,
+    ``bus_link`` (the trainer's only contact with the bus).
 ``eventbus.integrations`` -- the same events from other trainers: an adapter
     callback each for Lightning, Hugging Face ``Trainer`` and Composer, sharing
-    ``adapter`` (a Composer-named ``RunState`` and the ``BusAdapter``).
+    ``adapter`` (a Composer-named ``RunState`` and the ``BusAdapter``); ``loop``
+    (a hand-written loop's few calls).
 ``eventbus.runtime`` -- the worker runtime: ``host`` (:class:`CallbackHost`),
     ``lane`` (the threads that apply messages), ``cursor`` (where a restarted
     worker resumes), ``declarations`` (the events and captures a callback needs,
@@ -77,7 +82,8 @@ with no import circle across folders, no module over 450 lines, no class over 30
     status``), ``daemon`` (what every daemon's command line shares),
     ``supervisor`` (the daemons that come with a run), ``loading``.
 
-``eventbus.run`` -- ``eventbus run``: ``config``, ``resume``, ``supervise``,
+``eventbus.run`` -- ``eventbus run``: ``config``, ``discovery`` (what ``--resume``
+    continues), ``supervise``,
     ``summary``, ``job``.
 ``eventbus.monitor`` -- ``eventbus monitor``; ``eventbus.export`` -- ``eventbus
     export``; ``eventbus.cli`` -- the ``eventbus`` command.
