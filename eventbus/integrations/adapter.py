@@ -182,11 +182,7 @@ class BusAdapter:
             capture.close()
         daemons, self.daemons = self.daemons, None
         if daemons is not None:
-            codes = daemons.stop()
-            journal = capture.publisher.journal_path if capture is not None else None
-            failed = [f"{name} exited {code}" for name, code in zip(daemons.names, codes) if code != 0]
-            print("\n".join([f"eventbus: daemons done{' (' + ', '.join(failed) + ')' if failed else ''}",
-                             *daemons.where(journal)]), file=sys.stderr, flush=True)
+            daemons.finish(capture.publisher.journal_path if capture is not None else None)
         group, self._stop_group = self._stop_group, None
         if group is not None:
             import torch.distributed as dist

@@ -155,6 +155,15 @@ class DaemonSet:
         stop_daemons(self.children, timeout)
         return [child.returncode for child in self.children]
 
+    def finish(self, journal: Optional[pathlib.Path], who: str = "eventbus") -> list[Optional[int]]:
+        """After the run's end: stop the daemons (they finish their work first), then say which failed
+        and where the run's files are; the exit codes."""
+        codes = self.stop()
+        failed = [f"{name} exited {code}" for name, code in zip(self.names, codes) if code != 0]
+        print("\n".join([f"{who}: daemons done{' (' + ', '.join(failed) + ')' if failed else ''}",
+                         *self.where(journal)]), file=sys.stderr, flush=True)
+        return codes
+
     def where(self, journal: Optional[pathlib.Path]) -> list[str]:
         """Where the run's files are, the ones that exist (printed once the daemons have stopped)."""
         from eventbus.checkpoint.naming import latest_path

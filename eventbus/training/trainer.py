@@ -31,6 +31,7 @@ from eventbus.core.logger import ConsoleLogger, Logger, is_logger_destination
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time
 from eventbus.errors import ConfigError
+from eventbus.runtime.supervisor import DaemonsArgument, DaemonSet, daemons_from
 from eventbus.training.algorithm import Algorithm
 from eventbus.training.batch import dataloader_len, num_tokens
 from eventbus.training.bus_link import BusLink, start_bus
@@ -89,6 +90,7 @@ class Trainer:
         get_num_tokens_in_batch: Callable[[Any], int] = num_tokens,
         load_path: Union[str, os.PathLike, None] = None,
         bus: Union[None, bool, str, BusConfig] = None,
+        daemons: DaemonsArgument = None,
         run_folder: Union[str, os.PathLike, None] = None,
         progress_bar: bool = False,
         log_to_console: bool = False,
@@ -129,7 +131,19 @@ class Trainer:
         every_batch = (step_schedulers_every_batch if step_schedulers_every_batch is not None
                        else default_scheduler_step_every_batch(self.state.schedulers))
         self._assemble(bus, train_subset_num_batches, every_batch, get_num_tokens_in_batch)
+        self._daemons = self._start_daemons(daemons)
         self._initialize_run(load_path)
+
+    def _start_daemons(self, daemons: DaemonsArgument) -> Optional[DaemonSet]:
+        """``daemons=True``: ``eventbus run``'s daemons follow this run (one set, started by rank 0), each
+        connected before INIT; ``close`` waits for them to finish. Needs the bus."""
+        options = daemons_from(daemons)
+        if options is None or self.state.rank != 0:
+            return None
+        if self.publisher is None:
+            raise ConfigError("daemons= needs the bus: leave bus= at its default (or give an address)")
+        with self._closing_on_error():
+            return DaemonSet.start(options, self.publisher, self.run_folder)
 
     def _initialize_run(self, load_path: Union[str, os.PathLike, None]) -> None:
         """INIT, BEFORE_LOAD, the checkpoint at ``load_path`` (if any), AFTER_LOAD."""
@@ -229,6 +243,9 @@ class Trainer:
         """Close every callback (idempotent); the trainer cannot be used afterwards. Under torchrun,
         also leave the process group the trainer joined (all ranks close together)."""
         self.engine.close()
+        daemons, self._daemons = self._daemons, None
+        if daemons is not None:  # the engine's close ended the run on the bus: the daemons finish and exit
+            daemons.finish(self.publisher.journal_path if self.publisher is not None else None)
         distributed.shutdown()
 
     def state_dict(self) -> dict[str, Any]:
