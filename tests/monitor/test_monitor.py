@@ -301,7 +301,8 @@ def test_bad_targets_are_one_line_errors(tmp_path, capsys):
         assert exited.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
-    assert exited.value.code == 0 and "usage: eventbus monitor" in capsys.readouterr().out
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert exited.value.code == 0 and "usage: eventbus monitor" in help_text and "Press q (or Ctrl-C) to quit" in help_text
     missing = monitor_command("runs/nothing/events.journal", cwd=tmp_path)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
 
