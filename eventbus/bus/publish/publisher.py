@@ -155,14 +155,16 @@ class _BusThread(threading.Thread):
         self._header, self._keys = header, keys
         self._queue, self._stats, self._subscribers = records, stats, subscribers
         self._payloads = PayloadBuilder()
-        self._started = threading.Event()
+        # Not ``_started``: threading.Thread sets its own ``_started`` as soon as the thread runs, so start()
+        # returned before the sockets were bound and watched (a client dropped meanwhile went uncounted).
+        self._bound = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._monitors: list[zmq.Socket] = []  # disconnect events of the PUB and ROUTER sockets
         self._bound_at = 0.0  # when the sockets were bound (time.monotonic)
 
     def start(self) -> None:
         super().start()
-        self._started.wait()
+        self._bound.wait()
         if self._start_error is not None:
             raise ConfigError(f"cannot start the bus on {self.publisher.address}: {self._start_error}") \
                 from self._start_error
@@ -208,7 +210,7 @@ class _BusThread(threading.Thread):
             if authenticator is not None:
                 authenticator.stop()
             context.destroy(linger=0)
-            self._started.set()
+            self._bound.set()
             return
         publisher = self.publisher
         self._history = History(publisher.run_id, publisher.rank, journal, self.config.replay_cache,
@@ -219,7 +221,7 @@ class _BusThread(threading.Thread):
                                        trusted=is_trusted_endpoint(publisher.service_address, self._keys is not None),
                                        stops=publisher.stops)
         self._emit(Kind.HEADER, None, resolve(self._header))
-        self._started.set()
+        self._bound.set()
         try:
             self._loop()
         except Exception:
