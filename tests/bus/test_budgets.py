@@ -39,6 +39,8 @@ def test_forged_identities_share_the_total_and_the_table_stays_bounded():
     assert refusal is not None and refusal[0] == "over total budget" and "asked again after" in refusal[1]
     # Told once, then refused unread until the total holds again: forged identities cost a lookup each.
     assert budgets.silenced((b"one-more",)) == "over total budget"
+    # Until the total holds one request again (it is told so: its reply says when to ask again).
+    assert 0 < budgets.silence_left((b"one-more",)) <= 1 / (SMALL.requests_per_second * SMALL.clients_in_total)
     assert len(budgets) == SMALL.max_clients
 
 

@@ -22,7 +22,7 @@ from bench.flooder import FLOODS
 from eventbus import BusConfig, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
-from eventbus.bus.publish.budgets import Budget
+from eventbus.bus.publish.budgets import Budget, ClientBudgets
 from eventbus.bus.publish.service import SubscriberTable
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
@@ -284,6 +284,9 @@ def test_a_subscriber_whose_snapshot_is_refused_asks_again_and_joins_by_snapshot
     publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1),
                           tmp_path / "run")
     publisher.start({"run_name": "busy"})
+    # All clients together get one snapshot a second (the default is 200): a forger sending one every
+    # 10 ms keeps the shared budget spent, so the subscriber's first asks are refused, not by chance.
+    publisher._thread._service.budgets = ClientBudgets(Budget(requests_per_second=1.0, clients_in_total=1.0))
     for step in range(20):
         publisher.log_metrics({"x": float(step)}, step=step)
     context = zmq.Context()
@@ -300,11 +303,11 @@ def test_a_subscriber_whose_snapshot_is_refused_asks_again_and_joins_by_snapshot
             forger.send_multipart([f"forged-{i}".encode(), body])
             while forger.poll(0):
                 forger.recv_multipart()
-            time.sleep(0.0005)
+            time.sleep(0.01)
 
     thread = threading.Thread(target=forge, daemon=True)
     thread.start()
-    wait_for_count(lambda: publisher.stats().refused.get("over total budget", 0), 50, "over-total refusals")
+    wait_for_count(lambda: publisher.stats().refused.get("over total budget", 0), 5, "over-total refusals")
 
     async def join() -> int:
         async with Subscriber(publisher.address) as subscriber:

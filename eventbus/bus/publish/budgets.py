@@ -91,6 +91,11 @@ class ClientBudgets:
             return None
         return bucket.reason
 
+    def silence_left(self, route: Route) -> float:
+        """Seconds until ``route``'s requests are read again (0.0: they are)."""
+        bucket = self._clients.get(route)
+        return 0.0 if bucket is None else max(bucket.silenced_until - time.monotonic(), 0.0)
+
     def silence(self, route: Route, reason: str, seconds: Optional[float] = None) -> float:
         """Refuse ``route``'s requests unread for ``seconds``; by default (its replies unread) for
         ``first_silence``, doubled for each such silence since a reply last reached it, at most ``silence``."""

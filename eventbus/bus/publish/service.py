@@ -265,8 +265,10 @@ class RequestService:
         reason, why = refusal
         self._refuse(route, reason, f"a {request.op.value} request refused: {why}")
         if reason == OVER_TOTAL:
-            try:  # told why: a joining subscriber asks again, a replay client goes to the journal
-                self._reply(route, request.op, request, error=why, retry=True)
+            try:  # told why, and when to ask again (before then it is not read): a joining subscriber waits
+                # that long and asks again, a replay client goes to the journal
+                retry_after = round(self.budgets.silence_left(tuple(route)), 3)
+                self._reply(route, request.op, request, error=why, retry_after=retry_after)
             except zmq.ZMQError:
                 pass  # it does not read its replies, or left: counted and refused all the same
         return True

@@ -218,6 +218,9 @@ class Subscriber:
                 break
             # Refused (all clients together are over the trainer's budget): asked again, not joined at the
             # first live message, which would miss the header and the latest state the snapshot carries.
+            after = refusal.get("retry_after")  # before then the trainer does not read this client's requests
+            if isinstance(after, (int, float)) and 0 < after <= 5.0:
+                wait = max(wait, after)
             log.info("the trainer refused a snapshot (%s); asking again in %g s", str(refusal["error"])[:200], wait)
             await asyncio.sleep(wait)
             frames = await self._service.request(Op.SNAPSHOT)
