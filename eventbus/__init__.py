@@ -36,7 +36,8 @@ with no import circle across folders, no module over 450 lines, no class over 30
     its methods an event calls, in process and out), ``logger``
     (:class:`Logger`, :class:`LoggerDestination`), ``artifacts`` (uploads stay in
     the run's folder), ``engine`` (:class:`Engine`: Composer's order), ``interval``,
-    ``run_folder`` (a run's name and folder), ``atomic`` (the one atomic write).
+    ``run_folder`` (a run's name and folder), ``atomic`` (the one atomic write),
+    ``plain`` (the values sent and written as they are).
 ``eventbus.distributed`` -- torchrun helpers for the trainer and capture alike.
 
 ``eventbus.bus`` -- the wire (no torch). Shared by both ends: ``wire`` (envelope,
@@ -63,7 +64,7 @@ with no import circle across folders, no module over 450 lines, no class over 30
     ``source`` (``CaptureSource``: Composer's State names, what capture reads),
     ``event_capture`` (``EventCapture``), ``settings`` (optimizer settings,
     compared rather than rebuilt), ``staged`` (device values copied off the
-    training thread), ``plain`` (what is sent as it is), ``session``
+    training thread), ``session``
     (``open_bus``: bind the publisher for a ``bus=`` argument).
 
 ``eventbus.training`` -- the project's own trainer (torch): ``trainer``

@@ -10,8 +10,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from eventbus.capture.plain import PLAIN_TYPES
 from eventbus.capture.staged import stage
+from eventbus.core.plain import PLAIN_TYPES
 
 __all__ = ["SettingsSeen", "hyperparameters", "last_lr"]
 

@@ -28,10 +28,10 @@ from typing import Any, Mapping, Optional, Union
 import lightning.pytorch as pl
 import torch
 
-from eventbus.capture.plain import plain_hyperparameters
 from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.staging import Staged
 from eventbus.core.events import Event
+from eventbus.core.plain import plain_hyperparameters
 from eventbus.core.run_folder import new_run_name
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState

@@ -51,10 +51,10 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 
 import eventbus.distributed as distributed
-from eventbus.capture.plain import plain_hyperparameters
 from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.naming import latest_path
 from eventbus.core.events import Event
+from eventbus.core.plain import plain_hyperparameters
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState

@@ -31,9 +31,9 @@ import torch
 import transformers
 
 import eventbus.distributed as distributed
-from eventbus.capture.plain import PLAIN_TYPES
 from eventbus.capture.session import BusArgument
 from eventbus.core.events import Event
+from eventbus.core.plain import PLAIN_TYPES
 from eventbus.core.run_folder import new_run_name
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState

@@ -17,13 +17,11 @@ from typing import Any, Optional, TextIO
 
 from eventbus.core.atomic import write_atomic
 from eventbus.core.logger import Logger, LoggerDestination, to_number
+from eventbus.core.plain import PLAIN_TYPES
 from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.points import Refused
 
 __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
-
-_PLAIN = (float, int, str, bool, type(None))
-
 
 class MetricsFileLogger(LoggerDestination):
     """``metrics.jsonl``: one object per logged step with every key logged for it; ``metrics.csv`` beside it.
@@ -126,7 +124,7 @@ class MetricsFileLogger(LoggerDestination):
             if not isinstance(key, str) or key == "step":
                 self.refused.note(key, step, "the line's own step" if key == "step" else "a key that is not text")
                 continue
-            line[key] = value if type(value) in _PLAIN else to_number(value)  # as decoded: plain already
+            line[key] = value if type(value) in PLAIN_TYPES else to_number(value)  # as decoded: plain already
         newest = max(self._pending)
         if min(self._pending) < newest - self.hold_steps:
             for old in sorted(s for s in self._pending if s < newest - self.hold_steps):

@@ -1,4 +1,5 @@
-"""Plain values: what capture sends as it is, with no staging and no conversion.
+"""Plain values: what capture sends as it is, with no staging and no conversion, and what a tracker
+writes as it is.
 
 msgpack carries these types natively, and a plain value cannot hold a device tensor, so
 capture puts it in the event's dict directly; anything else is staged (a tensor) or, for
