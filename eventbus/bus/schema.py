@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-__all__ = ["Kind", "Key", "PER_BATCH_KEYS", "TIMESTAMP_KEYS", "TIMESTAMP_FIELDS", "compact_timestamp"]
+__all__ = ["Kind", "Key", "PER_BATCH_KEYS", "TIMESTAMP_KEYS", "TIMESTAMP_FIELDS", "compact_timestamp",
+           "WIRE_NAMES", "KEY_NAMES"]
 
 
 class Kind:
@@ -68,6 +69,18 @@ TIMESTAMP_FIELDS: Final = (
     "iteration", "epoch", "batch", "sample", "token", "epoch_in_iteration", "token_in_iteration",
     "batch_in_epoch", "sample_in_epoch", "token_in_epoch", "total_wct", "iteration_wct", "epoch_wct", "batch_wct",
 )
+
+
+#: Each payload key's name on the wire: one character instead of up to sixteen, in every
+#: snapshot and metrics payload. The decoder gives back the names above; other keys pass as they are.
+WIRE_NAMES: Final = {
+    Key.TIMESTAMP: "t", Key.PREVIOUS_TIMESTAMP: "p", Key.EVAL_TIMESTAMP: "e", Key.LABEL: "l",
+    Key.DATALOADER_LEN: "n", Key.SAMPLES: "s", Key.TOKENS: "k", Key.LOSS: "L", Key.TOTAL_LOSSES: "T",
+    Key.LEARNING_RATES: "r", Key.OPTIMIZERS: "o", Key.SCHEDULERS: "S", Key.TRAIN_METRICS: "m",
+    Key.EVAL_METRICS: "E", Key.MAX_DURATION: "D", Key.STOP_REASON: "x", Key.GRAD_NORMS: "g", Key.MEMORY: "M",
+    Key.BATCH_FLOPS: "f", Key.CHECKPOINT: "c", Key.WEIGHTS: "w", Key.METRICS: "v", Key.STEP: "i", Key.SOURCE: "u",
+}
+KEY_NAMES: Final = {short: key for key, short in WIRE_NAMES.items()}
 
 
 def compact_timestamp(state: dict[str, Any]) -> list[Any]:

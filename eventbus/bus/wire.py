@@ -18,7 +18,8 @@ each payload stored once::
   ``mono`` (the window's first message's).
 * ``refs``   -- one u8 per message (u16 little-endian when there are over 256 payloads): the
   index of its payload.
-* ``payloads`` -- an array of bins, each a packed map. An event's payload is usually sent as
+* ``payloads`` -- an array of bins, each a packed map (the schema's keys by their one-character
+  names, :data:`~eventbus.bus.schema.WIRE_NAMES`). An event's payload is usually sent as
   the keys that changed since an earlier payload of the same window (``"~"``: that payload's
   index; a key set to nil was removed); the first event payload of a window is whole, so any
   window decodes alone. Timestamps travel as arrays (:data:`~eventbus.bus.schema.TIMESTAMP_FIELDS`)
@@ -49,7 +50,7 @@ from typing import Annotated, Any, Iterable, Optional, Sequence, Union
 import msgpack
 import msgspec
 
-from eventbus.bus.schema import TIMESTAMP_FIELDS, TIMESTAMP_KEYS, Kind
+from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, TIMESTAMP_KEYS, WIRE_NAMES, Kind
 from eventbus.core.events import Event
 from eventbus.errors import ProtocolError
 
@@ -250,13 +251,15 @@ def encode_window(run_id: str, rank: int, first: int, last: int, wall: float, mo
 def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
            mono_time: float, payload: Union[dict[str, Any], bytes]) -> bytes:
     """A window of one message (``payload`` a whole map, or one already packed)."""
-    packed = payload if isinstance(payload, bytes) else _encode(payload)
+    packed = payload if isinstance(payload, bytes) else pack_payload(payload)
     return encode_window(run_id, rank, seq, seq, wall_time, mono_time, bytes((topic_index(kind, event),)), None,
                          array.array("f", (0.0, 0.0)), (0,), [packed])
 
 
 def pack_payload(payload: dict[str, Any]) -> bytes:
-    return _encode(payload)
+    """A payload map as it travels: its schema keys by their short wire names."""
+    names = WIRE_NAMES
+    return _encode({names.get(key, key): value for key, value in payload.items()})
 
 
 #: How many packed payloads were decoded in this process (lazily, on first read): what a
@@ -299,6 +302,8 @@ def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
         raise ProtocolError(f"message {seq}: payload must be a map")
     if check:
         _check_plain(payload, 1, f"message {seq} payload")
+    names = KEY_NAMES
+    payload = {names.get(key, key): value for key, value in payload.items()}
     for key in TIMESTAMP_KEYS:  # sent as arrays, read as Timestamp.state_dict() maps
         stamp = payload.get(key)
         if stamp.__class__ is list:

@@ -132,8 +132,10 @@ class History:
     def _pack(self, kind: str, payload: dict[str, Any]) -> bytes:
         """An event's payload as the keys that changed since the window's previous event payload
         (most events of a batch change a few fields of the snapshot); anything else whole."""
-        if kind != Kind.EVENT or self._base is None:
+        if kind != Kind.EVENT:
             return wire.pack_payload(payload)
+        if self._base is None:  # a window's first snapshot, whole: its empty fields read as absent ones
+            return wire.pack_payload({key: value for key, value in payload.items() if value is not None})
         below, old = self._base
         delta: dict[str, Any] = {wire.DELTA_BASE: below}
         for key, value in payload.items():
