@@ -45,11 +45,15 @@ def chart(values: Sequence[float], width: int, rows: int, first_step: Optional[i
     points = finite(values)
     if not points or rows < 1:
         return []
-    low, high = min(points), max(points)
-    top_label, bottom_label = f"{high:.4g}", f"{low:.4g}"
-    label_width = max(len(top_label), len(bottom_label))
-    columns = max(1, width - indent - label_width - 2)
-    cells = resample(points, columns)
+    # The axis says what is drawn (a long history's columns are averages), in the room its labels leave.
+    label_width, cells = 0, [0.0]
+    for _ in range(3):
+        cells = resample(points, max(1, width - indent - label_width - 2))
+        top_label, bottom_label = f"{max(cells):.4g}", f"{min(cells):.4g}"
+        if max(len(top_label), len(bottom_label)) <= label_width:
+            break
+        label_width = max(len(top_label), len(bottom_label))
+    low, high = min(cells), max(cells)
     tick, bar, corner, line = ("+", "|", "+", "-") if ascii_only else ("┤", "│", "└", "─")
     levels = rows * 8
     heights = [levels // 2 if high == low else max(1, round((v - low) / (high - low) * levels)) for v in cells]
