@@ -13,7 +13,6 @@ segment within that writer. Record: ``SYNC`` (4 bytes), ``u32`` length,
 ``u32`` CRC32 of (length, seq, count, message), ``u64`` seq, ``u32`` count,
 message bytes (little-endian). A record holds one frame: a window of ``count``
 messages, seqs ``seq..seq + count - 1`` (format 4 of :mod:`eventbus.bus.wire`).
-Segments of earlier formats (written by an earlier eventbus) are reported, not read.
 
 Guarantees for readers (:class:`JournalReader`):
 
@@ -23,11 +22,9 @@ Guarantees for readers (:class:`JournalReader`):
   between the records around it;
 * a torn tail (a prefix of one record, as a crash mid-write leaves it) ends a
   segment silently: that record was never sent;
-* a symlink in place of a segment, or a segment of an earlier format, is not
-  read (reported as damage).
+* a symlink in place of a segment, or a segment of an earlier format, is reported as damage.
 
-Memory: readers hold one record and a 1 MiB scan window; the writer's seq index
-is sparse (one entry per 256 KiB written).
+Memory: readers hold one record and a 1 MiB scan window; the writer's seq index is sparse.
 """
 
 from __future__ import annotations

@@ -13,11 +13,8 @@ each payload stored once::
   that misses a window sees a gap, and one that misses none knows every seq it was not sent
   is none of its topics (gap detection stays exact, per message).
 * ``topics`` -- one byte per message: its index in :data:`TOPICS`, giving its kind and event.
-* ``seqs``   -- empty, or one little-endian u32 per message: its seq minus ``first``.
-* ``times``  -- two little-endian f32 per message: its wall and mono time minus ``wall`` and
-  ``mono`` (the window's first message's).
-* ``refs``   -- one u8 per message (u16 little-endian when there are over 256 payloads): the
-  index of its payload.
+* ``seqs``, ``times``, ``refs`` -- per message, little-endian: empty or u32, its seq minus ``first``;
+  two f32, its wall and mono time minus ``wall`` and ``mono``; a u8 (u16 past 256 payloads), its payload.
 * ``payloads`` -- an array of bins, each a packed map (the schema's keys by their one-character
   names, :data:`~eventbus.bus.schema.WIRE_NAMES`). An event's payload is usually sent as
   the keys that changed since an earlier payload of the same window (``"~"``: that payload's
@@ -31,11 +28,10 @@ On the PUB socket a window is two frames, ``[topic, window]``: a subscriber subs
 for every subscriber). A single message (a snapshot reply's run header and latest message of
 each kind) is a window of one (:func:`encode`, :func:`decode`).
 
-Message kinds: ``header`` (run metadata, first of a run), ``event`` (an Event and a state
-snapshot), ``metrics`` (logged metrics), ``end`` (the run closed). ``run_id`` is 32 hex chars
-shared by every rank; seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is
-pickled. Control requests are msgpack maps with an ``op``. Decoding is bounded in bytes,
-container sizes, nesting depth and types; anything else raises :class:`ProtocolError`.
+Kinds: ``header`` (run metadata), ``event`` (an Event and a state snapshot), ``metrics``, ``end``.
+Seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is pickled. Control requests are
+msgpack maps with an ``op``. Decoding is bounded in bytes, container sizes, nesting depth and types;
+anything else raises :class:`ProtocolError`.
 Windows are encoded and their columns decoded by msgspec (typed, in C); payload maps are read
 by msgpack's bounded unpacker (string keys, no extension types).
 """
@@ -180,14 +176,6 @@ class Envelope:
             assert self._cells is not None, "an envelope holds its payload or the window's payloads"
             payload = self._payload = _payload_of(self._cells, self._ref, self.seq, self._check)
         return payload
-
-    @property
-    def payload_decoded(self) -> bool:
-        return self._payload is not None
-
-    @property
-    def topic(self) -> int:
-        return topic_index(self.kind, self.event)
 
     def _fields(self) -> tuple[Any, ...]:
         return (self.kind, self.run_id, self.rank, self.seq, self.event, self.wall_time, self.mono_time,
