@@ -265,10 +265,10 @@ def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_jou
 
     address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(), max_duration="12ep", device="cpu", run_name="bounded",
-                      run_folder=tmp_path / "run", bus=BusConfig(address=address, replay_cache_bytes=20_000))
+                      run_folder=tmp_path / "run", bus=BusConfig(address=address, replay_cache_bytes=8_000))
     trainer.fit()
     stats = trainer.publisher.stats()
-    assert 0 < stats.replay_cache_bytes <= 20_000  # whole windows, the newest ones
+    assert 0 < stats.replay_cache_bytes <= 8_000  # whole windows, the newest ones
     last = stats.published
 
     async def everything() -> list[int]:
@@ -283,7 +283,7 @@ def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_jou
     seqs = asyncio.run(asyncio.wait_for(everything(), 60))
     trainer.close()
     journal_size = sum(path.stat().st_size for path in segment_paths(trainer.publisher.journal_path))
-    assert journal_size > 5 * 20_000  # most of the run is older than the cache
+    assert journal_size > 5 * 8_000  # most of the run is older than the cache
     assert seqs == list(range(1, last + 1)), "a message older than the cache was not replayed"
 
 
