@@ -212,19 +212,8 @@ class Subscriber:
             # Queued on the socket ahead of the request: the first thing a trainer that binds hears
             # from this worker is that it has applied nothing of the run yet, so it waits for it.
             self._service.progress(0)
-        frames = await self._service.request(Op.SNAPSHOT)
-        for wait in _SNAPSHOT_RETRIES:
-            if frames is None or "error" not in (refusal := wire.decode_request(frames[0])):
-                break
-            # Refused (all clients together are over the trainer's budget): asked again, not joined at the
-            # first live message, which would miss the header and the latest state the snapshot carries.
-            after = refusal.get("retry_after")  # before then the trainer does not read this client's requests
-            if isinstance(after, (int, float)) and 0 < after <= 5.0:
-                wait = max(wait, after)
-            log.info("the trainer refused a snapshot (%s); asking again in %g s", str(refusal["error"])[:200], wait)
-            await asyncio.sleep(wait)
-            frames = await self._service.request(Op.SNAPSHOT)
-        else:
+        frames = await _snapshot(self._service)
+        if frames is not None and "error" in wire.decode_request(frames[0]):
             log.warning("the trainer refused every snapshot for 30 s; joining at the first live message")
             return
         if frames is None:
@@ -410,3 +399,21 @@ def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[
     if events is None:
         return None if metrics else [name for name in wire.TOPICS if name != Kind.METRICS]
     return [Kind.HEADER, Kind.END, *([Kind.METRICS] if metrics else []), *sorted(e.value for e in events)]
+
+
+async def _snapshot(service: ServiceClient) -> Optional[list[bytes]]:
+    """The trainer's snapshot reply, or None when no trainer answers. One refused (all clients together over
+    the trainer's budget) is asked for again, at least as late as the refusal says, for about 30 s: joining at
+    the first live message instead would miss the header and the latest state a snapshot carries. Refused
+    all that time, the last refusal is returned."""
+    frames = await service.request(Op.SNAPSHOT)
+    for wait in _SNAPSHOT_RETRIES:
+        if frames is None or "error" not in (refusal := wire.decode_request(frames[0])):
+            return frames
+        after = refusal.get("retry_after")  # before then the trainer does not read this client's requests
+        if isinstance(after, (int, float)) and 0 < after <= 5.0:
+            wait = max(wait, after)
+        log.info("the trainer refused a snapshot (%s); asking again in %g s", str(refusal["error"])[:200], wait)
+        await asyncio.sleep(wait)
+        frames = await service.request(Op.SNAPSHOT)
+    return frames
