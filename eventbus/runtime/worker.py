@@ -212,13 +212,13 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
         print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
         return 1
     unfinished = stream.unfinished()
-    if unfinished is not None:
-        print(f"eventbus replay: {unfinished}", file=sys.stderr)
     errors = {slot.name: slot.errors for slot in host.slots if slot.errors}
     applied = max((slot.applied for slot in host.slots), default=0)
     raised = "; ".join(f"{name} raised {count} time{'s' if count > 1 else ''}" for name, count in errors.items())
     print(f"eventbus replay: done; {applied} messages applied" + (f"; {raised} (tracebacks above)" if raised else ""),
           file=sys.stderr)
+    if unfinished is not None:  # last, as export and the monitor say it: what the journal is missing
+        print(f"eventbus replay: {unfinished}", file=sys.stderr)
     lost = [line for line in (damage_summary(path), stream.skipped.summary()) if line is not None]
     if lost:
         print(f"eventbus replay: {path}: {'; '.join(lost)}", file=sys.stderr)
