@@ -364,7 +364,7 @@ def decode_window(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload
         raise ProtocolError(f"window: {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
         frame = _decode_frame(data)
-    except (msgspec.DecodeError, RecursionError) as err:
+    except (msgspec.DecodeError, ValueError, RecursionError) as err:  # ValueError: text that is not UTF-8
         if len(data) > 1 and 0x90 <= data[0] <= 0x9F and data[1] < 0x80 and data[1] != WINDOW_VERSION:
             raise ProtocolError(f"window: format version {data[1]} is not read by this side (it reads "
                                 f"{WINDOW_VERSION}); run the same eventbus version on both sides") from None

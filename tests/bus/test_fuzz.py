@@ -23,16 +23,19 @@ from tests.support import BackgroundTrainer, bus_address, make_loader, make_mode
 
 RUN = "c" * 32
 VALID = wire.encode("event", RUN, 0, 1, "batch_end", 1.0, 2.0, {"loss": 0.5, "ts": {"batch": 1}})
-WINDOW = wire.encode_window(RUN, 0, 1, bytes([wire.TOPICS.index("batch_start"), wire.TOPICS.index("batch_end")]),
-                            array.array("d", [1.0, 2.0, 3.0, 4.0]), array.array("H", [0, 1]),
-                            [wire.pack_payload({"loss": 0.5}), wire.pack_payload({"loss": 0.25})])
+WINDOW = wire.encode_window(RUN, 0, 1, 2, 1.0, 2.0, bytes([wire.TOPICS.index("batch_start"),
+                                                             wire.TOPICS.index("batch_end")]),
+                            None, array.array("f", [0.0, 0.0, 2.0, 2.0]), [0, 1],
+                            [wire.pack_payload({"loss": 0.5}), wire.pack_payload({wire.DELTA_BASE: 0, "loss": 0.25})])
 BAD_WINDOWS = [  # well-formed msgpack, wrong as windows
-    msgpack.packb([3, RUN, 0, 1, b"\x05", b"\x00" * 16, b"\x01\x00", [b"\x80"]]),  # a ref past the payloads
-    msgpack.packb([3, RUN, 0, 1, b"\xff", b"\x00" * 16, b"\x00\x00", [b"\x80"]]),  # an unknown topic
-    msgpack.packb([3, RUN, 0, 1, b"\x05\x05", b"\x00" * 16, b"\x00\x00" * 2, [b"\x80"]]),  # times too short
-    msgpack.packb([3, RUN, 0, 0, b"\x05", b"\x00" * 16, b"\x00\x00", [b"\x80"]]),  # seq 0
-    msgpack.packb([3, RUN, 0, 1, b"", b"", b"", []]),  # empty
-    msgpack.packb([3, RUN, 0, 1, b"\x05", b"\x00" * 16, b"\x00\x00", ["not packed"]]),
+    msgpack.packb([4, RUN, 0, 1, 1, 0.0, 0.0, b"\x05", b"", b"\x00" * 8, b"\x01", [b"\x80"]]),  # a ref past the payloads
+    msgpack.packb([4, RUN, 0, 1, 1, 0.0, 0.0, b"\xff", b"", b"\x00" * 8, b"\x00", [b"\x80"]]),  # an unknown topic
+    msgpack.packb([4, RUN, 0, 1, 2, 0.0, 0.0, b"\x05\x05", b"", b"\x00" * 8, b"\x00" * 2, [b"\x80"]]),  # times short
+    msgpack.packb([4, RUN, 0, 0, 0, 0.0, 0.0, b"\x05", b"", b"\x00" * 8, b"\x00", [b"\x80"]]),  # seq 0
+    msgpack.packb([4, RUN, 0, 1, 1, 0.0, 0.0, b"", b"", b"", b"", []]),  # empty
+    msgpack.packb([4, RUN, 0, 1, 1, 0.0, 0.0, b"\x05", b"", b"\x00" * 8, b"\x00", ["not packed"]]),
+    msgpack.packb([4, RUN, 0, 1, 9, 0.0, 0.0, b"\x05", b"\x09\x00\x00\x00", b"\x00" * 8, b"\x00", [b"\x80"]]),  # past last
+    msgpack.packb([3, RUN, 0, 1, b"\x05", b"\x00" * 16, b"\x00\x00", [b"\x80"]]),  # an earlier format
 ]
 LIMIT = 4096  # both receivers get a small size limit here, so oversized messages stay cheap to send
 

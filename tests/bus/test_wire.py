@@ -77,6 +77,9 @@ def test_decoding_is_bounded():
         wire.decode(wire.encode(**valid(payload=msgpack.packb({"x": {b"k": 1}}, use_bin_type=True))))
     with pytest.raises(ProtocolError, match="exceeds"):
         wire.decode(b"\x00" * (wire.MAX_MESSAGE_BYTES + 1))
+    not_utf8 = wire.encode(**valid(run_id="\u00e9" * 4)).replace("\u00e9".encode(), b"\xcb\xff")
+    with pytest.raises(ProtocolError, match="window"):
+        wire.decode(not_utf8)
     with pytest.raises(ProtocolError, match="window"):
         wire.decode(wire.encode(**valid())[:-3])
 
