@@ -335,8 +335,8 @@ class _BusThread(threading.Thread):
     def _encode(self, record: Record) -> None:
         try:
             if isinstance(record, EventRecord):
-                packed = self._payloads.event_payload(record)
-                self._history.append(Kind.EVENT, record.event, record.wall_time, record.mono_time, packed)
+                payload = self._payloads.event_payload(record)
+                self._history.append(Kind.EVENT, record.event, record.wall_time, record.mono_time, payload)
             elif isinstance(record, MetricsRecord):
                 payload = PayloadBuilder.metrics_payload(record.metrics, record.step, record.source)
                 self._history.append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
