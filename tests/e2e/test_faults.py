@@ -124,7 +124,8 @@ asyncio.run(main())
 def test_a_subscriber_that_stops_reading_slows_nothing_and_recovers(tmp_path):
     from eventbus import BusConfig, Trainer
 
-    trainer = Trainer(make_model(), make_loader(512, 16), max_duration="6ep", device="cpu",
+    # Long enough that the live windows outgrow the socket buffers while it is stopped (they are small).
+    trainer = Trainer(make_model(), make_loader(512, 16), max_duration="24ep", device="cpu",
                       bus=BusConfig(address=bus_address(tmp_path), send_hwm=1000))
     reader = subprocess.Popen([sys.executable, "-c", STALLED_SUBSCRIBER, trainer.publisher.address], text=True,
                               stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
