@@ -184,7 +184,7 @@ class CallbackHost:
                 if not self.lane_only:
                     await self._put(message)
             if self.lane_only:  # a window in one hand-over: no await per message
-                await self._put_window(window)
+                await _to_lane(self.lane, window)
             self._release_applied()
             if window and window[-1].kind == Kind.END:
                 return
@@ -201,35 +201,12 @@ class CallbackHost:
                 slot.last_seq = item.seq  # applied before a restart
             else:
                 await slot.queue.put(item)
-        lane = self.lane
-        if lane is None:
-            return
-        while lane.backlog() >= lane.slots[0].queue_size:
-            lane.hand_over()
-            await asyncio.sleep(0.005)
-        lane.pending.append(item)
-        if not lane.handing_over:
-            lane.handing_over = True
-            asyncio.get_running_loop().call_soon(lane.hand_over)
+        await _to_lane(self.lane, [item])
 
     @property
     def lane_only(self) -> bool:
         """Every callback is on the lane (none runs ``async`` methods): a window goes over whole."""
         return not any(slot.runs_async for slot in self.slots)
-
-    async def _put_window(self, window: list[Message]) -> None:
-        """The lane's share of :meth:`_put`, for a whole window: held back while it is ``queue_size``
-        behind, then one hand-over."""
-        lane = self.lane
-        if lane is None or not window:
-            return
-        while lane.backlog() >= lane.slots[0].queue_size:
-            lane.hand_over()
-            await asyncio.sleep(0.005)
-        lane.pending.extend(window)
-        if not lane.handing_over:
-            lane.handing_over = True
-            asyncio.get_running_loop().call_soon(lane.hand_over)
 
     def _calling(self, slot: Slot) -> None:
         """What runs next on this thread is ``slot``'s: whose captures, requests and weights reads these are."""
@@ -364,3 +341,18 @@ class CallbackHost:
             for slot in self.lane.slots:
                 if slot.thread is not None:
                     await asyncio.to_thread(slot.thread.join)
+
+
+async def _to_lane(lane: Optional[Lane], items: list[Any]) -> None:
+    """The lane's share of the stream: held back while it is ``queue_size`` behind, then queued for
+    its thread, which gets what arrived in one turn of the event loop as one list (one wake-up per
+    burst, not per message: a wake-up costs more than a fast callback does)."""
+    if lane is None or not items:
+        return
+    while lane.backlog() >= lane.slots[0].queue_size:
+        lane.hand_over()
+        await asyncio.sleep(0.005)
+    lane.pending.extend(items)
+    if not lane.handing_over:
+        lane.handing_over = True
+        asyncio.get_running_loop().call_soon(lane.hand_over)

@@ -327,7 +327,7 @@ class Subscriber:
         """Wait for messages once, then take everything the socket holds without waiting again
         (one await per batch instead of per message: most of a subscriber's cost otherwise)."""
         assert self._sub is not None, "use 'async with Subscriber(...)'"
-        if not await self._readable(self._idle_check):
+        if not await _readable(self._drain, self._idle_check):
             if not self._sequencer.joined:  # still waiting for a trainer: ask again
                 await self._join()
             else:
@@ -342,35 +342,6 @@ class Subscriber:
             except again:
                 return
             await self._accept(frames[-1])  # [topic, window]; a one-frame message is its window
-
-    async def _readable(self, timeout: float) -> bool:
-        """Whether a message is waiting, within ``timeout`` seconds. The event loop watches the
-        socket's file descriptor itself: pyzmq's awaitable poll costs a future, a poller and
-        several callbacks per wake-up, paid once per burst. ZeroMQ's descriptor only says that
-        something changed, so the socket's events are asked after every wake-up."""
-        drain, pollin = self._drain, int(zmq.POLLIN)
-        if int(drain.getsockopt(zmq.EVENTS)) & pollin:
-            return True
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def changed() -> None:
-            if not waiter.done() and int(drain.getsockopt(zmq.EVENTS)) & pollin:
-                waiter.set_result(True)
-
-        def timed_out() -> None:
-            if not waiter.done():
-                waiter.set_result(False)
-
-        fd = int(drain.getsockopt(zmq.FD))
-        loop.add_reader(fd, changed)
-        timer = loop.call_later(timeout, timed_out)
-        try:
-            changed()  # a message that arrived before the reader was added
-            return await waiter
-        finally:
-            timer.cancel()
-            loop.remove_reader(fd)
 
     async def _accept(self, frame: bytes) -> None:
         window = self._sequencer.decode(frame)
@@ -392,6 +363,36 @@ class Subscriber:
             self._stats.other_ranks += 1
             return False
         return True
+
+
+async def _readable(drain: zmq.Socket, timeout: float) -> bool:
+    """Whether a message is waiting, within ``timeout`` seconds. The event loop watches the
+    socket's file descriptor itself: pyzmq's awaitable poll costs a future, a poller and
+    several callbacks per wake-up, paid once per burst. ZeroMQ's descriptor only says that
+    something changed, so the socket's events are asked after every wake-up."""
+    pollin = int(zmq.POLLIN)
+    if int(drain.getsockopt(zmq.EVENTS)) & pollin:
+        return True
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def changed() -> None:
+        if not waiter.done() and int(drain.getsockopt(zmq.EVENTS)) & pollin:
+            waiter.set_result(True)
+
+    def timed_out() -> None:
+        if not waiter.done():
+            waiter.set_result(False)
+
+    fd = int(drain.getsockopt(zmq.FD))
+    loop.add_reader(fd, changed)
+    timer = loop.call_later(timeout, timed_out)
+    try:
+        changed()  # a message that arrived before the reader was added
+        return await waiter
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
 
 
 def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[str]]:
