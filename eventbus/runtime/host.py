@@ -34,7 +34,6 @@ flushed before each commit, so nothing counts as applied before it is durable.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import inspect
 import logging
@@ -49,6 +48,7 @@ from eventbus.bus.subscribe.subscriber import Message
 from eventbus.core.callback import Callback
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.declarations import declare_captures, weights_events
+from eventbus.runtime.held_weights import HeldWeights
 from eventbus.runtime.lane import END, STOP, Call, Lane, Slot, SlotCall
 
 __all__ = ["CallbackHost"]
@@ -84,9 +84,7 @@ class CallbackHost:
         self._stopping = asyncio.Event()
         self._resumed_run = cursor.run_id if cursor is not None else None
         self.run_id: Optional[str] = None  # the run of the messages handed to the callbacks
-        self._release_weights = release_weights
-        self._weights_held: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()  # (seq, staged)
-        self._weights_lock = threading.Lock()  # callbacks' threads release; the event loop adds
+        self._weights = HeldWeights(release_weights) if release_weights is not None else None
         for slot in self.slots:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
             if cursor is not None and cursor.states.get(slot.name):
@@ -103,25 +101,8 @@ class CallbackHost:
 
     def _release_applied(self) -> None:
         """Release the staged weights of every event each hosted callback has applied by now."""
-        if not self._weights_held:
-            return
-        applied = self.applied_seq
-        with self._weights_lock:
-            while self._weights_held and self._weights_held[0][0] <= applied:
-                self._send_release(self._weights_held.popleft()[1])
-
-    def _release_all(self) -> None:
-        """The callbacks are closed: nothing here reads what is still held."""
-        with self._weights_lock:
-            while self._weights_held:
-                self._send_release(self._weights_held.popleft()[1])
-
-    def _send_release(self, staged: dict[str, Any]) -> None:
-        if self._release_weights is not None:
-            try:
-                self._release_weights(staged)
-            except Exception:  # the trainer then stops waiting when this worker's lease expires
-                log.exception("could not release the weights staged at batch %s", staged.get("batch"))
+        if self._weights is not None:
+            self._weights.release_through(self.applied_seq)
 
     @property
     def names(self) -> list[str]:
@@ -162,7 +143,8 @@ class CallbackHost:
             for committer in committers:
                 committer.cancel()
             await self._close_all()
-            self._release_all()  # after close: a callback may still read the last event's weights there
+            if self._weights is not None:  # after close: a callback may still read the last event's weights there
+                self._weights.release_all()
         if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
             raise feeder.exception()  # type: ignore[misc]
         if self.broken is not None:
@@ -175,12 +157,11 @@ class CallbackHost:
             window = item if isinstance(item, list) else [item]
             for message in window:
                 self.run_id = message.run_id
-                if self._release_weights is not None and message.event is not None \
+                if self._weights is not None and message.event is not None \
                         and message.event.value in WEIGHTS_EVENTS and message.event.value in self.weights_events():
                     staged = message.state.staged_weights()  # held for this worker until it applied the event
                     if staged is not None:
-                        with self._weights_lock:
-                            self._weights_held.append((message.seq, staged))
+                        self._weights.hold(message.seq, staged)
                 if not self.lane_only:
                     await self._put(message)
             if self.lane_only:  # a window in one hand-over: no await per message

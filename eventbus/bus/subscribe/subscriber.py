@@ -32,6 +32,7 @@ Malformed messages are counted as ``protocol_errors`` and skipped.
 
 The pieces: :mod:`~eventbus.bus.subscribe.sequencer` (seq order, duplicates, gaps),
 :mod:`~eventbus.bus.subscribe.service_client` (requests and control messages),
+:mod:`~eventbus.bus.subscribe.control` (what a subscriber sends the trainer),
 :mod:`~eventbus.bus.subscribe.recovery` and :mod:`~eventbus.bus.subscribe.journal_source` (gap
 filling); this module holds the sockets, the receive loop and the delivery.
 """
@@ -42,7 +43,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any, AsyncIterator, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterable, Optional, Union
 
 import zmq
 import zmq.asyncio
@@ -52,6 +53,7 @@ from eventbus.bus.config import service_address_for
 from eventbus.bus.protocol import Op
 from eventbus.bus.schema import Kind
 from eventbus.bus.security import ClientKeys
+from eventbus.bus.subscribe.control import ControlChannel
 from eventbus.bus.subscribe.journal_source import JournalSource
 from eventbus.bus.subscribe.messages import Message, RunView
 from eventbus.bus.subscribe.recovery import GapFiller
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Message", "Subscriber", "SubscriberStats"]
 
-class Subscriber:
+class Subscriber(ControlChannel):
     """Receives one publisher's messages; see the module docstring for the guarantees.
 
     ``events`` limits which events are delivered (with the run header, the end of the run, and
@@ -237,52 +239,6 @@ class Subscriber:
         first = self._sequencer.next_seq
         if first is not None and first <= current:
             await self._gaps.fill(first, current)
-
-    # ------------------------------------------------------------------ control channel
-
-    def stop_training(self, reason: str) -> None:
-        """Ask the trainer to stop at its next BATCH_END."""
-        self._service.stop_training(reason)
-
-    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
-        """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
-        self._service.log_metrics(metrics, step, source)
-
-    def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:
-        """Send hyperparameters to the trainer, which merges them into the run header and re-publishes
-        it (once: the same values again change nothing), so every logger and the journal get them."""
-        self._service.log_hyperparameters(hyperparameters, source)
-
-    def hello(self, callbacks: Sequence[str] = (), applied: Optional[int] = None,
-              run_id: Optional[str] = None) -> None:
-        """A heartbeat with this subscriber's stats; the trainer's ``stats`` request reports it."""
-        self._service.hello(dataclasses.asdict(self.stats()), callbacks, applied, self._topics, run_id)
-
-    def progress(self, applied: int, run_id: Optional[str] = None) -> None:
-        """Everything up to seq ``applied`` (of ``run_id``, when following restarts) is applied:
-        the trainer waits for this before ending a run."""
-        self._service.progress(applied, run_id)
-
-    async def trainer_stats(self) -> Optional[dict[str, Any]]:
-        """The publisher's counters and the subscribers it heard from recently; None if it does not answer.
-
-        Safe beside the receive loop: requests on the service socket take turns."""
-        return await self._service.trainer_stats()
-
-    def request_capture(self, what: Iterable[str], interval: int = 1, ttl: float = 10.0,
-                        options: Optional[dict[str, Any]] = None, events: Optional[Iterable[str]] = None) -> None:
-        """Lease costly captures (``grad_norms``, ``memory``, ``flops``, ``checkpoint``, ``weights``) for
-        ``ttl`` seconds; renew to keep them. ``options`` carries e.g. the checkpoint ``save_interval``;
-        ``events``, the weights events ``weights`` are read at (None: all of them)."""
-        self._service.request_capture(what, interval, ttl, options, events)
-
-    def weights_done(self, staged: dict[str, Any]) -> None:
-        """This worker applied the event of these staged weights (``Snapshot.staged_weights()``)."""
-        self._service.weights_done(staged)
-
-    def fetch_checkpoint(self, descriptor: dict[str, Any], timeout: float = 600.0) -> memoryview:
-        """The bytes of a staged checkpoint buffer (blocking, on the calling thread); see ServiceClient."""
-        return self._service.fetch_checkpoint(descriptor, timeout)
 
     # ------------------------------------------------------------------ receiving
 
