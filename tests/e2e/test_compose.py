@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -82,11 +83,16 @@ def test_the_stack_runs_as_local_processes(tmp_path):
 
     assert start("keys").wait(timeout=120) == 0
     processes = {name: start(name) for name in ("trainer", "logger", "timing", "checkpoint", "health")}
-    try:
-        outputs = {name: process.communicate(timeout=300)[0] for name, process in processes.items()}
-    finally:
-        for process in processes.values():
+    deadline, outputs, hung = time.monotonic() + 240, {}, []
+    for name, process in processes.items():
+        try:
+            outputs[name] = process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        except subprocess.TimeoutExpired:
+            hung.append(name)
             process.kill()
+            outputs[name] = process.communicate()[0]
+    assert not hung, "\n".join(f"{name} did not exit:\n{outputs[name][-3000:]}" for name in hung) + \
+        "\n" + "\n".join(f"{name}:\n{outputs.get(name, '')[-1500:]}" for name in processes if name not in hung)
     for name, process in processes.items():
         assert process.returncode == 0, f"{name}:\n{outputs[name][-3000:]}"
     run = tmp_path / "runs" / "composed"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import zmq
@@ -58,6 +59,8 @@ class ServiceClient:
         self._ids = itertools.count(1)
         self._context: Optional[zmq.asyncio.Context] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop_thread: Optional[int] = None
+        self._closed = False
         self._dealer: Optional[zmq.asyncio.Socket] = None
         self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
         self._turn = asyncio.Lock()
@@ -66,10 +69,12 @@ class ServiceClient:
     def connect(self, context: zmq.asyncio.Context) -> None:
         """Open the request socket; from the event loop that will use it."""
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._context = context
         self._dealer = self._new_dealer()
 
     def close(self) -> None:
+        self._closed = True
         for sock in (self._dealer, *self._rank_dealers.values()):
             if sock is not None:
                 sock.close(linger=200)
@@ -125,7 +130,20 @@ class ServiceClient:
         assert self._loop is not None, "connect() first"
         data = wire.encode_request(op, **self._routed(fields))
         rank = fields.get("rank")
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._dealer_to(rank).send(data)))
+        if threading.get_ident() == self._loop_thread:
+            # On the loop's own thread: queued in ZeroMQ now, so a close() right after (linger) still sends it.
+            self._send_now(rank, data)
+        else:
+            self._loop.call_soon_threadsafe(self._send_now, rank, data)
+
+    def _send_now(self, rank: Optional[int], data: bytes) -> None:
+        """On the loop thread. A message for a socket already closed (sent from a callback's thread as the
+        subscriber closed) is dropped and said at debug level, not left as an unretrieved exception."""
+        if self._closed:
+            log.debug("subscriber closed: a %d-byte one-way message was not sent", len(data))
+            return
+        future = asyncio.ensure_future(self._dealer_to(rank).send(data))
+        future.add_done_callback(_log_send_failure)
 
     def control(self, op: str, fields: dict[str, Any]) -> None:
         """A snapshot's control hook (``stop_training()``, a checkpoint's ack): sent as this subscriber.
@@ -242,6 +260,11 @@ class ServiceClient:
         dealer.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         dealer.connect(self.service_address)
         return dealer
+
+
+def _log_send_failure(future: "asyncio.Future[Any]") -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("a one-way message to the trainer was not sent: %s", future.exception())
 
 
 def _plain_number(value: Any) -> Any:
