@@ -99,7 +99,28 @@ def run_job(args: argparse.Namespace) -> int:
         stop_daemons(children)
     if leader:
         print_summary(trainer, config, time.perf_counter() - started, interrupted)
+    wait_for_namespace_peers(timeout=60.0)
     return 130 if interrupted else 0
+
+
+def wait_for_namespace_peers(timeout: float) -> None:
+    """As PID 1 of a PID namespace that daemons share (docker compose's ``pid: "service:trainer"``: the
+    checkpoint daemon opens staged buffers through /proc), wait for the other processes to exit first:
+    when PID 1 exits the kernel kills every process left in the namespace, a checkpoint daemon still
+    finishing its last file among them. Elsewhere (not PID 1) this returns at once."""
+    if os.getpid() != 1:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            peers = [entry for entry in os.listdir("/proc") if entry.isdigit() and entry != "1"]
+        except OSError:
+            return
+        if not peers:
+            return
+        time.sleep(0.1)
+    print(f"eventbus run: {len(peers)} other process(es) in this PID namespace still running after {timeout:.0f}s; "
+          "exiting", file=sys.stderr, flush=True)
 
 
 def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Trainer, list[subprocess.Popen]]:
