@@ -112,10 +112,8 @@ def wait_for_namespace_peers(timeout: float) -> None:
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            peers = [entry for entry in os.listdir("/proc") if entry.isdigit() and entry != "1"]
-        except OSError:
-            return
+        _reap_orphans()  # PID 1 is also the namespace's reaper: an orphan's zombie must not count as running
+        peers = _running_peers()
         if not peers:
             return
         time.sleep(0.1)
@@ -146,3 +144,27 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def _reap_orphans() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _running_peers() -> list[str]:
+    """The namespace's other processes that are not zombies."""
+    peers = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and entry != "1":
+            try:
+                state = pathlib.Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if state != "Z":
+                peers.append(entry)
+    return peers
