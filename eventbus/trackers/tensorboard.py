@@ -51,13 +51,14 @@ class TensorBoardLogger(LoggerDestination):
         self._file: Optional[_EventFile] = None
         self._written: dict[str, int] = {}  # tag -> the last step already in the folder's files
         self._held: Optional[dict[str, set[int]]] = None  # tag -> its steps in the folder before we wrote
+        self._wrote_hyperparameters = False
         self.refused = Refused("TensorBoard")  # values that are not numbers: counted, named, never written
 
     def init(self, state: Any, logger: Logger) -> None:
         """A new run: its own folder, whatever a cursor of an earlier run restored."""
         self.close(state, logger)
         self.log_dir = self.configured_dir or announced_run_folder(state) / "tensorboard"
-        self._held = None
+        self._held, self._wrote_hyperparameters = None, False
         self._open()
 
     def state_dict(self) -> dict[str, Any]:
@@ -95,14 +96,17 @@ class TensorBoardLogger(LoggerDestination):
         return None if points is None else points.get(key, set())
 
     def holds_hyperparameters(self) -> bool:
-        """The folder has the hyperparameters' text point already (``hyperparameters/text_summary``)."""
-        return any(tag.startswith("hyperparameters") for tag in self._points() or {})
+        """The folder has the hyperparameters' text point already (``hyperparameters/text_summary``), from
+        an earlier run of this logger or from this one (a run header published again, with hyperparameters
+        merged in, is not a second point at step 0)."""
+        return self._wrote_hyperparameters or any(tag.startswith("hyperparameters") for tag in self._points() or {})
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         if self._file is not None and hyperparameters and not self.holds_hyperparameters():
             text = "\n".join(f"    {k}: {v}" for k, v in sorted(hyperparameters.items()))
             self._file.add(_text_event("hyperparameters", text))
             self._file.write()
+            self._wrote_hyperparameters = True
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._open()
