@@ -238,7 +238,9 @@ elif what == "latest":  # is there a checkpoint (the latest link)?
 elif what == "journal":  # how the journal ends
     messages = journal()
     kinds = collections.Counter(m.kind for m in messages)
-    print(f"last record: {messages[-1].kind if messages else None}; runs started {kinds['header']}, ended {kinds['end']}")
+    # A run's header is published again when hyperparameters join it: runs are counted by their run_id.
+    started = len({m.run_id for m in messages if m.kind == "header"})
+    print(f"last record: {messages[-1].kind if messages else None}; runs started {started}, ended {kinds['end']}")
 elif what == "outputs":  # outputs BATCHES: everything a finished (or stopped) run leaves, each step once
     problems, batches = [], int(sys.argv[3])
     steps = collections.Counter(json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines() if l)
@@ -271,7 +273,7 @@ elif what == "outputs":  # outputs BATCHES: everything a finished (or stopped) r
         problems.append(f"journal: the last record is {messages[-1].kind if messages else None!r}, not the run's end")
     print(f"{len(steps)} steps in metrics.jsonl (0..{max(steps)}), {len(points)} TensorBoard points in "
           f"{len(files)} files, checkpoints {', '.join(saved)}, journal: {len(messages)} messages, "
-          f"{kinds['header']} run(s) started and {kinds['end']} ended"
+          f"{len({m.run_id for m in messages if m.kind == 'header'})} run(s) started and {kinds['end']} ended"
           + (f" (known: {len(known)} train-metric points twice in TensorBoard at epoch ends)" if known else ""))
     if problems:
         print("; ".join(problems))
