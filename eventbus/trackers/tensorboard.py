@@ -52,6 +52,7 @@ class TensorBoardLogger(LoggerDestination):
         self._written: dict[str, int] = {}  # tag -> the last step already in the folder's files
         self._held: Optional[dict[str, set[int]]] = None  # tag -> its steps in the folder before we wrote
         self._wrote_hyperparameters = False
+        self._hyperparameters: Optional[str] = None  # the latest text, written with the first metrics
         self.refused = Refused("TensorBoard")  # values that are not numbers: counted, named, never written
 
     def init(self, state: Any, logger: Logger) -> None:
@@ -102,16 +103,23 @@ class TensorBoardLogger(LoggerDestination):
         return self._wrote_hyperparameters or any(tag.startswith("hyperparameters") for tag in self._points() or {})
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        if self._file is not None and hyperparameters and not self.holds_hyperparameters():
-            text = "\n".join(f"    {k}: {v}" for k, v in sorted(hyperparameters.items()))
-            self._file.add(_text_event("hyperparameters", text))
-            self._file.write()
+        """Held until the first metrics (or the close): a run's header is published again as its own
+        options join the hyperparameters, and TensorBoard takes one text point at step 0, the last one."""
+        if hyperparameters and not self.holds_hyperparameters():
+            self._hyperparameters = "\n".join(f"    {k}: {v}" for k, v in sorted(hyperparameters.items()))
+
+    def _add_hyperparameters(self) -> None:
+        if self._hyperparameters is not None and self._file is not None and not self.holds_hyperparameters():
+            self._file.add(_text_event("hyperparameters", self._hyperparameters))
             self._wrote_hyperparameters = True
+        self._hyperparameters = None
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._open()
         if self._file is None:
             return
+        if self._hyperparameters is not None:
+            self._add_hyperparameters()
         step = int(step or 0)
         written = self._written
         values = [(key, value) for key, value in scalars(metrics, step, self.refused).items()
@@ -127,6 +135,7 @@ class TensorBoardLogger(LoggerDestination):
             self._file.write()
 
     def close(self, state: Any, logger: Logger) -> None:
+        self._add_hyperparameters()
         if self._file is not None:
             self._file.close()
             self._file = None
