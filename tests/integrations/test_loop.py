@@ -106,7 +106,6 @@ def test_a_hand_written_loop_publishes_its_run_to_workers_and_the_logger(tmp_pat
 
 
 def test_the_same_loop_under_accelerate(tmp_path):
-    pytest.importorskip("accelerate")
     outputs, record = followed_run(tmp_path, "--accelerate", "--accumulate", "2")
     check_followed(tmp_path, outputs, record)
 
@@ -116,8 +115,6 @@ def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tm
     """The loop without a bus is the reference; a worker stops a second run (at step 4: the test holds
     step 3 until the request arrived), the checkpoint daemon wrote step 4, and a third run resumes from
     it: the same losses for every later step and the same final weights, dropout and batches included."""
-    if way == "accelerate":
-        pytest.importorskip("accelerate")
     options = ["--accelerate"] if way == "accelerate" else []
     reference = tmp_path / "reference"
     reference.mkdir()
