@@ -52,7 +52,8 @@ def run_daemons(args: argparse.Namespace) -> int:
     print(f"{_WHO}: following {address}; they exit when the run ends (Ctrl-C stops them)", file=sys.stderr,
           flush=True)
     try:
-        codes = [child.wait() for child in daemons.children]
+        for child in daemons.children:
+            child.wait()
     except KeyboardInterrupt:
         for child in daemons.children:
             if child.poll() is None:
@@ -60,12 +61,9 @@ def run_daemons(args: argparse.Namespace) -> int:
         stop_daemons(daemons.children, timeout=10)
         print(f"\n{_WHO}: interrupted; the daemons stopped", file=sys.stderr, flush=True)
         return 130
-    failed = [f"{name} exited {code}" for name, code in zip(daemons.names, codes) if code != 0]
     journal = folder / "events.journal"
-    lines = [f"{_WHO}: done" + (f" ({', '.join(failed)})" if failed else ""),
-             *daemons.where(journal if journal.exists() else None)]
-    print("\n".join(lines), file=sys.stderr, flush=True)
-    return 1 if failed else 0
+    codes = daemons.finish(journal if journal.exists() else None, who=_WHO)
+    return 1 if any(code != 0 for code in codes) else 0
 
 
 def _address_and_folder(target: str) -> tuple[str, pathlib.Path]:

@@ -190,7 +190,7 @@ def test_eventbus_daemons_serves_a_run_started_without_them(tmp_path):
         output = finished(daemons, timeout=120)
     finally:
         daemons.kill()
-    assert "eventbus daemons: done\n" in output + "\n"  # every daemon exited 0
+    assert "eventbus daemons: daemons done\n" in output + "\n"  # every daemon exited 0
     folder = tmp_path / "runs" / "loop"
     logged = {int(step): value for step, value in result(tmp_path)["logged"].items()}
     assert {step: row["train/loss"] for step, row in metrics(folder).items() if "train/loss" in row} == logged
