@@ -134,6 +134,25 @@ class Process:
             self.proc.wait()
 
 
+class HoldTraining(Callback):
+    """Holds the training thread at its first ``BATCH_END`` until :meth:`release` (or ``timeout``): the
+    run, its bus thread and its request service stay up for as long as a test needs them, whatever
+    the machine's speed (a run of a few dozen batches can end before a loaded machine's test is done)."""
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        self.timeout = timeout
+        self.held = threading.Event()
+        self._released = threading.Event()
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        if not self.held.is_set():
+            self.held.set()
+            self._released.wait(self.timeout)
+
+    def release(self) -> None:
+        self._released.set()
+
+
 class BackgroundTrainer:
     """Runs ``trainer.fit()`` then ``close()`` on a thread, as a training script's main thread would."""
 
@@ -156,6 +175,9 @@ class BackgroundTrainer:
     def start(self) -> "BackgroundTrainer":
         self._thread.start()
         return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def join(self, timeout: float = 120.0) -> None:
         self._thread.join(timeout)

@@ -24,7 +24,7 @@ from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
 from eventbus.bus.publish.budgets import Budget, ClientBudgets
 from eventbus.bus.publish.service import SubscriberTable
-from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
+from tests.support import BackgroundTrainer, HoldTraining, bus_address, make_loader, make_model
 
 # The trainer's RSS may grow by at most this much while flooded. Measured here (2-core VM), with the
 # flood running from before fit to after close of this 64-batch run: bounded -- a small receive and
@@ -194,7 +194,10 @@ class SnapshotAsker(threading.Thread):
     def run(self) -> None:
         body = wire.encode_request("snapshot", id=1, source="asker")
         while not self.done.is_set():
-            self.dealer.send(body)
+            try:  # not blocking: once the run has ended nobody takes its requests
+                self.dealer.send(body, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.002)
             while self.dealer.poll(2):
                 reply = wire.decode_request(self.dealer.recv_multipart()[0])
                 self.errors += "error" in reply
@@ -209,9 +212,11 @@ class SnapshotAsker(threading.Thread):
 def test_a_snapshot_flood_is_refused_while_another_clients_snapshot_and_replay_are_answered(tmp_path):
     """Snapshot and replay replies draw on one budget per client: the flooder gets its share and is
     refused beyond it (counted, logged once per 10 s, never answered: a reply would cost the trainer
-    what the refusal saves); another client's budget is its own."""
+    what the refusal saves); another client's budget is its own. The run is held at its first batch
+    until the other client is answered: its request service is up however slow the machine."""
+    hold = HoldTraining(timeout=3 * HANG_SECONDS)
     trainer = Trainer(make_model(), make_loader(num_samples=512, batch_size=8), max_duration="1ep", device="cpu",
-                      run_name="snapshots", bus=BusConfig(address=bus_address(tmp_path)))
+                      run_name="snapshots", bus=BusConfig(address=bus_address(tmp_path)), callbacks=[hold])
     publisher = trainer.publisher
     warnings = RecentWarnings()
     context = zmq.Context()
@@ -234,8 +239,11 @@ def test_a_snapshot_flood_is_refused_while_another_clients_snapshot_and_replay_a
         assert other.poll(int(HANG_SECONDS * 1000)), "the other client's replay was not answered"
         frames = other.recv_multipart()
         assert "error" not in wire.decode_request(frames[0]) and [m.seq for f in frames[1:] for m in wire.decode_all(f)][:3] == [1, 2, 3]
+        assert hold.held.is_set() and background.is_alive(), "the run was not held while the other client asked"
+        hold.release()
         background.join(HANG_SECONDS)
     finally:
+        hold.release()
         flooder.stop()
         warnings.close()
         context.destroy(linger=0)
