@@ -20,6 +20,9 @@ the events captured during the flood window that the bus thread published in it 
 it was busy serving the flood and published nothing); "log lines" are the bus's warnings in those
 windows. The run's end is waited for at most ``close_wait`` seconds: a bus thread still serving what
 a flood left queued is reported, not waited out.
+
+``python -m bench.flood [--quick] [--repeats N] [KIND ...]`` runs only the floods named (default: all),
+``N`` cycles each (default 3): a flood whose figure is in doubt is measured again on its own.
 """
 
 from __future__ import annotations
@@ -165,13 +168,14 @@ def _cycle(trainer: Trainer, clock: BatchClock, sampler: RssSampler, log: Counti
             "bus": (after.published - before.published) / max(1, after.captured - before.captured)}
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, kinds: tuple[str, ...] = ORDER, repeats: int = 0) -> dict:
     torch.set_num_threads(1)
     window = 0.2 if quick else 3.0
-    repeats = 1 if quick else 3
+    repeats = repeats or (1 if quick else 3)
     close_wait = 4.0 if quick else 30.0
     clock, sampler = BatchClock(), RssSampler()
-    cycles: dict[str, list[dict[str, float]]] = {kind: [] for kind in ORDER}
+    kinds = tuple(kind for kind in ORDER if kind in kinds)  # replay stays last
+    cycles: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     folder = tempfile.mkdtemp(prefix="eventbus-flood-")
     # Removed at the end only if the run ended (else its bus thread may still read the journal).
     # ~1 ms steps; far more epochs than the benchmark needs: it stops the run itself.
@@ -200,7 +204,7 @@ def run(quick: bool) -> dict:
     bystander = Bystander(folder)
     try:
         for _ in range(repeats):
-            for kind in ORDER:
+            for kind in kinds:
                 cycles[kind].append(_cycle(trainer, clock, sampler, log, kind, window, bystander))
     finally:
         bystander.stop()
@@ -228,7 +232,7 @@ def run(quick: bool) -> dict:
                                "run_ended": ended, "close_s": close_seconds, "batches": len(clock.times),
                                "failed_requests": stats.failed_requests, "queue_depth_at_end": stats.queue_depth}
     rows = []
-    for kind in ORDER:
+    for kind in kinds:
         runs = cycles[kind]
         flood = median([c["flood"] / c["undisturbed"] for c in runs])
         floor = median([c["bystander"] / c["undisturbed"] for c in runs])
@@ -259,5 +263,19 @@ def run(quick: bool) -> dict:
     return results
 
 
+def main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.flood", description="the floods benchmark alone")
+    parser.add_argument("kinds", nargs="*", metavar="KIND", help=f"which floods: {', '.join(ORDER)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="small windows: a smoke test, not a measurement")
+    parser.add_argument("--repeats", type=int, default=0, help="cycles per flood (default: 3, quick: 1)")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.kinds) - set(ORDER))
+    if unknown:
+        parser.error(f"no such flood: {', '.join(unknown)} (floods: {', '.join(ORDER)})")
+    run(args.quick, tuple(args.kinds) or ORDER, args.repeats)
+
+
 if __name__ == "__main__":
-    run("--quick" in sys.argv)
+    main(sys.argv[1:])
