@@ -170,11 +170,11 @@ def _composer(shape: tuple[int, int, int], batches: int, folder: str, name: str)
 
 def _daemons(address: str, folder: str, name: str) -> list[_Worker]:
     state = ["--state-dir", f"{folder}/{name}-state"]
-    commands = [("logger", ["-m", "workers.logger", "--connect", address, "--no-console", *state]),
-                ("timing", ["-m", "workers.timing", "--connect", address, *state]),
-                ("checkpoint", ["-m", "workers.checkpoint", "--connect", address, "--save-interval", "1ep",
+    commands = [("logger", ["-m", "eventbus.workers.logger", "--connect", address, "--no-console", *state]),
+                ("timing", ["-m", "eventbus.workers.timing", "--connect", address, *state]),
+                ("checkpoint", ["-m", "eventbus.workers.checkpoint", "--connect", address, "--save-interval", "1ep",
                                 "--keep", "1", "--overwrite", "--runs-dir", f"{folder}/{name}-ck", *state]),
-                ("health", ["-m", "workers.health", "--connect", address, *state])]
+                ("health", ["-m", "eventbus.workers.health", "--connect", address, *state])]
     return [_Worker(n, c, folder) for n, c in commands]
 
 

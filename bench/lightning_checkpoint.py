@@ -98,7 +98,7 @@ def _checkpoint_fit(megabytes: int, saves: int, folder: pathlib.Path, plugin: bo
     worker = None
     if plugin:
         log_file = open(folder / "checkpoint.log", "w")
-        worker = subprocess.Popen([sys.executable, "-m", "workers.checkpoint", "--connect", f"ipc://{folder}/bus",
+        worker = subprocess.Popen([sys.executable, "-m", "eventbus.workers.checkpoint", "--connect", f"ipc://{folder}/bus",
                                    "--save-interval", "0ep", "--state-dir", str(folder / ".workers")],
                                   cwd=folder, env=python_env(), stdout=log_file, stderr=log_file)
         log_file.close()

@@ -15,9 +15,9 @@ from bench.common import emit, median, spawn, table
 from bench.models import classifier, loader
 from eventbus import Trainer
 from eventbus.bus.journal import read_messages
-from workers.checkpoint import CheckpointSaver
-from workers.logger import MetricsFileLogger, ProgressLogger
-from workers.timing import SpeedMonitor
+from eventbus.workers.checkpoint import CheckpointSaver
+from eventbus.workers.logger import MetricsFileLogger, ProgressLogger
+from eventbus.workers.timing import SpeedMonitor
 
 WIDTH, DEPTH = 512, 3  # about 8 ms per step on one thread here
 
@@ -70,12 +70,12 @@ def run(quick: bool) -> dict:
             counts = folder / f"counts{r}.json"
             address = f"ipc://{folder}/c{r}.bus"
             workers = [
-                spawn("-m", "workers.logger", "--connect", address, "--no-console", "--state-dir", str(folder / "s"),
-                      "--identity", f"logger{r}", cwd=tmp),
-                spawn("-m", "workers.timing", "--connect", address, "--state-dir", str(folder / "s"),
+                spawn("-m", "eventbus.workers.logger", "--connect", address, "--no-console", "--state-dir",
+                      str(folder / "s"), "--identity", f"logger{r}", cwd=tmp),
+                spawn("-m", "eventbus.workers.timing", "--connect", address, "--state-dir", str(folder / "s"),
                       "--identity", f"timing{r}", cwd=tmp),
-                spawn("-m", "workers.checkpoint", "--connect", address, "--save-interval", "50ba", "--overwrite",
-                      "--state-dir", str(folder / "s"), "--identity", f"checkpoint{r}", cwd=tmp),
+                spawn("-m", "eventbus.workers.checkpoint", "--connect", address, "--save-interval", "50ba",
+                      "--overwrite", "--state-dir", str(folder / "s"), "--identity", f"checkpoint{r}", cwd=tmp),
                 spawn("-m", "eventbus", "worker", "--connect", address, "--identity", f"sleepy{r}", "--state-dir",
                       str(folder / "s"), "--callback", f'bench.callbacks:SleepyCounter:{{"path": "{counts}"}}',
                       cwd=tmp),

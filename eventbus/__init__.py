@@ -12,8 +12,8 @@ two threads. Four rooms hold the moving parts:
 - ``eventbus.bus.subscribe`` -- the subscribing end, in any other process.
 - ``eventbus.runtime`` -- the worker runtime: hosts ordinary callbacks on a
   subscriber's stream (``eventbus worker``).
-- ``workers/`` (a package of its own) -- the daemons users run: logging, timing,
-  checkpoints, health, stoppers.
+- ``eventbus.workers`` (the repository's top-level ``workers/`` folder) -- the
+  daemons users run: logging, timing, checkpoints, health, stoppers.
 
 Layers, lowest first; a module imports only its own layer and those below, and
 only the top layer imports the package root (``tests/test_layout.py`` checks it,
@@ -26,7 +26,7 @@ with no import circle across folders, no module over 450 lines, no class over 30
 5. ``capture``
 6. ``training``, ``integrations``, ``runtime``
 7. ``run``, ``monitor``, ``export``, ``cli``
-8. ``workers/``
+8. ``workers`` (``python -m eventbus.workers.<name>``)
 
 ``eventbus.core`` -- Composer's vocabulary, shared by both sides (no torch):
     ``events`` (the 40 :class:`Event` members and the loop's pseudocode),

@@ -50,12 +50,12 @@ def shell_lines() -> list[str]:
 def program(command: str) -> list[str] | None:
     """The argv (after the interpreter) of an eventbus or daemon command line, or None for anything else."""
     text = command.removeprefix(".venv/bin/")
-    if not re.match(r"(eventbus|python -m (eventbus|workers))\b", text):
+    if not re.match(r"(eventbus|python -m eventbus)\b", text):
         return None
     words = shlex.split(text)
     if words[:1] == ["eventbus"]:
         return ["-m", "eventbus", *words[1:]]
-    if words[:2] == ["python", "-m"] and words[2:3] and words[2].split(".")[0] in ("eventbus", "workers"):
+    if words[:2] == ["python", "-m"] and words[2:3] and words[2].split(".")[0] == "eventbus":
         return words[1:]
     return None
 

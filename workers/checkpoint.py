@@ -13,7 +13,7 @@ re-publishes it as ``checkpoint/error``; earlier checkpoints are untouched.
 In process (``Trainer(callbacks=[CheckpointSaver(...)])``) it writes on the
 training thread, as Composer does.
 
-    python -m workers.checkpoint --connect ipc://runs/my-run/bus --save-interval 100ba
+    python -m eventbus.workers.checkpoint --connect ipc://runs/my-run/bus --save-interval 100ba
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def _remove(path: pathlib.Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="python -m workers.checkpoint",
+        prog="python -m eventbus.workers.checkpoint",
         description="Write the checkpoints a trainer stages, off its training thread. Stops at the end of the "
                     "run (after the final checkpoint) or on SIGTERM.")
     add_daemon_arguments(parser, identity="checkpoint")

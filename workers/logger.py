@@ -9,7 +9,7 @@ ETA, ...), each from the journaled stream, in seq order.
 
 Run it beside a trainer::
 
-    python -m workers.logger --connect ipc://runs/my-run/bus
+    python -m eventbus.workers.logger --connect ipc://runs/my-run/bus
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _fmt(value: Any) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="python -m workers.logger",
+        prog="python -m eventbus.workers.logger",
         description="Log a training run: progress on the console, metrics.jsonl and metrics.csv in the run "
                     "folder, and optionally TensorBoard, MLflow and Weights & Biases (W&B). Stops at the end of "
                     "the run or on SIGTERM.")

@@ -4,7 +4,7 @@ They read metric values from the snapshot and call ``state.stop_training(reason)
 which travels over the control channel; the trainer stops at its next BATCH_END
 and reports the reason. In process they stop the live State directly.
 
-    python -m workers.stoppers --connect ADDR --early-stop metrics/eval/CrossEntropy:eval:3
+    python -m eventbus.workers.stoppers --connect ADDR --early-stop metrics/eval/CrossEntropy:eval:3
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _parse_rule(text: str, parts: int, flag: str) -> list[str]:
 
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
-        prog="python -m workers.stoppers",
+        prog="python -m eventbus.workers.stoppers",
         description="Stop a run early from outside the trainer. Stops at the end of the run or on SIGTERM.")
     add_daemon_arguments(parser, identity="stoppers")
     parser.add_argument("--early-stop", action="append", default=[], metavar="MONITOR:LABEL:PATIENCE",

@@ -7,7 +7,7 @@ something to capture (gradient norms, CUDA memory statistics) is declared in
 ``captures`` and captured only while this worker runs. The metrics go back to
 the trainer over the control channel, so the logger and the monitor show them.
 
-    python -m workers.timing --connect ipc://runs/my-run/bus
+    python -m eventbus.workers.timing --connect ipc://runs/my-run/bus
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class MemoryMonitor(Callback):
 
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
-        prog="python -m workers.timing",
+        prog="python -m eventbus.workers.timing",
         description="Report a run's throughput, remaining time, learning rates, gradient norms and CUDA memory, "
                     "computed from the trainer's own clock. Stops at the end of the run or on SIGTERM.")
     add_daemon_arguments(parser, identity="timing")

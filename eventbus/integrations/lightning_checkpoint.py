@@ -33,7 +33,7 @@ class EventBusCheckpointIO(CheckpointIO):
     """Lightning's checkpoint IO through the checkpoint worker: ``Trainer(plugins=[EventBusCheckpointIO()])``.
 
     ``save_checkpoint`` copies the checkpoint into a shared-memory buffer (the whole stall: one copy of
-    the state) and returns; the checkpoint worker (``python -m workers.checkpoint --connect ADDR
+    the state) and returns; the checkpoint worker (``python -m eventbus.workers.checkpoint --connect ADDR
     --save-interval 0ep``) writes it at ``path`` atomically, as ``torch.save`` would. Where no worker
     holds the checkpoint lease, no :class:`EventBusCallback` is in the run, every buffer is still being
     written, the path is remote, or the checkpoint holds a value the buffer format cannot carry, it

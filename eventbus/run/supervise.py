@@ -1,7 +1,7 @@
 """The daemons ``eventbus run`` starts, from its :class:`JobConfig` (:mod:`eventbus.runtime.supervisor`
 starts, waits for and stops them, as it does for an adapter's or a hand-written loop's run).
 
-Each daemon (``python -m workers.<name>``) runs in a session of its own, so Ctrl-C
+Each daemon (``python -m eventbus.workers.<name>``) runs in a session of its own, so Ctrl-C
 reaches only the trainer, which then ends the run for them; each gets SIGTERM if
 the job dies without ending the run (Linux). They exit by themselves once the run
 has ended; :func:`stop_daemons` ends those that do not.

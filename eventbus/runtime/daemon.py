@@ -1,6 +1,6 @@
 """What every daemon's command line shares: its parser, its common options, its logging, its ending.
 
-A daemon (``python -m workers.logger``, ``eventbus worker``, ...) is a parser plus a
+A daemon (``python -m eventbus.workers.logger``, ``eventbus worker``, ...) is a parser plus a
 function that builds its callbacks from the parsed arguments; :func:`run_daemon`
 does the rest the same way for all of them: one-line errors with exit code 2,
 callbacks built (and so validated) before connecting, ``run_worker`` until the
@@ -98,7 +98,7 @@ def add_verbose_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def daemon_name(prog: str) -> str:
-    """The short name a daemon's lines start with: ``python -m workers.logger`` -> ``logger``."""
+    """The short name a daemon's lines start with: ``python -m eventbus.workers.logger`` -> ``logger``."""
     return prog.rpartition(".")[2] if prog.startswith("python -m ") else prog
 
 

@@ -1,7 +1,7 @@
 """Loading the callbacks a worker hosts from ``module:Class[:json-kwargs]`` specs.
 
 ``module:Class`` or ``path/to/file.py:Class``, optionally with keyword arguments
-as JSON: ``workers.timing:SpeedMonitor:{"window_size": 50}``. Every failure is a
+as JSON: ``eventbus.workers.timing:SpeedMonitor:{"window_size": 50}``. Every failure is a
 :class:`ConfigError` naming the spec and what went wrong.
 """
 
@@ -54,8 +54,8 @@ def load_callback(spec: str) -> Any:
     if _is_composer_checkpoint_saver(cls):
         raise ConfigError(f"callback {spec!r}: Composer's CheckpointSaver saves the trainer's own state (its "
                           "model, optimizers and FSDP settings), which a worker's snapshot does not hold; run the "
-                          "checkpoint daemon instead: python -m workers.checkpoint --connect ADDR (eventbus run "
-                          "starts it)")
+                          "checkpoint daemon instead: python -m eventbus.workers.checkpoint --connect ADDR "
+                          "(eventbus run starts it)")
     try:
         kwargs = json.loads(kwargs_text) if kwargs_text else {}
     except ValueError as err:

@@ -5,7 +5,7 @@
 what options, :meth:`DaemonSet.start` starts them on a publisher's bus and waits until each has
 connected (so none misses the first step's checkpoint lease), :meth:`DaemonSet.stop` lets them finish.
 
-Each daemon (``python -m workers.<name>``) runs in a session of its own, so Ctrl-C
+Each daemon (``python -m eventbus.workers.<name>``) runs in a session of its own, so Ctrl-C
 reaches only the trainer, which then ends the run for them; each gets SIGTERM if
 the job dies without ending the run (Linux). They exit by themselves once the run
 has ended; :func:`stop_daemons` ends those that do not.
@@ -85,7 +85,7 @@ def daemons_from(argument: DaemonsArgument) -> Optional[Daemons]:
 
 def daemon_command(name: str, address: str, run_folder: pathlib.Path, options: Daemons) -> list[str]:
     """The command line of daemon ``name`` following the run at ``address``."""
-    command = [sys.executable, "-m", f"workers.{name}", "--connect", address,
+    command = [sys.executable, "-m", f"eventbus.workers.{name}", "--connect", address,
                "--state-dir", str((run_folder / ".workers").resolve())]
     if name == "checkpoint":
         command += ["--save-interval", options.save_interval, "--keep", str(options.keep), "--overwrite"]
@@ -129,7 +129,7 @@ class DaemonSet:
     @classmethod
     def spawn(cls, options: Daemons, address: str, run_folder: pathlib.Path, who: str = "eventbus") -> "DaemonSet":
         """Start ``options.names`` following the run at ``address`` (they connect, or wait for it, by themselves)."""
-        names = [n for n in options.names if n != "timing" or importlib.util.find_spec("workers.timing")]
+        names = [n for n in options.names if n != "timing" or importlib.util.find_spec("eventbus.workers.timing")]
         children: list[subprocess.Popen] = []
         try:
             for name in names:

@@ -1,7 +1,7 @@
 """``eventbus worker``: host callbacks in a daemon that follows a training run.
 
 Callbacks are named ``module:Class`` or ``path/to/file.py:Class``, optionally
-with keyword arguments as JSON: ``workers.timing:SpeedMonitor:{"window_size": 50}``.
+with keyword arguments as JSON: ``eventbus.workers.timing:SpeedMonitor:{"window_size": 50}``.
 SIGTERM and SIGINT stop receiving, drain the queues, and close the callbacks.
 The command line around it (parsing, one-line errors, exit codes) is
 :mod:`eventbus.runtime.daemon`, shared with the daemons in ``workers/``.

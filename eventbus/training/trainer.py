@@ -270,7 +270,7 @@ def _destinations(loggers: Sequence[Any], callbacks: Sequence[Any], *, progress_
                   console_log_interval: Union[int, str, Time], console_stream: Union[str, TextIO]) -> list[Any]:
     """Composer's rule: ``loggers``, then the logger destinations passed as callbacks, plus a console
     logger for ``log_to_console`` unless one was given. ``progress_bar`` is accepted for Composer's
-    signature; eventbus draws progress bars out of process (``workers.logger``, ``eventbus monitor``)."""
+    signature; eventbus draws progress bars out of process (``eventbus.workers.logger``, ``eventbus monitor``)."""
     del progress_bar
     destinations = [*loggers, *(cb for cb in callbacks if is_logger_destination(cb))]
     if log_to_console and not any(type(d).__name__ == "ConsoleLogger" for d in destinations):

@@ -81,8 +81,8 @@ class FastRecorder(Callback):
 
 
 def test_workers_subscribe_to_what_their_callbacks_handle():
-    from workers.checkpoint import CheckpointSaver
-    from workers.logger import MetricsFileLogger
+    from eventbus.workers.checkpoint import CheckpointSaver
+    from eventbus.workers.logger import MetricsFileLogger
 
     assert subscription([FastRecorder("x")]) == (frozenset({Event.BATCH_END}), False)
     events, metrics = subscription([MetricsFileLogger.__new__(MetricsFileLogger)])

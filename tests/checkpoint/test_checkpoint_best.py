@@ -60,7 +60,7 @@ def on_disk(tmp_path):
 
 
 def start_worker(tmp_path, spawn, *args):
-    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--state-dir",
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus_address(tmp_path), "--state-dir",
                    str(tmp_path / "s"), *args)
     worker.wait_for("following")
     return worker
@@ -131,6 +131,6 @@ def test_keep_best_state_survives_a_worker_restart(tmp_path, spawn):
     (["--keep-best", "2", "--monitor", "accuracy"], "monitor must name a metric as metrics/"),
 ])
 def test_bad_retention_options_are_one_line_errors(tmp_path, spawn, args, message):
-    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), *args)
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus_address(tmp_path), *args)
     assert worker.finish() == 2
     assert len(worker.stderr) == 1 and message in worker.stderr[0], worker.stderr

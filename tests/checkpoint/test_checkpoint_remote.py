@@ -125,14 +125,14 @@ def test_failed_uploads_keep_the_local_files_and_are_reported(tmp_path, spawn, m
     assert trainer.state.timestamp.batch.value == 4
 
 
-NO_S3FS = ("import runpy, sys; sys.modules['s3fs'] = None; sys.argv = ['workers.checkpoint'] + sys.argv[1:]; "
-           "runpy.run_module('workers.checkpoint', run_name='__main__')")
+NO_S3FS = ("import runpy, sys; sys.modules['s3fs'] = None; sys.argv = ['eventbus.workers.checkpoint'] + sys.argv[1:]; "
+           "runpy.run_module('eventbus.workers.checkpoint', run_name='__main__')")
 
 
 @pytest.mark.parametrize("argv, message", [
     (["-c", NO_S3FS, "--folder", "s3://bucket/x"], "the s3:// filesystem is not installed"),
-    (["-m", "workers.checkpoint", "--folder", "nosuch://bucket/x"], "unknown or bad URL"),
-    (["-m", "workers.checkpoint", "--folder", "s3://bucket/x", "--storage-option", "endpoint_url"],
+    (["-m", "eventbus.workers.checkpoint", "--folder", "nosuch://bucket/x"], "unknown or bad URL"),
+    (["-m", "eventbus.workers.checkpoint", "--folder", "s3://bucket/x", "--storage-option", "endpoint_url"],
      "storage option must be KEY=VALUE"),
 ])
 def test_bad_remote_folders_are_one_line_errors(tmp_path, spawn, argv, message):
@@ -145,7 +145,7 @@ def test_missing_credentials_are_a_one_line_error(tmp_path, spawn, s3):
     endpoint, _ = s3
     env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
            "AWS_CONFIG_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
-    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--folder",
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus_address(tmp_path), "--folder",
                    f"s3://{BUCKET}/x", "--storage-option", f"endpoint_url={endpoint}", env=env)
     assert worker.finish() == 2
     assert len(worker.stderr) == 1 and "credentials" in worker.stderr[0], worker.stderr

@@ -14,15 +14,15 @@ from eventbus import BusConfig, Callback
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
 from eventbus.bus.security import generate_keys
+from eventbus.workers.checkpoint import CheckpointSaver
 from tests.support import bus_address, free_port, make_trainer
-from workers.checkpoint import CheckpointSaver
 
 FSIZE_WRAPPER = (
     "import resource, runpy, signal, sys; "
     "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
     "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
-    "sys.argv = ['workers.checkpoint'] + sys.argv[1:]; "
-    "runpy.run_module('workers.checkpoint', run_name='__main__')"
+    "sys.argv = ['eventbus.workers.checkpoint'] + sys.argv[1:]; "
+    "runpy.run_module('eventbus.workers.checkpoint', run_name='__main__')"
 )
 
 
@@ -65,7 +65,7 @@ def metrics_from(journal_path, key):
 def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn):
     watcher = WeightsAt()
     trainer = make_trainer(tmp_path, **CHECKPOINT_RUN, callbacks=[watcher])
-    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--save-interval", "3ba",
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus_address(tmp_path), "--save-interval", "3ba",
                    "--keep", "3", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     wait_for_lease(trainer)
@@ -128,7 +128,7 @@ def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path
 
 def test_unwritable_folder_is_reported(tmp_path, spawn):
     trainer = make_trainer(tmp_path, "1ep", **CHECKPOINT_RUN)
-    worker = spawn("-m", "workers.checkpoint", "--connect", bus_address(tmp_path), "--runs-dir",
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus_address(tmp_path), "--runs-dir",
                    "/proc/eventbus-cannot-write-here", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     wait_for_lease(trainer)
@@ -162,7 +162,7 @@ def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spa
     bus = BusConfig(address=f"tcp://127.0.0.1:{port}", server_key=str(keys / "server.key_secret"),
                     authorized_keys=str(keys / "authorized"))
     trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[watcher], bus=bus)
-    worker = spawn("-m", "workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", f"tcp://127.0.0.1:{port}", "--transfer", "fetch",
                    "--save-interval", "3ba", "--state-dir", str(tmp_path / "s"),
                    env={"EVENTBUS_CLIENT_SECRET_KEY": str(keys / "client.key_secret"),
                         "EVENTBUS_SERVER_PUBLIC_KEY": str(keys / "server.key")})

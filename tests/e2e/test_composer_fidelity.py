@@ -213,7 +213,7 @@ def test_composers_checkpoint_saver_in_a_worker_is_a_one_line_error_naming_the_c
     from eventbus.runtime.loading import load_callback
     from tests.support import REPO_ROOT
 
-    with pytest.raises(ConfigError, match="python -m workers.checkpoint"):
+    with pytest.raises(ConfigError, match="python -m eventbus.workers.checkpoint"):
         load_callback('composer.callbacks:CheckpointSaver:{"save_folder": "never-made"}')
     assert not (tmp_path / "never-made").exists()  # refused before it was built (the test runs in tmp_path)
     result = subprocess.run([sys.executable, "-m", "eventbus", "worker", "--connect", f"ipc://{tmp_path}/bus",
@@ -221,7 +221,7 @@ def test_composers_checkpoint_saver_in_a_worker_is_a_one_line_error_naming_the_c
                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "CheckpointSaver" in lines[0] and "python -m workers.checkpoint" in lines[0]
+    assert "CheckpointSaver" in lines[0] and "python -m eventbus.workers.checkpoint" in lines[0]
 
 
 def test_metric_order_is_the_models_own_as_in_composer(tmp_path):

@@ -112,7 +112,7 @@ def test_hosted_callbacks_hyperparameters_reach_every_logger_and_the_journal_onc
     # Two workers log the same values (as one restarted mid-run would log them again): once in the journal.
     workers = [_worker(tmp_path, trainer.publisher.address, spec, dump),
                _worker(tmp_path, trainer.publisher.address, spec),
-               Process(["-m", "workers.logger", "--connect", trainer.publisher.address, "--state-dir",
+               Process(["-m", "eventbus.workers.logger", "--connect", trainer.publisher.address, "--state-dir",
                         str(tmp_path / "logger")], cwd=tmp_path)]  # the logger daemon
     try:
         for worker in workers:

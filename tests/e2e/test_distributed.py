@@ -52,9 +52,9 @@ def test_two_ranks_with_the_three_daemons_and_a_monitor(tmp_path, spawn):
     bus = bus_address(tmp_path)
     trainer = torchrun(tmp_path, tmp_path / "out", bus, wait_for="logger,timing,checkpoint")
     state = ["--state-dir", str(tmp_path / "state")]
-    daemons = [spawn("-m", "workers.logger", "--connect", bus, *state),
-               spawn("-m", "workers.timing", "--connect", bus, "--window-size", "4", *state),
-               spawn("-m", "workers.checkpoint", "--connect", bus, "--save-interval", "4ba", *state)]
+    daemons = [spawn("-m", "eventbus.workers.logger", "--connect", bus, *state),
+               spawn("-m", "eventbus.workers.timing", "--connect", bus, "--window-size", "4", *state),
+               spawn("-m", "eventbus.workers.checkpoint", "--connect", bus, "--save-interval", "4ba", *state)]
     monitor = spawn("-m", "eventbus", "monitor", bus)  # not a terminal: plain frames until the run ends
     counts, stats = asyncio.run(count_all_ranks(bus))
     output, _ = trainer.communicate(timeout=300)
@@ -148,7 +148,7 @@ def test_sharded_fsdp_checkpoints_are_written_in_pytorch_format_and_resume_exact
     writes one torch.distributed.checkpoint folder; two ranks resume from it bit for bit."""
     bus = bus_address(tmp_path)
     trainer = torchrun(tmp_path, tmp_path / "out", bus, wait_for="checkpoint", shard=True)
-    worker = spawn("-m", "workers.checkpoint", "--connect", bus, "--save-interval", "5ba", "--transfer", "fetch",
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus, "--save-interval", "5ba", "--transfer", "fetch",
                    "--state-dir", str(tmp_path / "state"))
     output, _ = trainer.communicate(timeout=300)
     assert trainer.returncode == 0, output

@@ -34,7 +34,7 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
     worker = spawn("-m", "eventbus", "worker", "--connect", address,
                    "--callback", "tests.integrations.worker_callbacks:EpochMonitor",
                    "--callback", f'tests.integrations.worker_callbacks:EventLog:{{"path": "{events_file}"}}')
-    logger_daemon = spawn("-m", "workers.logger", "--connect", address, "--state-dir", str(tmp_path / "s"),
+    logger_daemon = spawn("-m", "eventbus.workers.logger", "--connect", address, "--state-dir", str(tmp_path / "s"),
                           "--no-console")
     worker.wait_for("following")
     logger_daemon.wait_for("following")
@@ -135,7 +135,7 @@ def test_a_checkpoint_worker_on_a_composer_run_stages_nothing_and_the_run_comple
     reads): a checkpoint worker's lease must not make the adapter stage anything, nor raise on the
     training thread, and the worker ends with the run having written nothing."""
     address = bus_address(tmp_path)
-    saver = spawn("-m", "workers.checkpoint", "--connect", address, "--save-interval", "1ep",
+    saver = spawn("-m", "eventbus.workers.checkpoint", "--connect", address, "--save-interval", "1ep",
                   "--state-dir", str(tmp_path / "s"))
     saver.wait_for("following")
     trainer = job("2ep", [UserLogging(0.01), EventBusCallback(bus=address)], [], "composer-no-staging")

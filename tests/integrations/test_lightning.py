@@ -61,7 +61,7 @@ def lightning_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lightning")
     bus = f"ipc://{folder}/bus"
     processes = [
-        Process(["-m", "workers.logger", "--connect", bus, "--state-dir", str(folder / "state-logger")],
+        Process(["-m", "eventbus.workers.logger", "--connect", bus, "--state-dir", str(folder / "state-logger")],
                 cwd=folder, env=ENV),
         worker(folder, bus, "tests.integrations.worker_callbacks:EpochMonitor",
                'tests.integrations.worker_callbacks:EventLog:{"path": "events.json"}', identity="seed"),
@@ -142,7 +142,7 @@ def test_a_worker_stops_the_run_and_its_checkpoints_resume_it(tmp_path):
     EventBusCheckpointIO) is written by the checkpoint worker at Lightning's paths, rotated, and
     ``fit(ckpt_path=...)`` continues from the step it holds (then, with no worker, the plugin writes)."""
     bus = bus_address(tmp_path)
-    saver = Process(["-m", "workers.checkpoint", "--connect", bus, "--save-interval", "0ep",
+    saver = Process(["-m", "eventbus.workers.checkpoint", "--connect", bus, "--save-interval", "0ep",
                      "--state-dir", str(tmp_path / "state-ckpt")], cwd=tmp_path, env=ENV)
     stopper = worker(tmp_path, bus, 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}',
                      'tests.integrations.worker_callbacks:EventLog:{"path": "events.json"}', identity="stopper")

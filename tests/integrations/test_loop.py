@@ -64,7 +64,7 @@ def followed_run(folder: pathlib.Path, *args: str) -> tuple[dict[str, str], dict
     logger daemon (two epochs of 4 optimizer steps); every process's output and the loop's record."""
     bus = f"ipc://{folder}/bus"
     workers = [
-        Process(["-m", "workers.logger", "--connect", bus, "--state-dir", str(folder / "state-logger")],
+        Process(["-m", "eventbus.workers.logger", "--connect", bus, "--state-dir", str(folder / "state-logger")],
                 cwd=folder, env=ENV),
         worker(folder, bus, f"{CALLBACKS}:EpochMonitor", f'{CALLBACKS}:EventLog:{{"path": "events.json"}}',
                identity="seed"),

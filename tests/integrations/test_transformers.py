@@ -60,7 +60,7 @@ def test_a_transformers_run_reaches_workers_logger_monitor_and_export(tmp_path, 
                    'tests.integrations.worker_callbacks:EventLog:{"path": "events.json"}',
                    f'tests.integrations.worker_callbacks:StopAtBatch:{{"batch": {stop_at - 1}}}')
     composer = _worker(spawn, bus, 'composer.callbacks:SpeedMonitor:{"window_size": 2}', "composer.callbacks:LRMonitor")
-    logger = spawn("-m", "workers.logger", "--connect", bus, "--state-dir", str(tmp_path / "state"), "--no-console",
+    logger = spawn("-m", "eventbus.workers.logger", "--connect", bus, "--state-dir", str(tmp_path / "state"), "--no-console",
                    env=ENV)
     # The job holds at step 2 until the monitor has looked, and at step 10 until the worker's stop
     # request (sent on seeing step 9) has arrived: the stop step is then exact, however loaded the machine.

@@ -81,7 +81,7 @@ def test_bad_arguments_are_one_line_errors_with_exit_code_2(tmp_path, args, prob
     assert problem in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-@pytest.mark.parametrize("module", ["workers.logger", "workers.checkpoint"])
+@pytest.mark.parametrize("module", ["eventbus.workers.logger", "eventbus.workers.checkpoint"])
 def test_daemons_reject_bad_arguments_in_one_line(module, tmp_path):
     result = subprocess.run([sys.executable, "-m", module, "--connect"], capture_output=True, text=True,
                             env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)

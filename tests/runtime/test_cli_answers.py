@@ -60,7 +60,7 @@ def test_replay_of_a_run_folder_sums_up_and_exits_1_when_a_callback_raised(tmp_p
 
 
 def test_the_logger_daemon_says_it_logs_to_wandb_too():
-    result = subprocess.run([sys.executable, "-m", "workers.logger", "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "eventbus.workers.logger", "--help"], capture_output=True, text=True,
                             env=ENV, timeout=120)
     text = " ".join(result.stdout.split())
     assert result.returncode == 0 and "TensorBoard, MLflow and Weights & Biases (W&B)" in text

@@ -41,7 +41,7 @@ def test_weights_are_leased_at_the_weights_events_the_readers_handle():
 
 def test_the_health_loss_monitor_leases_stops_only_when_told_to_stop():
     """A warning-only monitor must not cost the trainer a bus-thread wake-up per batch."""
-    from workers.health.loss import LossMonitor
+    from eventbus.workers.health.loss import LossMonitor
 
     assert not may_stop_training(LossMonitor())
     assert may_stop_training(LossMonitor(stop_on_nan=True))

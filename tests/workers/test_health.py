@@ -18,8 +18,8 @@ import torch
 from eventbus import Callback, Trainer
 from eventbus.bus.journal import read_messages
 from eventbus.core.logger import LoggerDestination
+from eventbus.workers.health import LossMonitor, SystemMonitor
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
-from workers.health import LossMonitor, SystemMonitor
 
 WAIT = 60.0  # seconds to wait for something that should come within a second: a busy machine is not a failure
 
@@ -93,7 +93,7 @@ class PoisonAt(Callback):
 
 
 def start_worker(spawn, tmp_path, *options):
-    worker = spawn("-m", "workers.health", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    worker = spawn("-m", "eventbus.workers.health", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    *options)
     worker.wait_for("following")
     return worker
@@ -250,7 +250,7 @@ def test_in_process_loss_spike_stops_and_statistics_reach_the_trainers_loggers(c
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "workers.health", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "eventbus.workers.health", *args], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=WAIT)
 
 

@@ -60,7 +60,7 @@ def train_sending_metrics_back(trainer) -> list[int]:
 def test_logger_worker_writes_every_key_once_per_step_to_jsonl_csv_tensorboard_and_mlflow(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="logged",
                       eval_dataloader=make_loader(32, 16), bus=bus_address(tmp_path), callbacks=[SlowBatches(0.01)])
-    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    worker = spawn("-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    "--tensorboard", "--mlflow", "--log-interval", "2")
     worker.wait_for("following")
     train_sending_metrics_back(trainer)
@@ -128,7 +128,7 @@ def test_restarted_logger_worker_writes_no_step_twice(tmp_path, spawn):
 
     trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="restarted",
                       bus=bus_address(tmp_path), callbacks=[SlowBatches(0.08), WaitForTrackers()])
-    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    args = ["-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--tensorboard", "--mlflow"]
     first = spawn(*args)
     first.wait_for("following")
@@ -180,7 +180,7 @@ def test_the_metrics_files_grow_during_the_run_and_a_sigterm_loses_nothing(tmp_p
     folder = tmp_path / "runs" / "growing"
     trainer = Trainer(make_model(), make_loader(64 * 16, 16), max_duration="1ep", device="cpu", run_name="growing",
                       bus=bus_address(tmp_path), callbacks=[SlowBatches(0.05)])
-    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    args = ["-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console"]
     first = spawn(*args)
     first.wait_for("following")
@@ -210,7 +210,7 @@ def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, 
     cursor finds the end in the journal, behind its resume point: it exits instead of waiting forever."""
     trainer = Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", run_name="ended",
                       bus=bus_address(tmp_path))
-    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    args = ["-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--tensorboard"]
     first = spawn(*args)
     first.wait_for("following")
@@ -226,7 +226,7 @@ def test_a_logger_restarted_after_it_applied_the_end_of_the_run_exits(tmp_path, 
 def test_one_logger_cursor_across_two_runs_keeps_each_run_in_its_own_folder(tmp_path, spawn):
     """A daemon's cursor outlives a run (one --state-dir, or the default one, for run after run):
     what it restores from the first run must not send the second run's metrics to the first's folder."""
-    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    args = ["-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--tensorboard"]
     for name in ("first", "second"):
         trainer = Trainer(make_model(), make_loader(), max_duration="3ba", device="cpu", run_name=name,

@@ -8,8 +8,8 @@ import pytest
 
 from eventbus import Callback, Trainer
 from eventbus.bus.journal import read_messages
+from eventbus.workers.stoppers import EarlyStopper, ThresholdStopper
 from tests.support import bus_address, make_loader, make_model
-from workers.stoppers import EarlyStopper, ThresholdStopper
 
 
 class Pace(Callback):
@@ -24,7 +24,7 @@ def journal(trainer):
 def test_timing_worker_reports_the_trainers_own_speed(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="4ep", device="cpu", run_name="timed",
                       eval_dataloader=make_loader(16, 16), bus=bus_address(tmp_path), callbacks=[Pace()])
-    worker = spawn("-m", "workers.timing", "--connect", bus_address(tmp_path), "--window-size", "4",
+    worker = spawn("-m", "eventbus.workers.timing", "--connect", bus_address(tmp_path), "--window-size", "4",
                    "--optimizer-interval", "2", "--time-unit", "seconds", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     deadline = time.monotonic() + 30
@@ -58,7 +58,7 @@ def test_timing_worker_reports_the_trainers_own_speed(tmp_path, spawn):
 def test_stopper_worker_stops_training_and_says_why(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="20ep", device="cpu", eval_interval="2ba",
                       eval_dataloader=make_loader(16, 16), bus=bus_address(tmp_path), callbacks=[Pace()])
-    worker = spawn("-m", "workers.stoppers", "--connect", bus_address(tmp_path),
+    worker = spawn("-m", "eventbus.workers.stoppers", "--connect", bus_address(tmp_path),
                    "--threshold-stop", "metrics/eval/CrossEntropy:eval:100", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     trainer.fit()

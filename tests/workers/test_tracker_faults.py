@@ -69,7 +69,7 @@ class MLflowServer:
 def _trainer_and_logger(tmp_path, spawn, server, run_name: str, duration: str, callback: Callback):
     """A trainer with ``callback`` and a logging worker writing to ``server``, retrying every 0.5 s."""
     trainer = make_trainer(tmp_path, duration, run_name=run_name, callbacks=[callback])
-    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    worker = spawn("-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    "--no-console", "--mlflow", "--mlflow-uri", server.uri, "--retry-every", "0.5")
     worker.wait_for("following")
     return trainer, worker

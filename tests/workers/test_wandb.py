@@ -1,4 +1,4 @@
-"""The W&B destination as users run it: ``python -m workers.logger --wandb`` beside a real trainer, in W&B's
+"""The W&B destination as users run it: ``python -m eventbus.workers.logger --wandb`` beside a real trainer, in W&B's
 offline mode, read back from the run's own transaction logs (what ``wandb sync`` uploads)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def read_runs(wandb_dir, run_id):
 def test_logger_worker_logs_every_step_once_and_the_hyperparameters_to_wandb(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="wandb-run",
                       eval_dataloader=make_loader(32, 16), bus=bus_address(tmp_path), callbacks=[SlowBatches(0.01)])
-    worker = spawn("-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    worker = spawn("-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
                    "--no-console", "--wandb", "--wandb-mode", "offline", "--wandb-project", "eventbus-tests",
                    "--wandb-tags", "a,b", "--wandb-group", "g", env=offline_env(tmp_path))
     worker.wait_for("following")
@@ -111,7 +111,7 @@ def test_restarted_logger_worker_logs_no_wandb_step_twice_or_never(tmp_path, spa
     wandb_dir = tmp_path / "runs" / "wandb-restart" / "wandb"
     trainer = Trainer(make_model(), make_loader(256, 8), max_duration="3ep", device="cpu", run_name="wandb-restart",
                       bus=bus_address(tmp_path), callbacks=[WaitForWandB(wandb_dir), SlowBatches(0.05)])
-    args = ["-m", "workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+    args = ["-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
             "--no-console", "--wandb"]
     first = spawn(*args, env=offline_env(tmp_path))
     first.wait_for("following")

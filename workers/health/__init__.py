@@ -19,18 +19,18 @@ logger and the monitor see them), all under ``health/``: ``health/trainer/*``,
 The log lines (stderr) are the main output of the alarms: a hung trainer may
 not be there to take a metric.
 
-    python -m workers.health --connect ipc://runs/my-run/bus --stop-on-nan
+    python -m eventbus.workers.health --connect ipc://runs/my-run/bus --stop-on-nan
 
 Modules: ``probes`` (psutil, NVML), ``watchdog`` (the thread that runs checks when no
 event comes), ``system`` (SystemMonitor), ``stall`` (StallDetector), ``loss``
 (LossMonitor), ``cli`` (the command line; ``__main__`` runs it).
 """
 
-from workers.health.cli import build_callbacks, build_parser, main
-from workers.health.loss import LossMonitor
-from workers.health.probes import trainer_process
-from workers.health.stall import StallDetector
-from workers.health.system import SystemMonitor
+from eventbus.workers.health.cli import build_callbacks, build_parser, main
+from eventbus.workers.health.loss import LossMonitor
+from eventbus.workers.health.probes import trainer_process
+from eventbus.workers.health.stall import StallDetector
+from eventbus.workers.health.system import SystemMonitor
 
 __all__ = ["LossMonitor", "StallDetector", "SystemMonitor", "build_callbacks", "build_parser", "main",
            "trainer_process"]

@@ -1,7 +1,7 @@
-"""``python -m workers.health``."""
+"""``python -m eventbus.workers.health``."""
 
 import sys
 
-from workers.health.cli import main
+from eventbus.workers.health.cli import main
 
 sys.exit(main())

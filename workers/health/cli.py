@@ -1,4 +1,4 @@
-"""``python -m workers.health``: the health worker's command line."""
+"""``python -m eventbus.workers.health``: the health worker's command line."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ from typing import Optional, Sequence
 
 from eventbus import Callback
 from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, check_positive, run_daemon, seconds
-from workers.health.loss import LossMonitor
-from workers.health.stall import StallDetector
-from workers.health.system import SystemMonitor
+from eventbus.workers.health.loss import LossMonitor
+from eventbus.workers.health.stall import StallDetector
+from eventbus.workers.health.system import SystemMonitor
 
 __all__ = ["build_callbacks", "build_parser", "main"]
 
 
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
-        prog="python -m workers.health",
+        prog="python -m eventbus.workers.health",
         description="Watch a run's health from outside the trainer: trainer process, system, disk and NVIDIA GPU "
                     "statistics as health/* metrics; a stall alarm when no batch finishes for much longer than "
                     "usual (also for a hung trainer whose process is alive); NaN/Inf and spikes in the loss, "

@@ -14,7 +14,7 @@ from eventbus.runtime.daemon import check_positive
 
 __all__ = ["LossMonitor"]
 
-log = logging.getLogger("workers.health")  # one logger name for the whole worker (not "__main__" under -m)
+log = logging.getLogger("eventbus.workers.health")  # one logger name for the whole worker (not "__main__" under -m)
 
 
 def _loss(state: Any) -> Optional[float]:

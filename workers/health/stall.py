@@ -13,12 +13,12 @@ import psutil
 
 from eventbus.core.logger import Logger
 from eventbus.runtime.daemon import check_positive
-from workers.health.probes import GB, trainer_process
-from workers.health.watchdog import Watchdog
+from eventbus.workers.health.probes import GB, trainer_process
+from eventbus.workers.health.watchdog import Watchdog
 
 __all__ = ["StallDetector"]
 
-log = logging.getLogger("workers.health")  # one logger name for the whole worker (not "__main__" under -m)
+log = logging.getLogger("eventbus.workers.health")  # one logger name for the whole worker (not "__main__" under -m)
 
 
 def _wall_time(state: Any) -> float:

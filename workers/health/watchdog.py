@@ -15,7 +15,7 @@ from eventbus.core.logger import Logger
 
 __all__ = ["Watchdog"]
 
-log = logging.getLogger("workers.health")  # one logger name for the whole worker (not "__main__" under -m)
+log = logging.getLogger("eventbus.workers.health")  # one logger name for the whole worker (not "__main__" under -m)
 
 
 class Watchdog(Callback):
