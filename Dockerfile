@@ -25,6 +25,6 @@ COPY eventbus eventbus
 COPY workers workers
 RUN if [ -n "${WHEELHOUSE}" ]; then pip install --no-cache-dir --no-index --find-links /wheels ".[tensorboard]"; \
     else pip install --no-cache-dir ".[tensorboard]"; fi \
- && eventbus --help >/dev/null
+ && eventbus --help >/dev/null && cd / && python -m eventbus.workers.logger --help >/dev/null
 # The run folders (metrics, journal, checkpoints) and the CURVE keys live on named volumes.
 VOLUME ["/runs", "/keys"]
