@@ -42,6 +42,7 @@ WINDOW_BYTES = 1 << 20
 MAX_GROUPS = 16
 
 _HEADER = wire.topic_index(Kind.HEADER, None)
+_TOPIC_INDEX = {name: index for index, name in enumerate(wire.TOPICS)}
 _ABSENT = object()
 
 
@@ -56,7 +57,7 @@ class _Closed:
     mono: float
     topics: bytes
     times: "array.array[float]"
-    refs: "array.array[int]"
+    refs: list[int]
     payloads: list[bytes]
 
 
@@ -92,8 +93,9 @@ class History:
         self._first = self.seq + 1
         self._wall = self._mono = 0.0
         self._topics = bytearray()
-        self._times: array.array[float] = array.array("f")  # offsets from the first message's times
-        self._refs: array.array[int] = array.array("H")
+        self._times: list[float] = []  # offsets from the first message's times (f32 on the wire)
+        self._refs: list[int] = []
+        self._noted = 0  # messages of this window already folded into _latest (_note_latest)
         self._payloads: list[bytes] = []
         self._payload_index: dict[int, int] = {}  # id(payload) -> its index (_kept keeps it alive)
         self._kept: list[dict[str, Any]] = []
@@ -102,32 +104,56 @@ class History:
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
         """Number one message and add it to the open window. The same payload object given again
-        (never changed since) is stored once; an event's is stored as a delta when it can be."""
-        if len(self._topics) >= wire.MAX_WINDOW_MESSAGES:
+        (never changed since) is stored once; an event's is stored as a delta when it can be.
+
+        The hot path of the bus thread (every event of every batch): a few list appends; what the
+        snapshot service reads (each topic's latest message) is worked out per window instead."""
+        topics = self._topics
+        if len(topics) >= wire.MAX_WINDOW_MESSAGES:
             self._close_window()
+            topics = self._topics
         index = self._payload_index.get(id(payload))
         if index is None:
-            packed = self._pack(kind, payload)
-            if self._topics and self._window_bytes + len(packed) > self._window_max:
-                self._close_window()
-                packed = self._pack(kind, payload)  # whole: the first of its window
-            index = self._payload_index[id(payload)] = len(self._payloads)
-            self._payloads.append(packed)
-            self._kept.append(payload)
-            self._window_bytes += len(packed)
-            if kind == Kind.EVENT:
-                self._base = (index, payload)
-        if not self._topics:
+            index = self._store(kind, payload)
+            topics = self._topics  # a new window if the payload did not fit the open one
+        if not topics:
             self._wall, self._mono = wall, mono
-        self.seq = seq = self.seq + 1
-        topic = wire.topic_index(kind, event)
-        self._topics.append(topic)
-        self._times.append(wall - self._wall)
-        self._times.append(mono - self._mono)
+        self.seq += 1
+        topics.append(_TOPIC_INDEX[event if kind == Kind.EVENT and event is not None else kind])
+        times = self._times
+        times.append(wall - self._wall)
+        times.append(mono - self._mono)
         self._refs.append(index)
-        if seq <= 0xFFFFFFFF:  # links are exact while seqs fit 32 bits
-            self._last_by_topic[topic] = seq
-        self._latest[topic] = (seq, wall, mono, payload)
+
+    def _store(self, kind: str, payload: dict[str, Any]) -> int:
+        """Pack a payload not in the open window yet (closing the window first if it would not fit)."""
+        packed = self._pack(kind, payload)
+        if self._topics and self._window_bytes + len(packed) > self._window_max:
+            self._close_window()
+            packed = self._pack(kind, payload)  # whole: the first of its window
+        index = self._payload_index[id(payload)] = len(self._payloads)
+        self._payloads.append(packed)
+        self._kept.append(payload)
+        self._window_bytes += len(packed)
+        if kind == Kind.EVENT:
+            self._base = (index, payload)
+        return index
+
+    def _note_latest(self) -> None:
+        """Fold the open window's messages not noted yet into each topic's latest (for snapshots and
+        links): per topic its last message, found in C (``rfind``), not per message in Python."""
+        topics, start = self._topics, self._noted
+        if start == len(topics):
+            return
+        first, wall, mono, times, refs, kept = self._first, self._wall, self._mono, self._times, self._refs, self._kept
+        latest, links = self._latest, self._last_by_topic
+        for topic in set(topics[start:]):
+            n = topics.rfind(topic)
+            seq = first + n
+            if seq <= 0xFFFFFFFF:  # links are exact while seqs fit 32 bits
+                links[topic] = seq
+            latest[topic] = (seq, wall + times[2 * n], mono + times[2 * n + 1], kept[refs[n]])
+        self._noted = len(topics)
 
     def _pack(self, kind: str, payload: dict[str, Any]) -> bytes:
         """An event's payload as the keys that changed since the window's previous event payload
@@ -151,9 +177,11 @@ class History:
         """The open window becomes a frame: journaled and cached now, sent by the next flush."""
         if not self._topics:
             return
+        self._note_latest()
         topics = bytes(self._topics)
+        times = array.array("f", self._times)
         frame = wire.encode_window(self.run_id, self.rank, self._first, self.seq, self._wall, self._mono, topics,
-                                   None, self._times, self._refs, self._payloads)
+                                   None, times, self._refs, self._payloads)
         count = len(topics)
         if self.journal is not None:
             self.journal.append(frame, self._first, count)
@@ -164,7 +192,7 @@ class History:
             first, last, old = self._cache.popleft()
             self.cache_bytes -= len(old)
             self._cached -= last - first + 1
-        self._unsent.append(_Closed(frame, self._first, self.seq, self._wall, self._mono, topics, self._times,
+        self._unsent.append(_Closed(frame, self._first, self.seq, self._wall, self._mono, topics, times,
                                     self._refs, self._payloads))
         self.published += count
         self._open_window()
@@ -249,10 +277,12 @@ class History:
     @property
     def header_bytes(self) -> bytes:
         """The latest run header, as a window of one (b"" before the first)."""
+        self._note_latest()
         return self._envelope(_HEADER) if _HEADER in self._latest else b""
 
     def latest(self) -> list[bytes]:
         """The latest message of each event and kind but the header, each a window of one."""
+        self._note_latest()
         return [self._envelope(topic) for topic in self._latest if topic != _HEADER]
 
     def _envelope(self, topic: int) -> bytes:
@@ -265,10 +295,12 @@ class History:
         """The seq of the latest message among ``topics`` (names); of any message when None."""
         if topics is None:
             return self.seq
+        self._note_latest()
         return max((self._last_by_topic[wire.TOPICS.index(name)] for name in topics), default=0)
 
     def links(self) -> bytes:
         """Each topic's latest seq so far (a subscriber's tail check compares its own topics)."""
+        self._note_latest()
         return self._last_by_topic.tobytes()
 
     def messages(self, first: int, last: int, max_bytes: Optional[int] = None) -> list[bytes]:

@@ -17,9 +17,12 @@ from eventbus.bus.schema import PER_BATCH_KEYS, Key, compact_timestamp
 __all__ = ["PayloadBuilder", "resolve"]
 
 
+_PLAIN = frozenset({type(None), str, int, float, bool})
+
+
 def resolve(value: Any) -> Any:
     """Turn a captured value into plain msgpack-able data (waiting for staged device values)."""
-    if value is None or isinstance(value, (str, int, float, bool)):
+    if value.__class__ in _PLAIN or value is None or isinstance(value, (str, int, float, bool)):
         return value
     deferred = getattr(value, "resolve", None)
     if deferred is not None:
@@ -47,8 +50,8 @@ class PayloadBuilder:
         self._last_previous_dict: Optional[list[Any]] = None
         self._last_eval: Any = None
         self._last_eval_fields: list[Any] = []
-        self._last: Optional[dict[str, Any]] = None  # the previous event's snapshot, and what it was of
-        self._last_key: tuple[Any, ...] = ()
+        self._last: Optional[dict[str, Any]] = None  # the previous event's snapshot, and the record it was of
+        self._last_record: Optional[EventRecord] = None
         self._settings: dict[str, Any] = {}  # the last optimizer and scheduler settings captured, as captured
 
     def event_payload(self, record: EventRecord) -> dict[str, Any]:
@@ -56,32 +59,43 @@ class PayloadBuilder:
         staged device copies.
 
         Most events of a batch change nothing but the event name: the snapshot of the previous
-        event is returned again then (the window stores it once)."""
+        event is returned again then (the window stores it once). That check is the bus thread's
+        per-event work, so it compares the record's fields in place (timestamps by identity:
+        immutable objects, shared by the events of a batch)."""
+        last, seen = self._last, self._last_record
+        if (last is not None and seen is not None and record.changes is None and record.checkpoint is None
+                and record.timestamp is seen.timestamp and record.previous_timestamp is seen.previous_timestamp
+                and record.eval_timestamp is seen.eval_timestamp and record.event != "batch_start"
+                and record.dataloader_label == seen.dataloader_label
+                and record.dataloader_len == seen.dataloader_len
+                and record.batch_num_samples == seen.batch_num_samples
+                and record.batch_num_tokens == seen.batch_num_tokens):
+            return last
         if record.event == "batch_start" and any(self._current[key] is not None for key in PER_BATCH_KEYS):
             self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
             self._last = None
         weights = record.changes.pop(Key.WEIGHTS, None) if record.changes else None  # this event's only
         if record.changes and self._apply(record.changes):
             self._last = None
-        key = (record.timestamp, record.previous_timestamp, record.eval_timestamp, record.dataloader_label,
-               record.dataloader_len, record.batch_num_samples, record.batch_num_tokens)
         reusable = record.checkpoint is None and weights is None
-        if reusable and self._last is not None and _same(key, self._last_key):
+        if reusable and self._last is not None and seen is not None and _same(record, seen):
             return self._last
         payload = (self._build(record) if weights is None else
                    dict(self._build(record), **{Key.WEIGHTS: resolve(weights)}))
         if reusable:
-            self._last, self._last_key = payload, key
+            self._last, self._last_record = payload, record
         return payload
 
     def _build(self, record: EventRecord) -> dict[str, Any]:
+        if record.previous_timestamp is not self._last_previous:  # changes once per batch
+            previous = self._last_previous = record.previous_timestamp
+            # Usually the timestamp of the batch before, compacted already.
+            self._last_previous_dict = (None if previous is None else self._last_timestamp_dict
+                                        if previous is self._last_timestamp else
+                                        compact_timestamp(previous.state_dict()))
         if record.timestamp is not self._last_timestamp:  # most events of a batch share one Timestamp
             self._last_timestamp = record.timestamp
             self._last_timestamp_dict = compact_timestamp(record.timestamp.state_dict())
-        if record.previous_timestamp is not self._last_previous:  # changes once per batch
-            self._last_previous = record.previous_timestamp
-            self._last_previous_dict = (compact_timestamp(record.previous_timestamp.state_dict())
-                                        if record.previous_timestamp is not None else None)
         payload = dict(self._current)
         payload[Key.TIMESTAMP] = self._last_timestamp_dict
         if self._last_previous_dict is not None:
@@ -144,7 +158,11 @@ def _equal(old: Any, new: Any) -> bool:
         return False
 
 
-def _same(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
-    """Timestamps by identity (immutable objects, shared by the events of a batch), the rest by value."""
-    return (len(key) == len(other) and key[0] is other[0] and key[1] is other[1] and key[2] is other[2]
-            and key[3:] == other[3:])
+def _same(record: EventRecord, other: EventRecord) -> bool:
+    """Whether two records describe the same point of the run: timestamps by identity (immutable
+    objects, shared by the events of a batch), the rest by value."""
+    return (record.timestamp is other.timestamp and record.previous_timestamp is other.previous_timestamp
+            and record.eval_timestamp is other.eval_timestamp and record.dataloader_label == other.dataloader_label
+            and record.dataloader_len == other.dataloader_len
+            and record.batch_num_samples == other.batch_num_samples
+            and record.batch_num_tokens == other.batch_num_tokens)

@@ -334,7 +334,7 @@ class _BusThread(threading.Thread):
 
     def _encode(self, record: Record) -> None:
         try:
-            if isinstance(record, EventRecord):
+            if type(record) is EventRecord:  # nearly every record: checked first, by class
                 payload = self._payloads.event_payload(record)
                 self._history.append(Kind.EVENT, record.event, record.wall_time, record.mono_time, payload)
             elif isinstance(record, MetricsRecord):
