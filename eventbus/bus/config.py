@@ -50,7 +50,8 @@ class BusConfig:
     # (subscribe.service_client.RECONNECT_MS) and is heard from by then, so a run shorter than this
     # still waits for it. Costs a run that short this much at close, and nothing to a longer one.
     join_grace: float = 0.5
-    coalesce_seconds: float = 0.01  # the bus thread's batching window (adds at most this much latency)
+    # The bus thread's batching window (adds this much latency); up to 5x this while events come fast.
+    coalesce_seconds: float = 0.01
     # What one client can make the request service hold or spend (above these: refused and counted).
     request_hwm: int = 64  # requests queued per client before ZeroMQ stops reading from it
     reply_hwm: int = 16  # replies queued per client that does not read them
