@@ -50,6 +50,7 @@ _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEF
 # Where hyperparameters can have changed: schedulers step inside the batch, so BATCH_END covers the
 # next BATCH_START too (one capture per batch instead of two).
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
 _SKIPPED_REPORT_SECONDS = 10.0  # skipped checkpoints are reported (log line and metric) at most this often
 
 
@@ -143,7 +144,9 @@ class EventCapture(EventSink):
         self._agreed_stop, self._agreed_checkpoint = stop, checkpoint
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
-        self.publisher.log_metrics({k: stage(v) for k, v in metrics.items()}, step, source)
+        plain = _PLAIN_TYPES  # most values (counters, times): kept as they are without a call
+        self.publisher.log_metrics({k: v if v.__class__ in plain else stage(v) for k, v in metrics.items()}, step,
+                                   source)
 
     def close(self) -> None:
         """The engine closed: end the run on the bus (drains, journals ``end``, removes staged buffers)."""

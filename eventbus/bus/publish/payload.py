@@ -24,6 +24,9 @@ def resolve(value: Any) -> Any:
     """Turn a captured value into plain msgpack-able data (waiting for staged device values)."""
     if value.__class__ in _PLAIN or value is None or isinstance(value, (str, int, float, bool)):
         return value
+    if value.__class__ is dict:  # metrics and settings: mostly plain values, each kept as it is
+        return {k if k.__class__ is str else str(k): v if v.__class__ in _PLAIN else resolve(v)
+                for k, v in value.items()}
     deferred = getattr(value, "resolve", None)
     if deferred is not None:
         return deferred()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Protocol, Union
 
+import msgspec
+
 __all__ = ["Deferred", "StagedCheckpointRef", "EventRecord", "MetricsRecord",
            "HyperparametersRecord", "EndRecord", "Record"]
 
@@ -30,9 +32,11 @@ class StagedCheckpointRef(Protocol):
     copied: Any  # a CUDA event with ``synchronize()``, or None
 
 
-@dataclasses.dataclass(slots=True)
-class EventRecord:
-    """One event as captured on the training thread; ``changes`` holds only what changed."""
+class EventRecord(msgspec.Struct, gc=False):
+    """One event as captured on the training thread; ``changes`` holds only what changed.
+
+    A msgspec Struct: built in C (~0.05 us, against ~0.2 for a slots dataclass) ~15 times a batch,
+    and not tracked by the garbage collector (a record refers to no record: no cycle to find)."""
 
     event: str
     wall_time: float
@@ -48,8 +52,7 @@ class EventRecord:
     previous_timestamp: Any = None  # the live (immutable) previous Timestamp, by reference
 
 
-@dataclasses.dataclass(slots=True)
-class MetricsRecord:
+class MetricsRecord(msgspec.Struct, gc=False):
     metrics: dict[str, Any]
     step: Optional[int]
     source: str
