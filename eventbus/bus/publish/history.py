@@ -119,7 +119,7 @@ class History:
         if not topics:
             self._wall, self._mono = wall, mono
         self.seq += 1
-        topics.append(_TOPIC_INDEX[event if kind == Kind.EVENT and event is not None else kind])
+        topics.append(_TOPIC_INDEX[event or kind])  # an event's topic is its event; others', their kind
         times = self._times
         times.append(wall - self._wall)
         times.append(mono - self._mono)

@@ -59,6 +59,8 @@ MAX_WINDOW_FACTOR = 5
 #: ...a turn of at least this many records being busy (at 10 ms: ~1.3 ms steps of ~17 events);
 #: one of fewer than a quarter of it halves the window again, down to ``coalesce_seconds``.
 BUSY_TURN_RECORDS = 128
+#: Records taken in one turn at most (a window each); after a full turn the next one starts at once.
+TURN_RECORDS = 4096
 
 
 class Publisher:
@@ -261,16 +263,12 @@ class _BusThread(threading.Thread):
                 records += self._gather_window(poller, records[0])
             except queue.Empty:
                 records = []
-            while len(records) < 4096:
+            while len(records) < TURN_RECORDS:
                 try:
                     records.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            for record in records:
-                if isinstance(record, EndRecord):
-                    ending = True
-                    break
-                self._encode(record)
+            ending = self._encode_all(records)
             self._window = self._next_window(len(records))
             self._send()
             self._serve_waiting(poller, 0)
@@ -312,15 +310,18 @@ class _BusThread(threading.Thread):
 
     def _next_window(self, records: int) -> float:
         """The next turn's window: doubled after a busy turn (up to ``MAX_WINDOW_FACTOR`` times
-        ``coalesce_seconds``), halved after a quiet one (down to ``coalesce_seconds``). Requests are
-        answered during the window whatever its length, and a ``stops`` lease still ends it at
-        BATCH_END: only what subscribers see live, and the queue a crash loses, wait longer."""
+        ``coalesce_seconds``), halved after a quiet one (down to ``coalesce_seconds``), none after a
+        full one (the queue holds more: taken at once). Requests are answered during the window
+        whatever its length, and a ``stops`` lease still ends it at BATCH_END: only what subscribers
+        see live, and the queue a crash loses, wait longer."""
         base = self.config.coalesce_seconds
+        if records >= TURN_RECORDS:
+            return 0.0
         if records >= BUSY_TURN_RECORDS:
-            return min(self._window * 2, base * MAX_WINDOW_FACTOR)
+            return min(max(self._window, base) * 2, base * MAX_WINDOW_FACTOR)
         if records < BUSY_TURN_RECORDS // 4:
             return max(self._window / 2, base)
-        return self._window
+        return max(self._window, base)
 
     def _finish(self, poller: zmq.Poller) -> None:
         """Let live workers catch up, publish END, and keep answering a little longer: late gap
@@ -355,19 +356,25 @@ class _BusThread(threading.Thread):
         log.warning("closing before %s applied the whole run (drain_timeout=%ss)", ", ".join(behind),
                     self.config.drain_timeout)
 
-    def _encode(self, record: Record) -> None:
-        try:
-            if type(record) is EventRecord:  # nearly every record: checked first, by class
-                payload = self._payloads.event_payload(record)
-                self._history.append(Kind.EVENT, record.event, record.wall_time, record.mono_time, payload)
-            elif isinstance(record, MetricsRecord):
-                payload = PayloadBuilder.metrics_payload(record.metrics, record.step, record.source)
-                self._history.append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
-            elif isinstance(record, HyperparametersRecord):
-                self._publish_hyperparameters(record.hyperparameters)
-        except Exception:  # one unencodable value must not end the run's record
-            self._stats.failed_requests += 1
-            log.exception("a %s could not be published; the bus goes on", type(record).__name__)
+    def _encode_all(self, records: list[Record]) -> bool:
+        """Number and store a turn's records, up to the end of the run (True once it is reached).
+        The bus thread's per-event work: one loop, its lookups made once per turn."""
+        event_payload, append, event_kind = self._payloads.event_payload, self._history.append, Kind.EVENT
+        for record in records:
+            try:
+                if type(record) is EventRecord:  # nearly every record: checked first, by class
+                    append(event_kind, record.event, record.wall_time, record.mono_time, event_payload(record))
+                elif isinstance(record, MetricsRecord):
+                    payload = PayloadBuilder.metrics_payload(record.metrics, record.step, record.source)
+                    append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
+                elif isinstance(record, HyperparametersRecord):
+                    self._publish_hyperparameters(record.hyperparameters)
+                elif isinstance(record, EndRecord):
+                    return True
+            except Exception:  # one unencodable value must not end the run's record
+                self._stats.failed_requests += 1
+                log.exception("a %s could not be published; the bus goes on", type(record).__name__)
+        return False
 
     def _emit(self, kind: str, event: Optional[str], payload: dict[str, Any]) -> None:
         self._history.append(kind, event, time.time(), time.monotonic(), payload)
