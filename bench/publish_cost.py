@@ -1,9 +1,14 @@
-"""1. Publish cost on the training thread, beside a raw pyzmq send of the same bytes and a bare call."""
+"""1. Publish cost on the training thread, beside a raw pyzmq send of the same bytes and a bare call;
+then, per thread, what the bus costs a ~1 ms step: the training thread's CPU with and without the bus,
+and the bus thread's (numbering, snapshots, windows, journal), beside the steps/s ratio."""
 
 from __future__ import annotations
 
+import os
 import tempfile
+import threading
 import time
+from typing import Any, Union
 
 import zmq
 
@@ -49,12 +54,62 @@ def run(quick: bool) -> dict:
     floor = stats["raw pyzmq send"][0]
     rows = [(name, med, p99, med / floor) for name, (med, p99) in stats.items()]
     table("1. publish cost on the training thread (µs per event)", ["", "median", "p99", "x raw send"], rows)
-    result = {"median_us": stats["publish (after_forward)"][0], "p99_us": stats["publish (after_forward)"][1],
+    result: dict[str, Any] = {
+              "median_us": stats["publish (after_forward)"][0], "p99_us": stats["publish (after_forward)"][1],
               "batch_end_median_us": stats["publish (batch_end)"][0],
               "batch_end_p99_us": stats["publish (batch_end)"][1], "raw_send_us": floor,
               "bare_call_us": stats["bare call"][0],
               "ratio_to_raw": stats["publish (after_forward)"][0] / floor,
               "target_ratio_met": stats["publish (after_forward)"][0] <= 1.5 * floor,
               "target_p99_met": stats["publish (after_forward)"][1] < 50}
+    result["per_step"] = _per_step(quick)
     emit("publish_cost", result)
     return result
+
+
+def _thread_cpu(thread: threading.Thread) -> float:
+    """CPU seconds of one thread of this process (schedstat: nanoseconds)."""
+    with open(f"/proc/self/task/{thread.native_id}/schedstat") as stat:
+        return int(stat.read().split()[0]) / 1e9
+
+
+def _fit(folder: str, name: str, bus: Union[bool, str], batches: int) -> dict[str, float]:
+    """One ~1 ms-step fit: steps/s, and the training and bus threads' CPU per step (µs)."""
+    before = set(threading.enumerate())
+    trainer = Trainer(classifier(64, 2), loader(batches, 16), max_duration=f"{batches}ba", device="cpu",
+                      run_folder=f"{folder}/{name}", bus=bus, progress_bar=False)
+    bus_thread = next((t for t in threading.enumerate() if t not in before and t.name.startswith("eventbus-bus")),
+                      None)
+    bus_cpu = _thread_cpu(bus_thread) if bus_thread is not None else 0.0
+    started, cpu = time.perf_counter(), time.thread_time()
+    trainer.fit()
+    seconds, cpu = time.perf_counter() - started, time.thread_time() - cpu
+    bus_cpu = _thread_cpu(bus_thread) - bus_cpu if bus_thread is not None else 0.0
+    trainer.close()
+    run_folder = f"{folder}/{name}"
+    journal = sum(entry.stat().st_size for entry in os.scandir(run_folder) if ".journal" in entry.name) \
+        if os.path.isdir(run_folder) else 0
+    return {"steps_per_sec": batches / seconds, "training_thread_us": cpu / batches * 1e6,
+            "bus_thread_us": bus_cpu / batches * 1e6, "journal_bytes": journal / batches}
+
+
+def _per_step(quick: bool) -> dict[str, float]:
+    """The trainer alone and with a bus nobody subscribes to, alternated (noise hits both alike)."""
+    if not os.path.exists("/proc/self/task"):
+        return {}
+    batches, repeats = (100, 1) if quick else (600, 5)
+    runs: dict[str, list[dict[str, float]]] = {"alone": [], "bus": []}
+    with tempfile.TemporaryDirectory() as folder:
+        _fit(folder, "warm-up", False, 50)  # first-call costs (allocator, imports) counted in neither
+        for r in range(repeats):
+            runs["alone"].append(_fit(folder, f"a{r}", False, batches))
+            runs["bus"].append(_fit(folder, f"b{r}", f"ipc://{folder}/b{r}.bus", batches))
+    alone, bus = ({key: median([run[key] for run in got]) for key in got[0]} for got in runs.values())
+    out = {"steps_ratio": median([b["steps_per_sec"] / a["steps_per_sec"] for a, b in zip(*runs.values())]),
+           "training_thread_us_alone": alone["training_thread_us"], "training_thread_us_bus": bus["training_thread_us"],
+           "bus_thread_us": bus["bus_thread_us"], "journal_bytes_per_step": bus["journal_bytes"]}
+    table("1. the bus's cost per ~1 ms step, per thread (CPU µs per step; medians of alternated runs)",
+          ["training thread alone", "training thread + bus", "bus thread", "steps/s x alone", "journal B/step"],
+          [[out["training_thread_us_alone"], out["training_thread_us_bus"], out["bus_thread_us"],
+            out["steps_ratio"], out["journal_bytes_per_step"]]])
+    return out
