@@ -21,6 +21,11 @@ class HeldWeights:
         self._held: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()  # (seq, staged)
         self._lock = threading.Lock()
 
+    @property
+    def holding(self) -> bool:
+        """Whether any buffer is held (read without the lock: a hint, for skipping work)."""
+        return bool(self._held)
+
     def hold(self, seq: int, staged: dict[str, Any]) -> None:
         with self._lock:
             self._held.append((seq, staged))

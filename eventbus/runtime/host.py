@@ -41,7 +41,6 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
-from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import calling_callback, weights_wanted
 from eventbus.bus.subscribe.subscriber import Message
@@ -85,6 +84,8 @@ class CallbackHost:
         self._resumed_run = cursor.run_id if cursor is not None else None
         self.run_id: Optional[str] = None  # the run of the messages handed to the callbacks
         self._weights = HeldWeights(release_weights) if release_weights is not None else None
+        self._weights_readers: Optional[tuple[bool, ...]] = None  # what weights_events() was worked out for
+        self._weights_at: frozenset[str] = frozenset()
         for slot in self.slots:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
             if cursor is not None and cursor.states.get(slot.name):
@@ -96,12 +97,18 @@ class CallbackHost:
         return min((slot.last_seq for slot in self.slots), default=0)
 
     def weights_events(self) -> frozenset[str]:
-        """Where this worker's callbacks read the weights: what it leases ``weights`` at."""
-        return frozenset(name for slot in self.slots if slot.reads_weights for name in weights_events(slot.callback))
+        """Where this worker's callbacks read the weights: what it leases ``weights`` at (worked out
+        again only when a callback was found reading them)."""
+        readers = tuple(slot.reads_weights for slot in self.slots)
+        if readers != self._weights_readers:
+            self._weights_readers = readers
+            self._weights_at = frozenset(name for slot in self.slots if slot.reads_weights
+                                         for name in weights_events(slot.callback))
+        return self._weights_at
 
     def _release_applied(self) -> None:
         """Release the staged weights of every event each hosted callback has applied by now."""
-        if self._weights is not None:
+        if self._weights is not None and self._weights.holding:
             self._weights.release_through(self.applied_seq)
 
     @property
@@ -153,22 +160,38 @@ class CallbackHost:
             raise self.failure
 
     async def _feed(self, messages: AsyncIterator[Union[Message, list[Message]]]) -> None:
+        """Hand each window over: to the lane whole when every callback is on it (one hand-over, no
+        await and no work per message), else message by message to each callback's queue."""
+        lane_only = not any(slot.runs_async for slot in self.slots)
         async for item in messages:
             window = item if isinstance(item, list) else [item]
-            for message in window:
-                self.run_id = message.run_id
-                if self._weights is not None and message.event is not None \
-                        and message.event.value in WEIGHTS_EVENTS and message.event.value in self.weights_events():
-                    staged = message.state.staged_weights()  # held for this worker until it applied the event
-                    if staged is not None:
-                        self._weights.hold(message.seq, staged)
-                if not self.lane_only:
-                    await self._put(message)
-            if self.lane_only:  # a window in one hand-over: no await per message
+            if not window:
+                continue
+            self.run_id = window[-1].run_id
+            if self._weights is not None:
+                self._hold_weights(window)
+            if lane_only:
                 await _to_lane(self.lane, window)
+            else:
+                for message in window:
+                    await self._put(message)
             self._release_applied()
-            if window and window[-1].kind == Kind.END:
+            if window[-1].kind == Kind.END:
                 return
+
+    def _hold_weights(self, window: list[Message]) -> None:
+        """Hold the staged weights of the window's events where some callback reads them, until
+        every callback has applied that event."""
+        at = self.weights_events()
+        if not at:
+            return
+        assert self._weights is not None
+        for message in window:
+            event = message.event
+            if event is not None and event.value in at:
+                staged = message.state.staged_weights()
+                if staged is not None:
+                    self._weights.hold(message.seq, staged)
 
     async def _put(self, item: Any) -> None:
         """Hand ``item`` to every callback; a callback with ``queue_size`` items it has not applied
@@ -183,11 +206,6 @@ class CallbackHost:
             else:
                 await slot.queue.put(item)
         await _to_lane(self.lane, [item])
-
-    @property
-    def lane_only(self) -> bool:
-        """Every callback is on the lane (none runs ``async`` methods): a window goes over whole."""
-        return not any(slot.runs_async for slot in self.slots)
 
     def _calling(self, slot: Slot) -> None:
         """What runs next on this thread is ``slot``'s: whose captures, requests and weights reads these are."""
@@ -206,24 +224,30 @@ class CallbackHost:
             return 0.0
 
     def _serve_one(self, slot: Slot, item: Any, loop: asyncio.AbstractEventLoop) -> float:
-        spent = 0.0
         if item is None:
             slot.commit(self.cursor)
-            return spent
+            return 0.0
+        clock = time.perf_counter
+        spent, started = 0.0, clock()  # one clock read per message: each ends where the next starts
+        skip_through, resumed = slot.skip_through, self._resumed_run
         for message in item:
             if message is END:
                 slot.commit(self.cursor, force=True)
-            elif message.run_id == self._resumed_run and message.seq <= slot.skip_through:
+            elif message.seq <= skip_through and message.run_id == resumed:
                 slot.last_seq = message.seq  # applied before a restart
             elif (self.failure is None or not self.fail_fast) and self.broken is None:
-                spent += self._apply(slot, message, loop)
+                applied = self._apply(slot, message, loop)
+                now = clock()
+                seconds, started = now - started, now
+                spent += seconds
+                if applied:
+                    self._applied(slot, message, seconds, now)
         slot.done += len(item)
         return spent
 
-    def _apply(self, slot: Slot, message: Message, loop: asyncio.AbstractEventLoop) -> float:
+    def _apply(self, slot: Slot, message: Message, loop: asyncio.AbstractEventLoop) -> bool:
         """On the lane's thread or the callback's own; a failure under fail_fast stops the host (on
-        its loop). Returns the seconds it took."""
-        started = time.perf_counter()
+        its loop). Returns whether it counts as applied (every message does but that one)."""
         try:
             for method, args in slot.calls(message):
                 method(*args)
@@ -233,10 +257,8 @@ class CallbackHost:
                 if self.failure is None:
                     self.failure = err
                 loop.call_soon_threadsafe(self.stop)
-                return time.perf_counter() - started
-        seconds = time.perf_counter() - started
-        self._applied(slot, message, seconds)
-        return seconds
+                return False
+        return True
 
     async def _consume(self, slot: Slot) -> None:
         """An async callback's task: its messages in order, awaited one by one."""
@@ -252,7 +274,7 @@ class CallbackHost:
         while True:
             await asyncio.sleep(COMMIT_INTERVAL)
             if slot.committed_seq != slot.last_seq and slot.queue.empty() and \
-                    time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:
+                    time.perf_counter() - slot.committed_at >= COMMIT_INTERVAL:
                 await loop.run_in_executor(slot.executor, slot.commit, self.cursor)
 
     async def _apply_async(self, slot: Slot, message: Message) -> None:
@@ -272,21 +294,23 @@ class CallbackHost:
                 self.failure = err
                 self.stop()
                 return
-        self._applied(slot, message, time.perf_counter() - started)
+        now = time.perf_counter()
+        self._applied(slot, message, now - started, now)
 
     def _failed(self, slot: Slot, message: Message) -> None:
         slot.errors += 1
         log.exception("callback %s failed on %s (seq %d)", slot.name, message.event or message.kind, message.seq)
 
-    def _applied(self, slot: Slot, message: Message, seconds: float) -> None:
+    def _applied(self, slot: Slot, message: Message, seconds: float, now: float) -> None:
+        """``message`` took ``seconds`` and ended at ``now`` (``time.perf_counter()``)."""
         slot.applied += 1
         slot.last_seq = message.seq
         slot.ended = message.kind == Kind.END
         self._release_applied()
-        slot.since_commit += seconds
-        if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or \
-                time.monotonic() - slot.committed_at >= COMMIT_INTERVAL:
-            slot.commit(self.cursor)
+        if self.cursor is not None:
+            slot.since_commit += seconds
+            if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or now - slot.committed_at >= COMMIT_INTERVAL:
+                slot.commit(self.cursor)
 
     @staticmethod
     async def _call(slot: Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:
@@ -305,7 +329,7 @@ class CallbackHost:
         loop = asyncio.get_running_loop()
         for slot in self.slots:
             try:
-                state = slot.live if slot.state is not None else None  # None: no message ever reached it
+                state = slot.live if slot.message is not None else None  # None: no message ever reached it
                 await self._call(slot, slot.callback.close, loop, state, slot.logger)
             except Exception:
                 log.exception("error in %s.close(); continuing", slot.name)

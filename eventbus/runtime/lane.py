@@ -24,7 +24,7 @@ from eventbus.bus.protocol import WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import LiveState
 from eventbus.bus.subscribe.subscriber import Message
-from eventbus.core.callback import Callback, event_calls
+from eventbus.core.callback import RUN_EVENT, Callback, Calls, event_calls, handlers
 from eventbus.core.events import Event
 from eventbus.core.logger import is_logger_destination
 from eventbus.runtime.cursor import Cursor
@@ -70,9 +70,15 @@ class Slot:
         self.callback = callback
         self.name = name
         self.queue_size = queue_size
-        self.logger = SubscriberLogger(send_metrics, name, send_hyperparameters)
-        self.state: Any = None  # the snapshot of the message being applied...
+        self.message: Optional[Message] = None  # the message being applied (or last applied)...
         self.live = LiveState()  # ...as the callback sees it: one object for the run, as in Composer
+        self.logger = SubscriberLogger(send_metrics, name, send_hyperparameters, self.live)
+        self.header: Optional[dict[str, Any]] = None  # the run header its logger follows
+        # What each event calls on it, resolved once (as the trainer's engine does): the same methods
+        # and arguments every time, the live state and the logger being one object each for the run.
+        self.by_event: dict[Event, Calls] = {}
+        self.takes_metrics = takes_metrics(callback)
+        self.is_destination = is_logger_destination(callback)
         self.skip_through = 0  # seqs at or below were applied before a restart
         self.seen_init = False
         self.hyperparameters: dict[str, Any] = {}
@@ -81,9 +87,8 @@ class Slot:
         self.last_seq = 0
         self.ended = False  # it applied the run's end
         self.committed_seq = 0
-        self.run_id: Optional[str] = None
         self.commit_cost = 0.0  # seconds the last commit took
-        self.committed_at = time.monotonic()
+        self.committed_at = time.perf_counter()
         self.since_commit = 0.0  # seconds spent applying since then
         self.runs_async = any(inspect.iscoroutinefunction(getattr(callback, name, None))
                               for name in ("run_event", "log_metrics", "log_hyperparameters",
@@ -100,43 +105,59 @@ class Slot:
             if self.runs_async else None
 
 
-    def calls(self, message: Message) -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
-        """What applying ``message`` to this callback means: the methods to call, in order."""
+    def calls(self, message: Message) -> Calls:
+        """What applying ``message`` to this callback means: the methods to call, in order (the list
+        an event calls is shared by its messages: the caller must not change it)."""
+        self.message = message
+        self.live.show(message)  # its snapshot is built if the callback reads it, not before
+        header = message.header
+        if header is not self.header:  # a new run, or its header re-published
+            self.header = header
+            self.logger.follow_run(header)
+        event = message.event
+        if event is not None:
+            calls = self.by_event.get(event)
+            if calls is None:
+                calls = self._event_calls(event)
+            return calls
         callback: Any = self.callback  # an eventbus or Composer callback, or a logger destination
-        self.state = message.state
-        self.live.show(message.state)
-        self.logger.state = message.state
-        self.run_id = message.run_id
         if message.kind == Kind.METRICS:
-            if message.metrics is not None and takes_metrics(callback):
+            if message.metrics is not None and self.takes_metrics:
                 return [(callback.log_metrics, (message.metrics, message.step))]
             return []
-        if message.kind == Kind.HEADER and is_logger_destination(callback):
+        if message.kind == Kind.HEADER and self.is_destination:
             # The header precedes INIT on the wire; the trainer logs hyperparameters after INIT.
             self.hyperparameters = dict(message.state.hyperparameters) if message.state is not None else {}
             return [(callback.log_hyperparameters, (self.hyperparameters,))] if self.seen_init else []
-        if message.event is None:
-            return []
-        calls = event_calls(callback, message.event, self.live, self.logger)  # as the trainer's engine calls them
-        if message.event is Event.INIT:
+        return []
+
+    def _event_calls(self, event: Event) -> Calls:
+        """What ``event`` calls, as the trainer's engine calls it; kept for its next messages unless it
+        calls a deprecated method name (which warns each time) or it is INIT."""
+        callback: Any = self.callback  # an eventbus or Composer callback, or a logger destination
+        calls = event_calls(callback, event, self.live, self.logger)
+        if event is Event.INIT:
             self.seen_init = True
-            if self.hyperparameters and is_logger_destination(callback):
+            if self.hyperparameters and self.is_destination:
                 calls.append((callback.log_hyperparameters, (self.hyperparameters,)))
+        elif set(handlers(type(callback), event)) <= {event.value, RUN_EVENT}:
+            self.by_event[event] = calls
         return calls
 
     def commit(self, cursor: Optional[Cursor], force: bool = False) -> None:
         """Group commit of this callback's progress (called between its messages, on its thread)."""
-        if cursor is None or self.state is None or (self.committed_seq == self.last_seq and not force):
+        message = self.message
+        if cursor is None or message is None or (self.committed_seq == self.last_seq and not force):
             return
-        journal = self.state.header.get("journal")
-        run_id = self.run_id or self.state.run_id
+        journal = message.header.get("journal")
+        run_id = message.run_id
         started = time.perf_counter()
         flush = getattr(self.callback, "flush", None)
         if callable(flush):
             flush()  # a tracker's buffered writes are durable before they are recorded as applied
         cursor.record(run_id, self.name, self.last_seq, self.callback.state_dict(), journal, self.ended)
         self.commit_cost = time.perf_counter() - started
-        self.committed_seq, self.since_commit, self.committed_at = self.last_seq, 0.0, time.monotonic()
+        self.committed_seq, self.since_commit, self.committed_at = self.last_seq, 0.0, time.perf_counter()
 
     def wants_weights(self) -> None:
         """The callback read ``state.model.state_dict()`` where none were leased: lease them from now on."""

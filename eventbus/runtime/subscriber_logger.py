@@ -20,34 +20,37 @@ log = logging.getLogger(__name__)
 
 
 class SubscriberLogger(Logger):
-    """A Logger whose state is the hosted callback's current snapshot and whose metrics go to the trainer."""
+    """A Logger whose state is the hosted callback's ``state`` and whose metrics go to the trainer."""
 
-    def __init__(self, send: Any, source: str, send_hyperparameters: Any = None):
-        super().__init__(state=None, destinations=())  # type: ignore[arg-type]
+    def __init__(self, send: Any, source: str, send_hyperparameters: Any = None, state: Any = None):
+        """``state``: what the hosted callback gets as ``state`` (its LiveState), read as the message
+        being applied. It is the Logger's own state too, so ``upload_file`` fills ``{run_name}``
+        placeholders from it."""
+        super().__init__(state=state, destinations=())
         self._send, self._source = send, source
         self._send_hyperparameters = send_hyperparameters
         self._journal: Optional[str] = None  # the run whose folder ``artifacts_folder`` is in
+        self._shown = False  # the host showed it a message: ``state`` has something to read
 
     @property
     def state(self) -> Any:
-        """The snapshot of the message being applied (the host sets it before each call). It is the
-        Logger's own state too, so ``upload_file`` fills ``{run_name}`` placeholders from it. Uploads
-        are copied where the trainer's own go, ``<run folder>/artifacts/``, when the run folder is on
-        this host (next to the journal the header names); elsewhere they go nowhere."""
-        return self._state
+        """The hosted callback's state, as of the message being applied (None before the first)."""
+        return self._state if self._shown else None
 
-    @state.setter
-    def state(self, snapshot: Any) -> None:
-        self._state = snapshot
-        journal = snapshot.header.get("journal") if snapshot is not None else None
+    def follow_run(self, header: dict[str, Any]) -> None:
+        """The host, when the run header changes (a new run, or its header re-published). Uploads are
+        copied where the trainer's own go, ``<run folder>/artifacts/``, when the run folder is on this
+        host (next to the journal the header names); elsewhere they go nowhere."""
+        self._shown = True
+        journal = header.get("journal")
         if journal != self._journal:  # a new run (a worker with --follow hosts one after another)
             self._journal = journal
             folder = pathlib.Path(journal).parent if journal else None
             self.artifacts_folder = folder / "artifacts" if folder is not None and folder.is_dir() else None
 
     def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
-        if step is None and self.state is not None:
-            step = self.state.timestamp.batch.value
+        if step is None and self._shown:
+            step = self._state.timestamp.batch.value
         self._send(dict(metrics), step, self._source)
 
     def log_hyperparameters(self, hyperparameters: Any) -> None:

@@ -174,6 +174,15 @@ class _Runs:
                     window = await self._windows.__anext__()
                 except StopAsyncIteration:
                     return
+            last = window[-1]
+            if self._events is None and run_id is not None and window[0].run_id == run_id == last.run_id:
+                # The usual window, nothing to look at per message: all of this run (a run's messages
+                # come one run after the other), which ends, if at all, with its last one.
+                yield window
+                if last.kind == Kind.END:
+                    self._next = []
+                    return
+                continue
             kept: list[Any] = []
             for at, message in enumerate(window):
                 if run_id is not None and message.run_id != run_id:

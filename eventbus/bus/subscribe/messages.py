@@ -11,7 +11,7 @@ one small object per message.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from eventbus.bus import wire
 from eventbus.bus.protocol import Op
@@ -67,6 +67,11 @@ class Message:
         if state.__class__ is _State:
             state = self._state = state.get(self._envelope)
         return state  # type: ignore[no-any-return]
+
+    @property
+    def header(self) -> dict[str, Any]:
+        """The run header as of this message, without building its snapshot."""
+        return self._state.header  # type: ignore[no-any-return]  # a _State or the Snapshot it built
 
     def __repr__(self) -> str:
         return (f"Message(kind={self.kind!r}, event={self.event!r}, seq={self.seq}, run_id={self.run_id!r}, "
@@ -126,23 +131,41 @@ class RunView:
 
     def deliver(self, item: Decoded) -> Optional[Message]:
         """The message to yield, or None when its event is filtered out (its state is still absorbed)."""
-        envelope = item.envelope
-        self.absorb(envelope)
-        kind = envelope.kind
-        event = _EVENTS[envelope.event or ""] if kind == Kind.EVENT else None  # checked by decode
-        if event is not None and self._events is not None and event not in self._events:
-            return None
-        stats = self._stats
-        stats.delivered += 1
-        lag = time.time() - envelope.wall_time
-        stats.lag_seconds = lag if lag > 0.0 else 0.0
-        if kind == Kind.METRICS:
-            payload = envelope.payload
-            return Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
-                           payload.get("metrics"), payload.get("step"), payload.get("source"), item.recovered,
-                           envelope)
-        return Message(kind, event, self._current, envelope.seq, envelope.run_id, envelope.rank,
-                       recovered=item.recovered, envelope=envelope)
+        if item.recovered:
+            item.envelope.recovered = True
+        delivered = self.deliver_all((item.envelope,))
+        return delivered[0] if delivered else None
+
+    def deliver_all(self, envelopes: Iterable[wire.Envelope]) -> list[Message]:
+        """The messages to yield for ``envelopes``, in order: those whose event is filtered out are
+        left out (their state is still absorbed). A wake-up's worth at a time, with one clock read."""
+        delivered: list[Message] = []
+        append, wanted = delivered.append, self._events
+        event_kind, metrics_kind = Kind.EVENT, Kind.METRICS
+        for envelope in envelopes:
+            kind = envelope.kind
+            if kind == event_kind:
+                current = self._current = _State(envelope, self._header, self)  # its payload read when used
+                event = _EVENTS[envelope.event or ""]  # checked by decode
+                if wanted is None or event in wanted:
+                    append(Message(kind, event, current, envelope.seq, envelope.run_id, envelope.rank,
+                                   recovered=envelope.recovered, envelope=envelope))
+            elif kind == metrics_kind:
+                payload = envelope.payload
+                append(Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
+                               payload.get("metrics"), payload.get("step"), payload.get("source"), envelope.recovered,
+                               envelope))
+            else:
+                if kind == Kind.HEADER:
+                    self.header = envelope.payload  # re-published mid-run: what follows sees its hyperparameters
+                append(Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
+                               recovered=envelope.recovered, envelope=envelope))
+        if delivered:
+            stats = self._stats
+            stats.delivered += len(delivered)
+            lag = time.time() - delivered[-1]._envelope.wall_time  # type: ignore[union-attr]
+            stats.lag_seconds = lag if lag > 0.0 else 0.0
+        return delivered
 
     def _snapshot(self, envelope: wire.Envelope, event: Optional[str], payload: Any,
                   header: dict[str, Any]) -> Snapshot:

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class Decoded:
-    """A message decoded once; its snapshot is built when it is delivered."""
+    """A message decoded once, one at a time (``pop``); its snapshot is built when it is delivered."""
 
     __slots__ = ("envelope", "recovered")
 
@@ -68,7 +68,7 @@ class Sequencer:
         self._resume = resume
         self._follow = follow
         self._on_new_run = on_new_run
-        self._ready: collections.deque[Decoded] = collections.deque()
+        self._ready: collections.deque[wire.Envelope] = collections.deque()  # ``recovered`` set on each
         self._finished_runs: set[str] = set()
         self.run_id: Optional[str] = None
         self.next_seq: Optional[int] = None
@@ -162,16 +162,19 @@ class Sequencer:
         next_seq, end = self.next_seq, window.last if last is None else min(last, window.last)
         if next_seq is None or not window.first <= next_seq <= end or window.run_id != self.run_id:
             return False
-        ready, taken, early = self._ready, 0, 0
-        first_live = self._first_live
-        for envelope in window.messages:
-            if next_seq <= envelope.seq <= end:
-                ready.append(Decoded(envelope, recovered))
-                taken += 1
-                early += first_live is None or envelope.seq < first_live
-        if recovered:
-            self._stats.caught_up += early
-            self._stats.recovered += taken - early
+        messages = window.messages
+        if not recovered and next_seq == window.first and end == window.last:
+            self._ready.extend(messages)  # the usual live window: all of it, as it is
+        else:
+            kept = [envelope for envelope in messages if next_seq <= envelope.seq <= end]
+            self._ready.extend(kept)
+            if recovered:
+                first_live = self._first_live
+                early = sum(first_live is None or envelope.seq < first_live for envelope in kept)
+                for envelope in kept:
+                    envelope.recovered = True
+                self._stats.caught_up += early
+                self._stats.recovered += len(kept) - early
         self._stats.duplicates += next_seq - window.first
         self.next_seq = end + 1
         return True
@@ -183,11 +186,22 @@ class Sequencer:
                   first, last, self.run_id)
         self.next_seq = last + 1
 
+    def take(self) -> list[wire.Envelope]:
+        """Every message ready to deliver, in seq order (what ``pop`` would give one by one). The
+        end of a run is its last message: if taken, it is the last of them (or the last of its
+        run, when a restarted trainer's run is followed)."""
+        ready = self._ready
+        items = list(ready)
+        ready.clear()
+        if items and items[-1].kind == Kind.END:
+            self.ended = True
+        return items
+
     def pop(self) -> Optional[Decoded]:
         """The next message to deliver, in seq order; None when none is ready."""
         if not self._ready:
             return None
-        item = self._ready.popleft()
-        if item.envelope.kind == Kind.END:
+        envelope = self._ready.popleft()
+        if envelope.kind == Kind.END:
             self.ended = True
-        return item
+        return Decoded(envelope, envelope.recovered)

@@ -63,6 +63,7 @@ class ServiceClient:
         self._closed = False
         self._dealer: Optional[zmq.asyncio.Socket] = None
         self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._waiting = 0  # one-way messages waiting for room on their socket: later ones queue behind them
         self._turn = asyncio.Lock()
         self._refusals_logged: set[str] = set()  # errors answered to one-way messages, each logged once
 
@@ -142,8 +143,23 @@ class ServiceClient:
         if self._closed:
             log.debug("subscriber closed: a %d-byte one-way message was not sent", len(data))
             return
-        future = asyncio.ensure_future(self._dealer_to(rank).send(data))
-        future.add_done_callback(_log_send_failure)
+        dealer = self._dealer_to(rank)
+        if not self._waiting:  # queued in ZeroMQ now: no future and no callback per message (a heartbeat's)
+            try:
+                zmq.Socket.send(dealer, data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass  # no room: waits like the ones after it, in order
+            except zmq.ZMQError as err:
+                log.debug("a one-way message to the trainer was not sent: %s", err)
+                return
+        self._waiting += 1
+        future = asyncio.ensure_future(dealer.send(data))
+        future.add_done_callback(self._sent)
+
+    def _sent(self, future: "asyncio.Future[Any]") -> None:
+        self._waiting -= 1
+        _log_send_failure(future)
 
     def control(self, op: str, fields: dict[str, Any]) -> None:
         """A snapshot's control hook (``stop_training()``, a checkpoint's ack): sent as this subscriber.

@@ -289,25 +289,28 @@ class LiveState:
     """What a hosted callback gets as ``state``: one object for the whole run, as Composer's State
     is, that reads as the snapshot of the message being applied. A callback that keeps the ``state``
     it got at INIT (Composer's InMemoryLogger does, for its timestamps) later reads the current one,
-    as it would in process. Read-only, like the snapshots behind it."""
+    as it would in process. Read-only, like the snapshots behind it. It is shown each message (anything
+    with a ``state``) and builds that message's snapshot only when the callback reads it: a callback
+    that reads nothing at some event costs no snapshot there."""
 
-    __slots__ = ("_snapshot",)
+    __slots__ = ("_message",)
 
     def __init__(self) -> None:
-        object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "_message", None)
 
-    def show(self, snapshot: Optional[Snapshot]) -> None:
-        """The host, on the callback's thread, before each call."""
-        object.__setattr__(self, "_snapshot", snapshot)
+    def show(self, message: Any) -> None:
+        """The host, on the callback's thread, before each call: the message whose state this reads as."""
+        object.__setattr__(self, "_message", message)
 
     def __getattr__(self, name: str) -> Any:
-        snapshot = object.__getattribute__(self, "_snapshot")
-        if snapshot is None:
+        message = object.__getattribute__(self, "_message")
+        if message is None:
             raise AttributeError(f"no message has reached this callback yet (reading {name!r})")
-        return getattr(snapshot, name)
+        return getattr(message.state, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
 
     def __repr__(self) -> str:
-        return repr(object.__getattribute__(self, "_snapshot"))
+        message = object.__getattribute__(self, "_message")
+        return repr(message.state if message is not None else None)

@@ -64,6 +64,7 @@ from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.core.events import Event
 
 _DRAIN_BATCH = 1024  # messages taken per wake-up before the event loop gets a turn
+_POLLIN = int(zmq.POLLIN)
 # Waits before asking again for a snapshot the trainer refused (its budget for all clients spent): about
 # 30 s in all, then the first live message is the join point, as when no trainer answers.
 _SNAPSHOT_RETRIES = (0.05, 0.1, 0.2, 0.5) + (1.0,) * 29
@@ -138,6 +139,7 @@ class Subscriber(ControlChannel):
                                       header=lambda: self._view.header)
         self._gaps = GapFiller(self._service, self._journal, self._sequencer, self._stats)
         self._sub: Optional[zmq.asyncio.Socket] = None
+        self._readiness: Optional[_Readiness] = None  # whether the SUB socket holds a message
         self._idle_check = 1.0  # seconds without a message before asking whether the tail was lost
         self._gather = gather  # after a frame, wait this long before taking what arrived
         self._reports_progress = reports_progress
@@ -194,6 +196,7 @@ class Subscriber(ControlChannel):
         self._sub.connect(self.address)  # before the snapshot request: the Clone pattern
         # The same socket, used synchronously to drain what arrived without an await per message.
         self._drain: zmq.Socket = zmq.Socket.shadow(self._sub.underlying)
+        self._readiness = _Readiness(self._drain)
         self._service.connect(context)
         await self._join()
         return self
@@ -203,6 +206,8 @@ class Subscriber(ControlChannel):
 
     def close(self) -> None:
         if self._sub is not None:
+            if self._readiness is not None:
+                self._readiness.close()  # before the socket (and its descriptor) goes
             self._sub.close(linger=200)
         self._service.close()
 
@@ -249,15 +254,12 @@ class Subscriber(ControlChannel):
         """The messages a wake-up at a time: each list holds everything one wake-up made ready (a
         window or more, in seq order, each message exactly once), so a consumer awaits once per
         window instead of once per message. Mixing it with ``async for message in sub`` is fine."""
-        pop, deliver, sequencer = self._sequencer.pop, self._view.deliver, self._sequencer
+        view, sequencer = self._view, self._sequencer
         while True:
-            batch = []
-            while (item := pop()) is not None:
-                message = deliver(item)
-                if message is not None:
-                    batch.append(message)
-            if batch:
-                yield batch
+            if len(sequencer):
+                batch = view.deliver_all(sequencer.take())
+                if batch:
+                    yield batch
                 continue
             if sequencer.finished:
                 return
@@ -283,7 +285,8 @@ class Subscriber(ControlChannel):
         """Wait for messages once, then take everything the socket holds without waiting again
         (one await per batch instead of per message: most of a subscriber's cost otherwise)."""
         assert self._sub is not None, "use 'async with Subscriber(...)'"
-        if not await _readable(self._drain, self._idle_check):
+        assert self._readiness is not None
+        if not await self._readiness.wait(self._idle_check):
             if not self._sequencer.joined:  # still waiting for a trainer: ask again
                 await self._join()
             else:
@@ -291,13 +294,16 @@ class Subscriber(ControlChannel):
             return
         if self._gather > 0:
             await asyncio.sleep(self._gather)
-        recv, again = self._drain.recv_multipart, zmq.Again
-        for _ in range(_DRAIN_BATCH):
+        drain = self._drain
+        recv, events, pollin = drain.recv_multipart, drain.getsockopt, _POLLIN
+        for _ in range(_DRAIN_BATCH):  # until the socket says it holds no more (no zmq.Again raised per wake-up)
             try:
                 frames = recv(zmq.NOBLOCK)
-            except again:
+            except zmq.Again:
                 return
             await self._accept(frames[-1])  # [topic, window]; a one-frame message is its window
+            if not int(events(zmq.EVENTS)) & pollin:
+                return
 
     async def _accept(self, frame: bytes) -> None:
         window = self._sequencer.decode(frame)
@@ -321,34 +327,51 @@ class Subscriber(ControlChannel):
         return True
 
 
-async def _readable(drain: zmq.Socket, timeout: float) -> bool:
-    """Whether a message is waiting, within ``timeout`` seconds. The event loop watches the
-    socket's file descriptor itself: pyzmq's awaitable poll costs a future, a poller and
-    several callbacks per wake-up, paid once per burst. ZeroMQ's descriptor only says that
-    something changed, so the socket's events are asked after every wake-up."""
-    pollin = int(zmq.POLLIN)
-    if int(drain.getsockopt(zmq.EVENTS)) & pollin:
-        return True
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
+class _Readiness:
+    """Whether the SUB socket may hold a message, within a timeout, as the event loop learns it. The
+    loop watches the socket's file descriptor itself (pyzmq's awaitable poll costs a future, a poller
+    and several callbacks per wake-up), from the first wait to the close: watching it anew at each
+    wait costs two epoll calls and a handle per wake-up. ZeroMQ's descriptor only says that something
+    changed (and stays readable until the socket is asked): ``wait`` asks the socket before waiting,
+    and a signal during a wait wakes it, for the receive that follows to find out."""
 
-    def changed() -> None:
-        if not waiter.done() and int(drain.getsockopt(zmq.EVENTS)) & pollin:
-            waiter.set_result(True)
+    def __init__(self, socket: zmq.Socket):
+        self._socket = socket
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._fd: Optional[int] = None
+        self._waiter: Optional[asyncio.Future[bool]] = None
 
-    def timed_out() -> None:
-        if not waiter.done():
-            waiter.set_result(False)
+    def _changed(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)  # the receive that follows finds out (and re-arms the descriptor)
+        else:
+            self._socket.getsockopt(zmq.EVENTS)  # re-armed; the next wait asks the socket first
 
-    fd = int(drain.getsockopt(zmq.FD))
-    loop.add_reader(fd, changed)
-    timer = loop.call_later(timeout, timed_out)
-    try:
-        changed()  # a message that arrived before the reader was added
-        return await waiter
-    finally:
-        timer.cancel()
-        loop.remove_reader(fd)
+    async def wait(self, timeout: float) -> bool:
+        if int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:
+            return True
+        loop = asyncio.get_running_loop()
+        if self._fd is None:
+            self._loop, self._fd = loop, int(self._socket.getsockopt(zmq.FD))
+            loop.add_reader(self._fd, self._changed)  # a signal from before is still pending: epoll reports it
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _time_out, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def close(self) -> None:
+        if self._fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._fd = None
+
+
+def _time_out(waiter: "asyncio.Future[bool]") -> None:
+    if not waiter.done():
+        waiter.set_result(False)
 
 
 def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[str]]:
