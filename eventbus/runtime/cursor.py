@@ -54,13 +54,19 @@ class Cursor:
                ended: bool = False) -> None:
         """Commit that ``name`` applied ``seq`` (the run's end, with ``ended``), with its
         ``state_dict()`` as of then. Thread-safe: callbacks may commit from different threads."""
+        self.record_many(run_id, [(name, seq, state, ended)], journal)
+
+    def record_many(self, run_id: str, entries: Sequence[tuple[str, int, Any, bool]],
+                    journal: Optional[str] = None) -> None:
+        """:meth:`record` for several callbacks, ``(name, seq, state, ended)`` each, in one write."""
         with self._lock:
             if run_id != self.run_id:
                 self.run_id, self.seqs, self.states, self.ended = run_id, {}, {}, set()
-            self.seqs[name] = seq
-            self.states[name] = state
-            if ended:
-                self.ended.add(name)
+            for name, seq, state, ended in entries:
+                self.seqs[name] = seq
+                self.states[name] = state
+                if ended:
+                    self.ended.add(name)
             self.journal = journal or self.journal
             # No fsync: a lost last commit after a machine crash only re-applies messages (at-least-once).
             write_atomic(self.path, json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,

@@ -26,7 +26,8 @@ commits after every message; a fast one at most a few times per second, so
 commits stay a small fraction of its time. A restarted host loads the committed
 state and resumes after that seq: only messages applied in the last
 ``COMMIT_INTERVAL`` (or the one in flight) can be applied again after a SIGKILL.
-A callback left idle commits what it applied after ``COMMIT_INTERVAL`` too. A
+A callback left idle commits what it applied after ``COMMIT_INTERVAL`` too. The
+callbacks that share the lane commit together, in one write of the cursor file. A
 callback with a ``flush()`` method (a tracker that buffers its writes) is
 flushed before each commit, so nothing counts as applied before it is durable.
 """
@@ -310,7 +311,7 @@ class CallbackHost:
         if self.cursor is not None:
             slot.since_commit += seconds
             if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or now - slot.committed_at >= COMMIT_INTERVAL:
-                slot.commit(self.cursor)
+                slot.commit_with_others(self.cursor)
 
     @staticmethod
     async def _call(slot: Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:

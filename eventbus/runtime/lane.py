@@ -31,7 +31,7 @@ from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.declarations import reads_weights, takes_metrics
 from eventbus.runtime.subscriber_logger import SubscriberLogger
 
-__all__ = ["END", "STOP", "SLOW_BURST", "Call", "Lane", "Slot", "SlotCall"]
+__all__ = ["END", "STOP", "SLOW_BURST", "Call", "Lane", "Slot", "SlotCall", "commit_together"]
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +146,24 @@ class Slot:
 
     def commit(self, cursor: Optional[Cursor], force: bool = False) -> None:
         """Group commit of this callback's progress (called between its messages, on its thread)."""
-        message = self.message
-        if cursor is None or message is None or (self.committed_seq == self.last_seq and not force):
+        if cursor is None or self.message is None or (self.committed_seq == self.last_seq and not force):
             return
-        journal = message.header.get("journal")
-        run_id = message.run_id
-        started = time.perf_counter()
-        flush = getattr(self.callback, "flush", None)
-        if callable(flush):
-            flush()  # a tracker's buffered writes are durable before they are recorded as applied
-        cursor.record(run_id, self.name, self.last_seq, self.callback.state_dict(), journal, self.ended)
-        self.commit_cost = time.perf_counter() - started
-        self.committed_seq, self.since_commit, self.committed_at = self.last_seq, 0.0, time.perf_counter()
+        commit_together(cursor, [self])
+
+    def commit_with_others(self, cursor: Cursor) -> None:
+        """Commit this callback's progress, on the thread that applies it. On the lane's thread the
+        other callbacks it applies are between two messages too: their progress goes in the same write
+        (one write per commit, not one per callback)."""
+        lane = self.lane
+        if lane is None or self.thread is not None:
+            self.commit(cursor)
+        else:
+            commit_together(cursor, [slot for slot in lane.slots if slot.thread is None and slot.uncommitted])
+
+    @property
+    def uncommitted(self) -> bool:
+        """It applied messages since its last commit."""
+        return self.message is not None and self.committed_seq != self.last_seq
 
     def wants_weights(self) -> None:
         """The callback read ``state.model.state_dict()`` where none were leased: lease them from now on."""
@@ -243,6 +249,25 @@ class Lane:
                     slot.thread = threading.Thread(target=slot.serve, args=(apply, calling, idle),
                                                    name=f"cb-{slot.name}", daemon=True)
                     slot.thread.start()
+
+
+def commit_together(cursor: Cursor, slots: list[Slot]) -> None:
+    """One cursor write for the progress of ``slots`` (each between two of its messages: called on the
+    thread that applies them all): each one's last applied seq with its ``state_dict()`` as of then."""
+    started = time.perf_counter()
+    entries = []
+    for slot in slots:
+        flush = getattr(slot.callback, "flush", None)
+        if callable(flush):
+            flush()  # a tracker's buffered writes are durable before they are recorded as applied
+        entries.append((slot.name, slot.last_seq, slot.callback.state_dict(), slot.ended))
+    message = slots[0].message
+    assert message is not None, "a callback commits once it applied a message"
+    cursor.record_many(message.run_id, entries, message.header.get("journal"))
+    now = time.perf_counter()
+    for slot in slots:
+        slot.commit_cost = now - started
+        slot.committed_seq, slot.since_commit, slot.committed_at = slot.last_seq, 0.0, now
 
 
 class SlotCall:
