@@ -55,7 +55,7 @@ __all__ = ["CallbackHost"]
 
 log = logging.getLogger(__name__)
 
-COMMIT_RATIO = 10.0  # apply at least this many times a commit's cost between two commits...
+COMMIT_RATIO = 50.0  # apply at least this many times a commit's cost between two commits (2% of the time)...
 COMMIT_INTERVAL = 0.25  # ...or commit when this many seconds passed since the last one
 
 

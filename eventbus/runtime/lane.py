@@ -109,7 +109,7 @@ class Slot:
         """What applying ``message`` to this callback means: the methods to call, in order (the list
         an event calls is shared by its messages: the caller must not change it)."""
         self.message = message
-        self.live.show(message)  # its snapshot is built if the callback reads it, not before
+        LiveState.show(self.live, message)  # its snapshot is built if the callback reads it, not before
         header = message.header
         if header is not self.header:  # a new run, or its header re-published
             self.header = header

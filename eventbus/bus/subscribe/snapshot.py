@@ -11,6 +11,7 @@ event (a ``weights`` lease), checked to be this event's, or raises
 
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, Union
 
@@ -44,7 +45,9 @@ weights_wanted: ContextVar[Optional[Callable[[], None]]] = ContextVar("eventbus_
 _WEIGHTS_AT = ", ".join(event.upper() for event in WEIGHTS_EVENTS)
 
 
+@functools.lru_cache(maxsize=64)
 def _time(text: Optional[str]) -> Optional[Time]:
+    """A time string parsed once (Time is immutable): every snapshot of a run reads the same ones."""
     return Time.from_timestring(text) if text else None
 
 
@@ -120,8 +123,11 @@ class Snapshot:
 
     @property
     def timestamp(self) -> Timestamp:
-        ts = self._payload.get(Key.TIMESTAMP)
-        return self._cached("timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
+        timestamp = self._cache.get("timestamp")  # read several times per event by most callbacks
+        if timestamp is None:
+            ts = self._payload.get(Key.TIMESTAMP)
+            timestamp = self._cache["timestamp"] = Timestamp.from_state_dict(ts) if ts else Timestamp()
+        return timestamp  # type: ignore[no-any-return]
 
     @property
     def eval_timestamp(self) -> Timestamp:
@@ -299,11 +305,19 @@ class LiveState:
         object.__setattr__(self, "_message", None)
 
     def show(self, message: Any) -> None:
-        """The host, on the callback's thread, before each call: the message whose state this reads as."""
+        """The host, on the callback's thread, before each call: the message whose state this reads as.
+        Called on the class (``LiveState.show(live, message)``): every name read on the object is the
+        snapshot's."""
         object.__setattr__(self, "_message", message)
 
-    def __getattr__(self, name: str) -> Any:
-        message = object.__getattribute__(self, "_message")
+    def __getattribute__(self, name: str) -> Any:
+        # Every read goes to the snapshot: no failed lookup on this object (and its AttributeError) first.
+        if name[:2] == "__":  # its own class, repr...: it is a LiveState (a snapshot's others too)
+            try:
+                return object.__getattribute__(self, name)
+            except AttributeError:
+                pass
+        message = _message_of(self)
         if message is None:
             raise AttributeError(f"no message has reached this callback yet (reading {name!r})")
         return getattr(message.state, name)
@@ -312,5 +326,8 @@ class LiveState:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
 
     def __repr__(self) -> str:
-        message = object.__getattribute__(self, "_message")
+        message = _message_of(self)
         return repr(message.state if message is not None else None)
+
+
+_message_of = LiveState._message.__get__  # type: ignore[attr-defined]  # the slot, read without __getattribute__
