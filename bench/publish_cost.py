@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any, Union
 
+import torch
 import zmq
 
 from bench.common import emit, event_capture, median, percentile, table
@@ -99,11 +100,14 @@ def _per_step(quick: bool) -> dict[str, float]:
         return {}
     batches, repeats = (100, 1) if quick else (600, 5)
     runs: dict[str, list[dict[str, float]]] = {"alone": [], "bus": []}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as bench daemons: the ~1 ms step on one core, the other free for the bus thread
     with tempfile.TemporaryDirectory() as folder:
         _fit(folder, "warm-up", False, 50)  # first-call costs (allocator, imports) counted in neither
         for r in range(repeats):
             runs["alone"].append(_fit(folder, f"a{r}", False, batches))
             runs["bus"].append(_fit(folder, f"b{r}", f"ipc://{folder}/b{r}.bus", batches))
+    torch.set_num_threads(threads)
     alone, bus = ({key: median([run[key] for run in got]) for key in got[0]} for got in runs.values())
     out = {"steps_ratio": median([b["steps_per_sec"] / a["steps_per_sec"] for a, b in zip(*runs.values())]),
            "training_thread_us_alone": alone["training_thread_us"], "training_thread_us_bus": bus["training_thread_us"],
