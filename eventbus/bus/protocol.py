@@ -29,7 +29,7 @@ from eventbus.errors import ConfigError, ProtocolError
 __all__ = ["Op", "Request", "RequestTooLarge", "parse_request", "request_limit", "SCHEMAS", "MAX_SOURCE_CHARS",
            "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
-           "MAX_METRICS", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE", "WEIGHTS_EVENTS",
+           "MAX_METRICS", "MAX_METRICS_MORE", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE", "WEIGHTS_EVENTS",
            "NEEDS_TRUST", "untrusted_refusal"]
 
 MAX_SOURCE_CHARS = 100
@@ -37,6 +37,7 @@ MAX_REASON_CHARS = 1_000
 MAX_PATH_CHARS = 4_096
 MAX_REPLAY_SPAN = 10_000  # seqs one replay request may ask for; the client asks again for more
 MAX_METRICS = 1_000  # keys in one metrics request
+MAX_METRICS_MORE = 256  # further steps' metrics one metrics request may carry (``more``)
 MAX_METRIC_KEY_CHARS = 200
 MAX_HYPERPARAMETER_DEPTH = 4  # nested maps and lists, as Composer's configs have them
 MAX_HEADER_HYPERPARAMETER_BYTES = 256 * 1024  # the run header's hyperparameters, as JSON, after subscribers' merges
@@ -175,6 +176,21 @@ def _metrics(value: Any) -> Optional[str]:
     return None
 
 
+def _more_metrics(value: Any) -> Optional[str]:
+    """``more``: later steps' metrics, each a ``[step, metrics]`` pair (step nil or an integer)."""
+    if not isinstance(value, list) or len(value) > MAX_METRICS_MORE:
+        return f"must be a list of at most {MAX_METRICS_MORE} [step, metrics] pairs"
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            return "must hold [step, metrics] pairs"
+        step, metrics = item
+        if step is not None and (type(step) is not int or not 0 <= step <= 1 << 62):
+            return f"steps must be nil or integers in 0..{1 << 62}"
+        if (problem := _metrics(metrics)) is not None:
+            return f"metrics {problem}"
+    return None
+
+
 def _hyperparameters(value: Any) -> Optional[str]:
     if not isinstance(value, dict) or len(value) > MAX_METRICS:
         return f"must be a map of at most {MAX_METRICS} hyperparameters"
@@ -255,7 +271,10 @@ SCHEMAS: dict[Op, dict[str, Field]] = {
     Op.REPLAY: {"run_id": Field(_text(64), required=True), "from": Field(_int(1), required=True),
                 "to": Field(_int(1), required=True)},
     Op.STOP: {"reason": Field(_text(MAX_REASON_CHARS, optional=True))},
-    Op.METRICS: {"metrics": Field(_metrics, required=True), "step": Field(_int(0, 1 << 62), nullable=True)},
+    # ``more``: what the same source logged at later steps, sent in the same request (a worker sends a
+    # window's metrics at once: one request, not one per call), published in order after the first.
+    Op.METRICS: {"metrics": Field(_metrics, required=True), "step": Field(_int(0, 1 << 62), nullable=True),
+                 "more": Field(_more_metrics)},
     Op.CAPTURE: {"what": Field(_texts(len(CAPTURABLE), 32, CAPTURABLE), required=True),
                  "interval": Field(_int(1, 1_000_000)), "ttl": Field(_number(0.0, MAX_TTL_SECONDS)),
                  "options": Field(_options),

@@ -29,7 +29,8 @@ VALID = {
     Op.PING: {"id": 3},
     Op.REPLAY: {"id": 4, "run_id": "ab" * 16, "from": 1, "to": 50},
     Op.STOP: {"reason": "plateau"},
-    Op.METRICS: {"metrics": {"throughput/samples_per_sec": 812.5, "note": "ok"}, "step": 4},
+    Op.METRICS: {"metrics": {"throughput/samples_per_sec": 812.5, "note": "ok"}, "step": 4,
+                 "more": [[5, {"throughput/samples_per_sec": 790.0}], [None, {"note": "later"}]]},
     Op.CAPTURE: {"what": ["grad_norms", "checkpoint", "weights"], "interval": 2, "ttl": 9.0,
                  "options": {"save_interval": "3ba"}, "events": ["eval_end"]},
     Op.CHECKPOINT_ACK: {"buffer": "/dev/shm/x", "path": "ep0-ba3.pt", "error": None, "batch": 3},
@@ -190,6 +191,31 @@ def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(
     assert len(headers) == 1 + 1 + 5  # the run's, the budget once, then five 45 KB merges fit in 256 KiB
     assert trainer.publisher.stats().refused == {"hyperparameters too large": 15}
     assert headers[-1]["hyperparameters"]["max_duration"] == "1ep"  # the run's own stay
+
+
+def test_a_metrics_request_with_later_steps_publishes_each_step_in_order(tmp_path):
+    """A worker sends a window's metrics in one request (``more``): the trainer journals and publishes
+    each step's metrics as its own message, in the order logged, under the sender's name; a malformed
+    entry refuses the whole request (nothing of it published)."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
+    publisher.start({"run_name": "more"})
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(publisher.service_address)
+    try:
+        dealer.send(request(Op.METRICS, metrics={"a": 1.0}, step=4, more=[[5, {"a": 2.0}], [6, {"a": 3.0, "b": 1}]]))
+        dealer.send(request(Op.METRICS, metrics={"a": 9.0}, step=7, more=[[8, {"a": [1]}]]))
+        dealer.send(wire.encode_request("ping", id=1))
+        assert dealer.poll(20_000), "the request service did not answer"
+    finally:
+        dealer.close()
+        context.term()
+        publisher.close()
+    metrics = [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
+    assert [(m["step"], m["metrics"], m["source"]) for m in metrics] == [
+        (4, {"a": 1.0}, "tester"), (5, {"a": 2.0}, "tester"), (6, {"a": 3.0, "b": 1}, "tester")]
+    assert publisher.stats().refused == {"bad request": 1}
 
 
 def padded(op: Op, size: int, **fields) -> bytes:

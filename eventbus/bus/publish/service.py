@@ -333,9 +333,12 @@ class RequestService:
         self._stops.request(f"{reason} (from {request.source})" if request.source else reason)
 
     def _metrics(self, route: list[bytes], request: Request) -> None:
+        """Each step's metrics published as its own message, in the order the client logged them."""
         self._stats.control_messages += 1
-        self._publish_metrics({"metrics": request.get("metrics"), "step": request.get("step"),
-                               "source": request.source or "subscriber"})
+        source = request.source or "subscriber"
+        self._publish_metrics({"metrics": request.get("metrics"), "step": request.get("step"), "source": source})
+        for step, metrics in request.get("more") or ():
+            self._publish_metrics({"metrics": metrics, "step": step, "source": source})
 
     def _hyperparameters(self, route: list[bytes], request: Request) -> None:
         """Merged into the run header and re-published, once per content: a restarted worker sending
