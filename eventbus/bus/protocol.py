@@ -29,7 +29,8 @@ from eventbus.errors import ConfigError, ProtocolError
 __all__ = ["Op", "Request", "RequestTooLarge", "parse_request", "request_limit", "SCHEMAS", "MAX_SOURCE_CHARS",
            "MAX_REPLAY_SPAN",
            "LARGEST_REQUEST_BYTES", "MAX_REPLAY_REPLY_BYTES",
-           "MAX_METRICS", "MAX_METRICS_MORE", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE", "WEIGHTS_EVENTS",
+           "MAX_METRICS", "MAX_METRICS_MORE", "MAX_TTL_SECONDS", "CAPTURABLE", "STOPS_LEASE", "WEIGHTS_LEASE",
+           "WEIGHTS_EVENTS",
            "NEEDS_TRUST", "untrusted_refusal"]
 
 MAX_SOURCE_CHARS = 100
