@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from eventbus.bus import wire
-from eventbus.bus.protocol import Op
+from eventbus.bus.protocol import MAX_METRICS_MORE, Op, request_limit
 from eventbus.bus.security import ClientKeys
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError, TransferError
@@ -64,6 +64,9 @@ class ServiceClient:
         self._dealer: Optional[zmq.asyncio.Socket] = None
         self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
         self._waiting = 0  # one-way messages waiting for room on their socket: later ones queue behind them
+        self._metrics: list[tuple[str, Optional[int], dict[str, Any]]] = []  # logged, not sent yet
+        self._metrics_lock = threading.Lock()
+        self._metrics_flush_due = False  # a flush of them is scheduled on the loop
         self._turn = asyncio.Lock()
         self._refusals_logged: set[str] = set()  # errors answered to one-way messages, each logged once
 
@@ -75,6 +78,8 @@ class ServiceClient:
         self._dealer = self._new_dealer()
 
     def close(self) -> None:
+        if self._metrics and threading.get_ident() == self._loop_thread:
+            self._flush_metrics()  # what callbacks logged last, before the sockets go (their linger sends it)
         self._closed = True
         for sock in (self._dealer, *self._rank_dealers.values()):
             if sock is not None:
@@ -132,10 +137,55 @@ class ServiceClient:
         data = wire.encode_request(op, **self._routed(fields))
         rank = fields.get("rank")
         if threading.get_ident() == self._loop_thread:
-            # On the loop's own thread: queued in ZeroMQ now, so a close() right after (linger) still sends it.
+            # On the loop's own thread: queued in ZeroMQ now, so a close() right after (linger) still sends it,
+            # after any metrics logged before it.
+            if self._metrics:
+                self._flush_metrics()
             self._send_now(rank, data)
         else:
             self._loop.call_soon_threadsafe(self._send_now, rank, data)
+
+    def _queue_metrics(self, source: str, step: Optional[int], metrics: dict[str, Any]) -> None:
+        """Thread-safe. Metrics logged on a callback's thread until the event loop's next turn leave
+        together: one request per run of one source's, each later step in ``more`` (a window's worth of
+        a callback's per-batch metrics is one request, not one per call), in the order they were logged.
+        On the loop's own thread they leave at once (after any that wait)."""
+        assert self._loop is not None, "connect() first"
+        with self._metrics_lock:
+            self._metrics.append((source, step, metrics))
+            if self._metrics_flush_due:
+                return
+            self._metrics_flush_due = True
+        if threading.get_ident() == self._loop_thread:
+            self._flush_metrics()
+        else:
+            self._loop.call_soon_threadsafe(self._flush_metrics)
+
+    def _flush_metrics(self) -> None:
+        """On the loop thread: what was logged since, as few requests as the limits allow."""
+        with self._metrics_lock:
+            logged, self._metrics, self._metrics_flush_due = self._metrics, [], False
+        for source, run in itertools.groupby(logged, key=lambda item: item[0]):
+            self._send_metrics(source, [(step, metrics) for _, step, metrics in run])
+
+    def _send_metrics(self, source: str, steps: list[tuple[Optional[int], dict[str, Any]]]) -> None:
+        """One request for ``steps`` (halved until each fits the request limits; one step that alone
+        does not fit goes as it is, and the trainer says why it refuses it)."""
+        if len(steps) > 1 + MAX_METRICS_MORE:
+            self._send_metrics(source, steps[:1 + MAX_METRICS_MORE])
+            self._send_metrics(source, steps[1 + MAX_METRICS_MORE:])
+            return
+        (step, metrics), *more = steps
+        fields: dict[str, Any] = {"metrics": metrics, "step": step, "source": source}
+        if more:
+            fields["more"] = [[later, logged] for later, logged in more]
+        data = wire.encode_request(Op.METRICS, **self._routed(fields))
+        if more and len(data) > request_limit(Op.METRICS):
+            half = len(steps) // 2
+            self._send_metrics(source, steps[:half])
+            self._send_metrics(source, steps[half:])
+            return
+        self._send_now(None, data)
 
     def _send_now(self, rank: Optional[int], data: bytes) -> None:
         """On the loop thread. A message for a socket already closed (sent from a callback's thread as the
@@ -171,7 +221,7 @@ class ServiceClient:
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
         plain = {str(k): _plain_number(v) for k, v in metrics.items()}
-        self.send(Op.METRICS, metrics=plain, step=step, source=source or self.identity)
+        self._queue_metrics(source or self.identity, step, plain)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:
         self.send(Op.HYPERPARAMETERS, hyperparameters={str(k): _plain_data(v) for k, v in hyperparameters.items()},
