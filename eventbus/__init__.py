@@ -41,10 +41,10 @@ with no import circle across folders, no module over 450 lines, no class over 30
 ``eventbus.distributed`` -- torchrun helpers for the trainer and capture alike.
 
 ``eventbus.bus`` -- the wire (no torch). Shared by both ends: ``wire`` (envelope,
-    topics, bounded codec), ``schema`` (message kinds, payload keys), ``protocol``
-    (request operations, one schema each), ``journal`` (the run's crash-safe
-    record), ``config`` (:class:`BusConfig`, addresses), ``security`` (CURVE),
-    ``proxy``.
+    bounded codec), ``topics`` (topics, subscription groups), ``schema`` (message
+    kinds, payload keys), ``protocol`` (request operations, one schema each),
+    ``journal`` (the run's crash-safe record), ``config`` (:class:`BusConfig`,
+    addresses), ``security`` (CURVE), ``proxy``.
   ``bus.publish`` -- the bus thread: ``records``, ``payload``, ``publisher``,
     ``history`` (seq, journal before wire, replay cache), ``service`` (one
     handler per request), ``budgets`` (what each client may make it spend),

@@ -74,6 +74,9 @@ class CheckpointSaver(Callback):
     """
 
     captures = frozenset({"checkpoint"})
+    # Out of process it writes what the trainer staged, and nothing at a checkpoint event without a
+    # checkpoint: its worker is sent only the checkpoint events that carry one.
+    staged_checkpoints_only = True
 
     def __init__(
         self,
@@ -148,6 +151,9 @@ class CheckpointSaver(Callback):
         for task in state.get("uploads", []):
             if self._uploads is not None and os.path.exists(task["local"]):  # queued when the worker stopped
                 self._uploads.upload(task["url"], task["local"], int(task["batch"]), task.get("latest"))
+
+    def fit_start(self, state: Any, logger: Logger) -> None:
+        self._fit_ended = False  # a new fit (its worker sees no checkpoint event until one is staged)
 
     # Out of process the trainer decides *when* (it staged the checkpoint); in process, this does.
     def batch_checkpoint(self, state: Any, logger: Logger) -> None:

@@ -12,7 +12,9 @@ each payload stored once::
   topics only, and covers every seq since the previous window sent to that group: a reader
   that misses a window sees a gap, and one that misses none knows every seq it was not sent
   is none of its topics (gap detection stays exact, per message).
-* ``topics`` -- one byte per message: its index in :data:`TOPICS`, giving its kind and event.
+* ``topics`` -- one byte per message: its index in :data:`TOPICS`, giving its kind and event. A
+  checkpoint event whose payload carries a staged checkpoint has a topic of its own
+  (:data:`STAGED_TOPICS`), read back as that event.
 * ``seqs``, ``times``, ``refs`` -- per message, little-endian: empty or u32, its seq minus ``first``;
   two f32, its wall and mono time minus ``wall`` and ``mono``; a u8 (u16 past 256 payloads), its payload.
 * ``payloads`` -- an array of bins, each a packed map (the schema's keys by their one-character
@@ -25,8 +27,8 @@ each payload stored once::
 
 On the PUB socket a window is two frames, ``[topic, window]``: a subscriber subscribes to
 :func:`subscription` of its topics (its group's windows) and to :data:`WINDOW_TOPIC` (windows
-for every subscriber). A single message (a snapshot reply's run header and latest message of
-each kind) is a window of one (:func:`encode`, :func:`decode`).
+for every subscriber); see :mod:`eventbus.bus.topics`. A single message (a snapshot reply's run
+header and latest message of each topic) is a window of one (:func:`encode`, :func:`decode`).
 
 Kinds: ``header`` (run metadata), ``event`` (an Event and a state snapshot), ``metrics``, ``end``.
 Seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is pickled. Control requests are
@@ -41,26 +43,39 @@ from __future__ import annotations
 import array
 import re
 import sys
-from typing import Annotated, Any, Iterable, Optional, Sequence, Union
+from typing import Annotated, Any, Optional, Sequence, Union
 
 import msgpack
 import msgspec
 
-from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, TIMESTAMP_KEYS, WIRE_NAMES, Kind
-from eventbus.core.events import Event
+from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, TIMESTAMP_KEYS, WIRE_NAMES, Key, Kind
+from eventbus.bus.topics import (
+    GROUP_TOPIC,
+    LINKS_BYTES,
+    MASK_BYTES,
+    STAGED_TOPICS,
+    TOPIC_MESSAGES,
+    TOPICS,
+    WINDOW_TOPIC,
+    group_table,
+    previous_of,
+    subscription,
+    topic_index,
+    topic_message,
+)
 from eventbus.errors import ProtocolError
 
+# The topics' names (eventbus.bus.topics) are the wire's too: ``wire.TOPICS``, ``wire.subscription``...
 __all__ = [
     "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode", "encode_request",
     "decode_request", "TOPICS", "topic_index", "previous_of", "pack_payload", "check_payload",
     "WINDOW_VERSION", "WINDOW_TOPIC", "Window", "encode_window", "decode_window", "decode_all",
-    "subscription", "group_table", "DELTA_BASE",
+    "subscription", "group_table", "DELTA_BASE", "STAGED_TOPICS", "topic_message", "TOPIC_MESSAGES",
+    "GROUP_TOPIC", "LINKS_BYTES", "MASK_BYTES",
 ]
 
 PROTOCOL_VERSION = 1  # of requests
 WINDOW_VERSION = 4
-WINDOW_TOPIC = b"wa"  # windows for every subscriber (each subscribes to it besides its group)
-GROUP_TOPIC = b"wg"  # + a topic mask: one subscription group's windows
 MAX_WINDOW_MESSAGES = 0xFFFF
 DELTA_BASE = "~"  # in a payload sent as a delta: the index of the payload it changes
 KINDS = frozenset({Kind.HEADER, Kind.EVENT, Kind.METRICS, Kind.END})
@@ -83,11 +98,6 @@ def _plain(value: Any) -> Any:
 _encode = msgspec.msgpack.Encoder(enc_hook=_plain).encode  # windows and payloads: 1.5-2.6x msgpack's Packer
 _SCALARS = (str, int, float, bool, bytes, type(None))
 
-# Topics: the message kinds that are not events, then the 40 events in Composer's order.
-TOPICS: tuple[str, ...] = ("header", "metrics", "end", *(e.value for e in Event))
-_TOPIC_INDEX = {name: i for i, name in enumerate(TOPICS)}
-LINKS_BYTES = 4 * len(TOPICS)
-MASK_BYTES = (len(TOPICS) + 7) // 8
 _M = MAX_WINDOW_MESSAGES
 
 
@@ -109,36 +119,6 @@ class _Frame(msgspec.Struct, array_like=True):
 
 
 _decode_frame = msgspec.msgpack.Decoder(_Frame).decode
-
-
-def topic_index(kind: str, event: Optional[str]) -> int:
-    """The topic of a message: its event, or its kind for header / metrics / end."""
-    return _TOPIC_INDEX[event if kind == "event" and event is not None else kind]
-
-
-def previous_of(links: bytes, topics: Iterable[int]) -> int:
-    """The latest seq, before this message, of any of ``topics``; -1 when the links are missing."""
-    if len(links) != LINKS_BYTES:
-        return -1
-    seqs = memoryview(links).cast("I")
-    return max((seqs[i] for i in topics), default=0)
-
-
-def subscription(topics: Optional[Iterable[int]]) -> bytes:
-    """The PUB topic of the group of subscribers of ``topics`` (indices; None: all of them)."""
-    mask = bytearray(MASK_BYTES)
-    for i in range(len(TOPICS)) if topics is None else topics:
-        mask[i >> 3] |= 1 << (i & 7)
-    return GROUP_TOPIC + bytes(mask)
-
-
-def group_table(topic: bytes) -> Optional[bytes]:
-    """For a group's PUB topic, a table for ``bytes.translate``: 1 at each topic index of the
-    group, 0 elsewhere; None for any other topic."""
-    if len(topic) != len(GROUP_TOPIC) + MASK_BYTES or not topic.startswith(GROUP_TOPIC):
-        return None
-    mask = topic[len(GROUP_TOPIC):]
-    return bytes((mask[i >> 3] >> (i & 7)) & 1 if i < len(TOPICS) else 0 for i in range(256))
 
 
 class _Cell:
@@ -205,9 +185,6 @@ class Window:
         return self.last - self.first + 1
 
 
-# Per topic index: the (kind, event) of its messages.
-_TOPIC_MESSAGE: tuple[tuple[str, Optional[str]], ...] = tuple(
-    (name, None) if name in KINDS else (Kind.EVENT, name) for name in TOPICS)
 _NATIVE_LITTLE = sys.byteorder == "little"
 
 
@@ -238,9 +215,13 @@ def encode_window(run_id: str, rank: int, first: int, last: int, wall: float, mo
 
 def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
            mono_time: float, payload: Union[dict[str, Any], bytes]) -> bytes:
-    """A window of one message (``payload`` a whole map, or one already packed)."""
-    packed = payload if isinstance(payload, bytes) else pack_payload(payload)
-    return encode_window(run_id, rank, seq, seq, wall_time, mono_time, bytes((topic_index(kind, event),)), None,
+    """A window of one message (``payload`` a whole map, or one already packed: then never on a
+    staged checkpoint's topic)."""
+    if isinstance(payload, bytes):
+        packed, topic = payload, topic_index(kind, event)
+    else:
+        packed, topic = pack_payload(payload), topic_index(kind, event, payload.get(Key.CHECKPOINT) is not None)
+    return encode_window(run_id, rank, seq, seq, wall_time, mono_time, bytes((topic,)), None,
                          array.array("f", (0.0, 0.0)), (0,), [packed])
 
 
@@ -410,7 +391,7 @@ def _window(frame: _Frame, check_payload: bool, lazy: bool, wanted: Optional[byt
     cells = [_Cell(p) for p in payloads]
     run_id, rank, wall, mono = frame.run_id, frame.rank, frame.wall, frame.mono
     messages: list[Envelope] = []
-    kinds = _TOPIC_MESSAGE
+    kinds = TOPIC_MESSAGES
     picked = range(count) if wanted is None else [n for n in range(count) if wanted[topics[n]]]
     append = messages.append
     for n in picked:

@@ -3,8 +3,10 @@
 A worker subscribes to exactly the events its callbacks handle (the publisher filters out the rest)
 and keeps the trainer capturing what they declare, and only that: the ``captures`` a callback names,
 ``stops`` for one that may stop training (found in its code when it does not say), and the staged
-``weights`` at the weights events a callback that reads them handles. Every declaration and the lease
-it implies is decided here; the worker's heartbeat renews them, the host releases the staged weights.
+``weights`` at the weights events a callback that reads them handles. A callback that acts at checkpoint
+events only when the trainer staged a checkpoint says so (``staged_checkpoints_only = True``), and the
+worker is then sent only those (:func:`staged_only_events`). Every declaration and the lease it implies
+is decided here; the worker's heartbeat renews them, the host releases the staged weights.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import inspect
 from typing import Any, NamedTuple, Optional, Sequence
 
 from eventbus.bus.protocol import STOPS_LEASE, WEIGHTS_EVENTS, WEIGHTS_LEASE
+from eventbus.bus.wire import STAGED_TOPICS
 from eventbus.core.callback import RUN_EVENT, Callback, defines, handlers
 from eventbus.core.events import Event
 from eventbus.core.logger import LoggerDestination, is_logger_destination
 
 __all__ = ["CaptureLeases", "capture_leases", "declare_captures", "may_stop_training", "reads_weights",
-           "subscription", "takes_metrics", "weights_events"]
+           "staged_only_events", "subscription", "takes_metrics", "weights_events"]
 
 
 def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Event]], bool]:
@@ -33,6 +36,25 @@ def subscription(callbacks: Sequence[Callback]) -> tuple[Optional[frozenset[Even
         if is_logger_destination(callback):
             events.add(Event.INIT)  # the host hands a destination the run's hyperparameters after INIT
     return frozenset(events), any(takes_metrics(cb) for cb in callbacks)
+
+
+def staged_only_events(callbacks: Sequence[Callback], events: Optional[frozenset[Event]]) -> frozenset[Event]:
+    """The checkpoint events of ``events`` (BATCH_, EPOCH_, ITERATION_CHECKPOINT) that every callback
+    handling them acts on only when a checkpoint was staged (``state.checkpoint`` set): each declares
+    ``staged_checkpoints_only = True``, as the checkpoint worker's CheckpointSaver does. The worker is
+    then sent only those of these events (BATCH_CHECKPOINT fires every batch, a checkpoint is staged
+    every few hundred); one callback that needs them all keeps them all. The declaration only spares
+    the worker messages: such a callback still does nothing at an event without a checkpoint (in
+    process, in ``eventbus replay``, or hosted beside one that needs every event)."""
+    if events is None:  # a callback that overrides run_event takes every event
+        return frozenset()
+    staged: set[Event] = set()
+    for event in (Event(name) for name in STAGED_TOPICS):
+        handling = [cb for cb in callbacks if handlers(type(cb), event)]
+        if event in events and handling and all(getattr(cb, "staged_checkpoints_only", False) is True
+                                                for cb in handling):
+            staged.add(event)
+    return frozenset(staged)
 
 
 def declare_captures(callback: Any) -> None:

@@ -25,7 +25,7 @@ from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.errors import EventBusError
 from eventbus.runtime.cursor import Cursor
-from eventbus.runtime.declarations import capture_leases, subscription
+from eventbus.runtime.declarations import capture_leases, staged_only_events, subscription
 from eventbus.runtime.host import CallbackHost
 
 __all__ = ["run_worker", "replay_journal", "bus_status"]
@@ -74,7 +74,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             frozenset(Event(e) for e in events)
     subscriber = Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,
                             journal=journal, follow=follow, reports_progress=True,
-                            resume=resume)
+                            resume=resume, staged_only=staged_only_events(current, handled))
     # After the arguments and keys were checked (a bad one is a one-line error, exit 2).
     say(f"connecting to {address} (if no trainer is up yet, its next run is applied from its start)", routine=True)
     async with subscriber:

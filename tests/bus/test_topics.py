@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
+import pytest
 import zmq
 
 from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
@@ -95,6 +97,49 @@ def test_workers_subscribe_to_what_their_callbacks_handle():
             pass
 
     assert subscription([FastRecorder("x"), Everything()]) == (None, True)
+
+
+def test_staged_only_takes_the_checkpoint_events_that_have_a_staged_topic():
+    with pytest.raises(ValueError, match="staged_only takes checkpoint events .* got batch_end, fit_end"):
+        Subscriber("ipc://nowhere", staged_only=[Event.BATCH_END, "fit_end"])
+
+
+class HoldAtBatch(Callback):
+    """Holds the training thread at one BATCH_END until released: the run stays up, mid-epoch."""
+
+    def __init__(self, batch: int):
+        self.batch, self.held, self.released = batch, threading.Event(), threading.Event()
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) == self.batch:
+            self.held.set()
+            self.released.wait(60)
+
+
+def test_a_joiner_starts_from_the_runs_latest_event_whatever_topics_came_before(tmp_path):
+    """The snapshot holds the latest message of each topic; the joiner's state is the latest of them
+    all (a batch of epoch 2), not the topic published last for the first time (epoch 1's evaluation)."""
+    address = bus_address(tmp_path)
+    hold = HoldAtBatch(6)
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ep", eval_dataloader=make_loader(16, 16),
+                      run_name="join", bus=address, callbacks=[hold])
+    background = BackgroundTrainer(trainer).start()
+    assert hold.held.wait(60)
+    published = -1
+    while published != trainer.publisher.stats().published:  # the bus thread took every record before the hold
+        published = trainer.publisher.stats().published
+        time.sleep(0.5)
+
+    async def join() -> tuple:
+        async with Subscriber(address, start="latest") as sub:
+            state = sub.state
+            return int(state.timestamp.batch), int(state.timestamp.epoch), state.dataloader_label
+
+    try:
+        assert asyncio.run(join()) == (5, 1, "train")  # batch 6 ran; its BATCH_END is held
+    finally:
+        hold.released.set()
+        background.join()
 
 
 def test_sigkill_inside_the_commit_window_applies_each_message_at_most_once_more(tmp_path, spawn):

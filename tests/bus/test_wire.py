@@ -160,6 +160,23 @@ def test_a_group_window_holds_its_topics_and_covers_every_seq_since_its_last():
     assert wire.group_table(wire.WINDOW_TOPIC) is None and wire.group_table(group[:-1]) is None
 
 
+@pytest.mark.fast
+def test_a_checkpoint_event_carrying_a_staged_checkpoint_has_its_own_topic_read_back_as_the_event():
+    from eventbus import Event
+
+    events = tuple(e.value for e in Event)
+    assert wire.TOPICS[:3 + len(events)] == ("header", "metrics", "end", *events)  # journals keep their meaning
+    staged = valid(event="batch_checkpoint", payload={"loss": 0.25, "checkpoint": {"buffer": "b", "batch": 3}})
+    plain = valid(event="batch_checkpoint", payload={"loss": 0.25, "checkpoint": None})
+    for fields, topic in ((staged, "staged_batch_checkpoint"), (plain, "batch_checkpoint")):
+        data = wire.encode(**fields)
+        assert msgpack.unpackb(data)[7] == bytes([wire.TOPICS.index(topic)])
+        assert wire.decode(data) == wire.Envelope(**fields)  # an ordinary batch_checkpoint to every reader
+    assert wire.topic_message(wire.TOPICS.index("staged_epoch_checkpoint")) == ("event", "epoch_checkpoint")
+    fit_end = valid(event="fit_end", payload={"checkpoint": {"buffer": "b"}})  # FIT_END keeps one topic
+    assert msgpack.unpackb(wire.encode(**fit_end))[7] == bytes([wire.TOPICS.index("fit_end")])
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(topics=b"\x00\x05\x05\xff"), "unknown topic 255"),
     (dict(times=array.array("f", [1.0])), "two f32 per message"),

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pathlib
 import time
+from typing import Any
 
 import pytest
 import torch
+import zmq
 
-from eventbus import BusConfig, Callback
+from eventbus import BusConfig, Callback, Event, Subscriber
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
 from eventbus.bus.security import generate_keys
 from eventbus.workers.checkpoint import CheckpointSaver
-from tests.support import bus_address, free_port, make_trainer
+from tests.support import BackgroundTrainer, bus_address, free_port, make_trainer
 
 FSIZE_WRAPPER = (
     "import resource, runpy, signal, sys; "
@@ -98,6 +101,64 @@ def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn)
                            bus=False)
     resumed.fit()
     assert resumed_watcher.losses == watcher.losses[6:]
+
+
+def test_checkpoint_events_without_a_staged_checkpoint_never_reach_the_checkpoint_worker(tmp_path, spawn):
+    """BATCH_CHECKPOINT fires every batch; a checkpoint is staged at a few. The worker's saver declares
+    that it acts on staged checkpoints only, so its subscription group is sent the staged ones (on
+    their own topic) and FIT_END, and it writes every checkpoint; a subscriber of BATCH_CHECKPOINT
+    still gets every one, staged or not, in order, and neither misses a seq."""
+    address = bus_address(tmp_path)
+    trainer = make_trainer(tmp_path, "6ep", **CHECKPOINT_RUN)  # 24 batches
+    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", address, "--save-interval", "6ba",
+                   "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    wait_for_lease(trainer)
+    group = wire.subscription([wire.TOPICS.index(name) for name in
+                               ("header", "end", "fit_end", wire.STAGED_TOPICS["batch_checkpoint"])])
+    raw = zmq.Context.instance().socket(zmq.SUB)
+    raw.setsockopt(zmq.SUBSCRIBE, group)  # the staged-only subscriber's group, as sent
+    raw.connect(trainer.publisher.address)
+
+    async def follow(**options) -> tuple[list, Any]:
+        async with Subscriber(address, metrics=False, start="beginning", **options) as sub:
+            received = [(m.seq, m.event, m.state.checkpoint is not None) async for m in sub if m.kind == "event"]
+        return received, sub.stats()
+
+    async def both() -> list:
+        staged = follow(events=[Event.BATCH_CHECKPOINT, Event.FIT_END], staged_only=[Event.BATCH_CHECKPOINT])
+        every = follow(events=[Event.BATCH_CHECKPOINT])
+        running = asyncio.gather(staged, every)
+        await asyncio.sleep(1.0)  # both joined before the run starts
+        background = BackgroundTrainer(trainer).start()
+        results = await running
+        background.join()
+        return results
+
+    (staged, staged_stats), (every, every_stats) = asyncio.run(both())
+    frames = []
+    while raw.poll(1000):
+        frames.append(raw.recv_multipart())
+    raw.close(0)
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    journaled = [m for m in read_messages(trainer.publisher.journal_path) if m.event == "batch_checkpoint"]
+    with_checkpoint = [m.seq for m in journaled if m.payload.get("checkpoint") is not None]
+    assert len(journaled) == 24 and len(with_checkpoint) == 4
+    assert every == [(m.seq, Event.BATCH_CHECKPOINT, m.seq in with_checkpoint) for m in journaled]
+    assert staged[:-1] == [(seq, Event.BATCH_CHECKPOINT, True) for seq in with_checkpoint]
+    assert staged[-1][1] is Event.FIT_END
+    assert staged_stats.lost == every_stats.lost == 0 and staged_stats.protocol_errors == 0
+    # The group's windows hold its topics only, and cover every seq: nothing else woke it.
+    windows = [wire.decode_window(frame[1]) for frame in frames]
+    sent = [m.event or m.kind for w in windows for m in w.messages]
+    assert sent.count("batch_checkpoint") == 4 and set(sent) <= {"header", "batch_checkpoint", "fit_end", "end"}
+    assert len(windows) <= 4 + 3 and all(a.last + 1 == b.first for a, b in zip(windows, windows[1:]))
+    # The worker: every checkpoint written, from a handful of messages.
+    saved = [pathlib.Path(p).name for p in metrics_from(trainer.publisher.journal_path, "checkpoint/saved")]
+    assert saved == ["ep1-ba6-rank0.pt", "ep2-ba12-rank0.pt", "ep4-ba18-rank0.pt", "ep5-ba24-rank0.pt"]
+    done = next(line for line in worker.stderr if "done;" in line)
+    assert int(done.split("done; ")[1].split()[0]) < len(journaled), done
 
 
 def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path, spawn, caplog):

@@ -6,7 +6,8 @@ import pytest
 from composer.callbacks import EarlyStopper, LRMonitor, SpeedMonitor, ThresholdStopper
 
 from bench.callbacks import StopAt
-from eventbus.runtime.declarations import may_stop_training, reads_weights
+from eventbus import Callback, Event
+from eventbus.runtime.declarations import may_stop_training, reads_weights, staged_only_events, subscription
 from tests.e2e.fidelity_callbacks import StopAtBatch, WeightsAtEval
 
 
@@ -46,3 +47,22 @@ def test_the_health_loss_monitor_leases_stops_only_when_told_to_stop():
     assert not may_stop_training(LossMonitor())
     assert may_stop_training(LossMonitor(stop_on_nan=True))
     assert may_stop_training(LossMonitor(stop_on_spike=True))
+
+
+class EveryBatchCheckpoint(Callback):
+    def batch_checkpoint(self, state, logger):
+        pass
+
+
+def test_a_worker_is_sent_the_staged_checkpoint_events_only_when_every_callback_there_says_so():
+    from eventbus.workers.checkpoint import CheckpointSaver
+
+    saver = CheckpointSaver.__new__(CheckpointSaver)
+    events, _ = subscription([saver])
+    assert staged_only_events([saver], events) == {Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT,
+                                                   Event.ITERATION_CHECKPOINT}
+    events, _ = subscription([saver, EveryBatchCheckpoint()])
+    assert staged_only_events([saver, EveryBatchCheckpoint()], events) == {Event.EPOCH_CHECKPOINT,
+                                                                           Event.ITERATION_CHECKPOINT}
+    assert staged_only_events([EveryBatchCheckpoint()], frozenset({Event.BATCH_CHECKPOINT})) == frozenset()
+    assert staged_only_events([saver], None) == frozenset()  # a run_event callback beside it: every event

@@ -30,7 +30,7 @@ import zmq
 
 from eventbus.bus import wire
 from eventbus.bus.journal import JournalWriter
-from eventbus.bus.schema import Kind
+from eventbus.bus.schema import Key, Kind
 
 __all__ = ["History", "WINDOW_BYTES", "MAX_GROUPS"]
 
@@ -43,6 +43,9 @@ MAX_GROUPS = 16
 
 _HEADER = wire.topic_index(Kind.HEADER, None)
 _TOPIC_INDEX = {name: index for index, name in enumerate(wire.TOPICS)}
+# A checkpoint event's topic -> its staged checkpoints' topic (wire.STAGED_TOPICS).
+_STAGED = {wire.topic_index(Kind.EVENT, event): wire.topic_index(Kind.EVENT, event, staged=True)
+           for event in wire.STAGED_TOPICS}
 _ABSENT = object()
 
 
@@ -119,7 +122,10 @@ class History:
         if not topics:
             self._wall, self._mono = wall, mono
         self.seq += 1
-        topics.append(_TOPIC_INDEX[event or kind])  # an event's topic is its event; others', their kind
+        topic = _TOPIC_INDEX[event or kind]  # an event's topic is its event; others', their kind
+        if topic in _STAGED and payload.get(Key.CHECKPOINT) is not None:  # it carries a staged checkpoint
+            topic = _STAGED[topic]
+        topics.append(topic)
         times = self._times
         times.append(wall - self._wall)
         times.append(mono - self._mono)
@@ -281,14 +287,16 @@ class History:
         return self._envelope(_HEADER) if _HEADER in self._latest else b""
 
     def latest(self) -> list[bytes]:
-        """The latest message of each event and kind but the header, each a window of one."""
+        """The latest message of each topic but the header, each a window of one, in seq order (a
+        joiner's state is the last one's)."""
         self._note_latest()
-        return [self._envelope(topic) for topic in self._latest if topic != _HEADER]
+        latest = self._latest
+        return [self._envelope(topic) for topic in sorted(latest, key=lambda topic: latest[topic][0])
+                if topic != _HEADER]
 
     def _envelope(self, topic: int) -> bytes:
         seq, wall, mono, payload = self._latest[topic]
-        name = wire.TOPICS[topic]
-        kind, event = (name, None) if name in wire.KINDS else (Kind.EVENT, name)
+        kind, event = wire.topic_message(topic)
         return wire.encode(kind, self.run_id, self.rank, seq, event, wall, mono, payload)
 
     def last_of(self, topics: Optional[list[str]]) -> int:

@@ -80,7 +80,10 @@ class Subscriber(ControlChannel):
     logged metrics unless ``metrics=False``): the trainer sends this subscriber windows holding
     those topics only, and only when it published some (a subscriber is not woken for the
     others); each window covers every seq since the previous one, so gaps are noticed whatever
-    the topics (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`).
+    the topics (see :class:`~eventbus.bus.subscribe.sequencer.Sequencer`). ``staged_only``: checkpoint
+    events (BATCH_, EPOCH_, ITERATION_CHECKPOINT) delivered only when they carry a staged checkpoint
+    (``state.checkpoint``): the trainer sends this subscriber none of the others (BATCH_CHECKPOINT
+    fires every batch; a checkpoint is staged every few hundred).
     ``resume=(run_id, seq)`` continues after ``seq`` if the run is still ``run_id``.
     ``journal`` is a path to fall back on when the replay service cannot answer
     (by default the path announced in the run header, if it exists here).
@@ -114,9 +117,14 @@ class Subscriber(ControlChannel):
         receive_hwm: int = 100_000,
         gather: float = 0.0,
         reports_progress: bool = False,
+        staged_only: Iterable[Union[Event, str]] = (),
     ):
         if start not in ("latest", "beginning"):
             raise ValueError(f"start must be 'latest' or 'beginning', got {start!r}")
+        staged = frozenset(Event(e) for e in staged_only)
+        if any(e.value not in wire.STAGED_TOPICS for e in staged):
+            raise ValueError(f"staged_only takes checkpoint events ({', '.join(wire.STAGED_TOPICS)}), "
+                             f"got {', '.join(sorted(e.value for e in staged))}")
         self.address = address
         self.events = frozenset(Event(e) for e in events) if events is not None else None
         self.identity = identity or f"subscriber-{os.getpid()}"
@@ -130,7 +138,7 @@ class Subscriber(ControlChannel):
         )
         self._view = RunView(self._stats, self.events, control=self._service.control,
                               fetch=self._service.fetch_checkpoint)
-        self._topics = _topics(self.events, metrics)
+        self._topics = _topics(self.events, metrics, staged)
         self._sequencer = Sequencer(self._stats, max_bytes=max_message_bytes, start=start, resume=resume,
                                     follow=follow, on_new_run=self._view.reset,
                                     topics=frozenset(wire.TOPICS.index(name) for name in self._topics)
@@ -374,11 +382,22 @@ def _time_out(waiter: "asyncio.Future[bool]") -> None:
         waiter.set_result(False)
 
 
-def _topics(events: Optional[frozenset[Event]], metrics: bool) -> Optional[list[str]]:
-    """The topic names to subscribe to; None for all of them."""
+def _topics(events: Optional[frozenset[Event]], metrics: bool, staged_only: frozenset[Event]) -> Optional[list[str]]:
+    """The topic names to subscribe to; None for all of them. A checkpoint event's are its own topic
+    and its staged checkpoints' (:data:`~eventbus.bus.wire.STAGED_TOPICS`), or (``staged_only``) the
+    latter alone."""
     if events is None:
-        return None if metrics else [name for name in wire.TOPICS if name != Kind.METRICS]
-    return [Kind.HEADER, Kind.END, *([Kind.METRICS] if metrics else []), *sorted(e.value for e in events)]
+        if metrics and not staged_only:
+            return None
+        unwanted = {e.value for e in staged_only} | (set() if metrics else {Kind.METRICS})
+        return [name for name in wire.TOPICS if name not in unwanted]
+    names = []
+    for event in sorted(events, key=lambda e: e.value):
+        if event not in staged_only:
+            names.append(event.value)
+        if event.value in wire.STAGED_TOPICS:
+            names.append(wire.STAGED_TOPICS[event.value])
+    return [Kind.HEADER, Kind.END, *([Kind.METRICS] if metrics else []), *names]
 
 
 async def _snapshot(service: ServiceClient) -> Optional[list[bytes]]:
