@@ -121,30 +121,20 @@ class _Frame(msgspec.Struct, array_like=True):
 _decode_frame = msgspec.msgpack.Decoder(_Frame).decode
 
 
-class _Cell:
-    """A window's payload: decoded once, on first read, for every message that refers to it."""
-
-    __slots__ = ("data", "value")
-
-    def __init__(self, data: bytes):
-        self.data: bytes = data
-        self.value: Optional[dict[str, Any]] = None
-
-
 class Envelope:
     """One decoded message. Its payload stays packed until :attr:`payload` is first read (then
     decoded, and checked unless decoded with ``check_payload=False``). ``recovered``: it was
     read back from the replay service or the journal to fill a gap."""
 
-    __slots__ = ("kind", "run_id", "rank", "seq", "event", "wall_time", "mono_time", "_payload", "_cells",
+    __slots__ = ("kind", "run_id", "rank", "seq", "event", "wall_time", "mono_time", "_payload", "_payloads",
                  "_ref", "_check", "recovered")
 
     def __init__(self, kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float,
-                 mono_time: float, payload: Optional[dict[str, Any]], cells: Optional[list[_Cell]] = None,
+                 mono_time: float, payload: Optional[dict[str, Any]], payloads: Optional[list[Any]] = None,
                  ref: int = 0, check: bool = False):
         self.kind, self.run_id, self.rank, self.seq, self.event = kind, run_id, rank, seq, event
         self.wall_time, self.mono_time = wall_time, mono_time
-        self._payload, self._cells, self._ref, self._check = payload, cells, ref, check
+        self._payload, self._payloads, self._ref, self._check = payload, payloads, ref, check
         self.recovered = False
 
     @property
@@ -153,8 +143,8 @@ class Envelope:
         window that share a payload share its map: read it, never change it."""
         payload = self._payload
         if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
-            assert self._cells is not None, "an envelope holds its payload or the window's payloads"
-            payload = self._payload = _payload_of(self._cells, self._ref, self.seq, self._check)
+            assert self._payloads is not None, "an envelope holds its payload or the window's payloads"
+            payload = self._payload = _payload_of(self._payloads, self._ref, self.seq, self._check)
         return payload
 
     def _fields(self) -> tuple[Any, ...]:
@@ -236,29 +226,31 @@ def pack_payload(payload: dict[str, Any]) -> bytes:
 payload_decodes = 0
 
 
-def _payload_of(cells: list[_Cell], ref: int, seq: int, check: bool) -> dict[str, Any]:
-    """Payload ``ref`` of a window: decoded with every earlier payload it is a delta of."""
-    cell = cells[ref]
-    if cell.value is not None:
-        return cell.value
-    chain: list[tuple[_Cell, dict[str, Any]]] = []
+def _payload_of(payloads: list[Any], ref: int, seq: int, check: bool) -> dict[str, Any]:
+    """Payload ``ref`` of a window: decoded with every earlier payload it is a delta of. ``payloads``
+    is the window's list, packed payloads replaced in place by their maps as they are decoded (no
+    object per payload: a window's ~100 payloads cost no allocation until read)."""
+    value = payloads[ref]
+    if value.__class__ is dict:
+        return value
+    chain: list[tuple[int, dict[str, Any]]] = []
     base: Optional[dict[str, Any]] = None
     index = ref
     while True:  # back to a decoded payload or a whole one; each step goes to a lower index
-        cell = cells[index]
-        if cell.value is not None:
-            base = cell.value
+        value = payloads[index]
+        if value.__class__ is dict:
+            base = value
             break
-        part = _unpack_payload(cell.data, seq, check)
+        part = _unpack_payload(value, seq, check)
         below = part.pop(DELTA_BASE, None)
-        chain.append((cell, part))
+        chain.append((index, part))
         if below is None:
             break
         if type(below) is not int or not 0 <= below < index:
             raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r}")
         index = below
-    for cell, part in reversed(chain):
-        base = cell.value = part if base is None else {**base, **part}
+    for index, part in reversed(chain):
+        base = payloads[index] = part if base is None else {**base, **part}
     assert base is not None
     return base
 
@@ -388,7 +380,6 @@ def _window(frame: _Frame, check_payload: bool, lazy: bool, wanted: Optional[byt
     if max(refs) >= len(payloads):
         raise ProtocolError("window: a ref points past the payloads")
     stamps = _native("f", frame.times)
-    cells = [_Cell(p) for p in payloads]
     run_id, rank, wall, mono = frame.run_id, frame.rank, frame.wall, frame.mono
     messages: list[Envelope] = []
     kinds = TOPIC_MESSAGES
@@ -397,7 +388,7 @@ def _window(frame: _Frame, check_payload: bool, lazy: bool, wanted: Optional[byt
     for n in picked:
         kind, event = kinds[topics[n]]
         append(Envelope(kind, run_id, rank, first + n if offsets is None else first + offsets[n], event,
-                        wall + stamps[2 * n], mono + stamps[2 * n + 1], None, cells, refs[n], check_payload))
+                        wall + stamps[2 * n], mono + stamps[2 * n + 1], None, payloads, refs[n], check_payload))
     if not lazy:  # decoded and checked now: errors are raised here, naming the message
         for envelope in messages:
             envelope.payload  # noqa: B018
