@@ -147,8 +147,8 @@ class ServiceClient:
 
     def _queue_metrics(self, source: str, step: Optional[int], metrics: dict[str, Any]) -> None:
         """Thread-safe. Metrics logged on a callback's thread until the event loop's next turn leave
-        together: one request per run of one source's, each later step in ``more`` (a window's worth of
-        a callback's per-batch metrics is one request, not one per call), in the order they were logged.
+        together: one request per source, each later step in ``more`` (a window's worth of a callback's
+        per-batch metrics is one request, not one per call), each source's in the order logged.
         On the loop's own thread they leave at once (after any that wait)."""
         assert self._loop is not None, "connect() first"
         with self._metrics_lock:
@@ -162,11 +162,15 @@ class ServiceClient:
             self._loop.call_soon_threadsafe(self._flush_metrics)
 
     def _flush_metrics(self) -> None:
-        """On the loop thread: what was logged since, as few requests as the limits allow."""
+        """On the loop thread: what was logged since, as few requests as the limits allow: one per source
+        (callbacks sharing a lane log in turn, batch after batch), each source's steps in the order logged."""
         with self._metrics_lock:
             logged, self._metrics, self._metrics_flush_due = self._metrics, [], False
-        for source, run in itertools.groupby(logged, key=lambda item: item[0]):
-            self._send_metrics(source, [(step, metrics) for _, step, metrics in run])
+        by_source: dict[str, list[tuple[Optional[int], dict[str, Any]]]] = {}
+        for source, step, metrics in logged:
+            by_source.setdefault(source, []).append((step, metrics))
+        for source, steps in by_source.items():
+            self._send_metrics(source, steps)
 
     def _send_metrics(self, source: str, steps: list[tuple[Optional[int], dict[str, Any]]]) -> None:
         """One request for ``steps`` (halved until each fits the request limits; one step that alone
