@@ -338,8 +338,9 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
     rows, ends, cpu_rows = [], [], []
     for label, shape in sizes.items():
         # ~1 ms steps: 2,000 (2-3 s of training), so that what a daemon spends once per run (its first
-        # TensorBoard file, the run's end) is not taken for a cost per step.
-        steps = (30 if quick else 2000) if shape[0] < 512 else 60
+        # TensorBoard file, the run's end) is not taken for a cost per step; ~30 ms steps: 150 (60 spread
+        # single fits by +-10%).
+        steps = (30 if quick else 2000) if shape[0] < 512 else 150
         fits: dict[str, dict[str, list[dict[str, float]]]] = {t: {s: [] for s in _setups_for(t, quick)}
                                                                for t in trainers}
         print(f"  {label}: {steps} steps x {repeats} repeats; {_load()}", flush=True)
