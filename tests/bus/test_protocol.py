@@ -277,3 +277,23 @@ def test_each_operations_byte_limit_is_enforced_at_exactly_its_documented_size(o
         dealer.close()
         context.term()
         publisher.close()
+
+
+def test_metrics_logged_one_after_another_for_one_step_are_one_message(tmp_path):
+    """What a trainer logs at one point of a batch (loss, train metrics, microbatch size) is published
+    as one message with every key; a key logged again, another step or another source starts a new
+    message, so every value still arrives, in the order logged."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
+    # Queued before the bus thread starts: all in its first turn, as when logged within one window.
+    publisher.log_metrics({"loss": 1.0}, step=1)
+    publisher.log_metrics({"acc": 0.5, "n": 16}, step=1)
+    publisher.log_metrics({"loss": 0.9}, step=1)
+    publisher.log_metrics({"loss": 0.8}, step=2)
+    publisher.log_metrics({"lr": 0.1}, step=2, source="scheduler")
+    publisher.log_metrics({"acc": 0.6}, step=2, source="scheduler")
+    publisher.start({"run_name": "merged"})
+    publisher.close()
+    metrics = [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
+    assert [(m["step"], m["metrics"], m["source"]) for m in metrics] == [
+        (1, {"loss": 1.0, "acc": 0.5, "n": 16}, "trainer"), (1, {"loss": 0.9}, "trainer"),
+        (2, {"loss": 0.8}, "trainer"), (2, {"lr": 0.1, "acc": 0.6}, "scheduler")]

@@ -358,23 +358,46 @@ class _BusThread(threading.Thread):
 
     def _encode_all(self, records: list[Record]) -> bool:
         """Number and store a turn's records, up to the end of the run (True once it is reached).
-        The bus thread's per-event work: one loop, its lookups made once per turn."""
+        The bus thread's per-event work: one loop, its lookups made once per turn.
+
+        Metrics logged one after another for the same step by the same source (a trainer logs its
+        loss, its train metrics and its microbatch size at one point of the batch) become one
+        message: nothing was published between them, so every reader sees them at the same point of
+        the run, with a message, a decode and a logger call per batch instead of one per key group."""
         event_payload, append, event_kind = self._payloads.event_payload, self._history.append, Kind.EVENT
+        metrics: Optional[MetricsRecord] = None  # held until a record that cannot join it
         for record in records:
+            if metrics is not None:
+                if type(record) is MetricsRecord and _joins(metrics, record):
+                    metrics.metrics = {**metrics.metrics, **record.metrics}
+                    continue
+                self._append_metrics(metrics)
+                metrics = None
             try:
                 if type(record) is EventRecord:  # nearly every record: checked first, by class
                     append(event_kind, record.event, record.wall_time, record.mono_time, event_payload(record))
                 elif isinstance(record, MetricsRecord):
-                    payload = PayloadBuilder.metrics_payload(record.metrics, record.step, record.source)
-                    append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
+                    metrics = record
                 elif isinstance(record, HyperparametersRecord):
                     self._publish_hyperparameters(record.hyperparameters)
                 elif isinstance(record, EndRecord):
                     return True
             except Exception:  # one unencodable value must not end the run's record
-                self._stats.failed_requests += 1
-                log.exception("a %s could not be published; the bus goes on", type(record).__name__)
+                self._failed(record)
+        if metrics is not None:
+            self._append_metrics(metrics)
         return False
+
+    def _append_metrics(self, record: MetricsRecord) -> None:
+        try:
+            payload = PayloadBuilder.metrics_payload(record.metrics, record.step, record.source)
+            self._history.append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
+        except Exception:
+            self._failed(record)
+
+    def _failed(self, record: Record) -> None:
+        self._stats.failed_requests += 1
+        log.exception("a %s could not be published; the bus goes on", type(record).__name__)
 
     def _emit(self, kind: str, event: Optional[str], payload: dict[str, Any]) -> None:
         self._history.append(kind, event, time.time(), time.monotonic(), payload)
@@ -426,6 +449,12 @@ class _BusThread(threading.Thread):
         self._history.flush_and_send(self._pub)
         self._stats.published, self._stats.sent = self._history.published, self._history.sent
         self._stats.replay_cache_bytes = self._history.cache_bytes
+
+
+def _joins(held: MetricsRecord, record: MetricsRecord) -> bool:
+    """Whether ``record`` can be published in one message with ``held``, logged just before it: the
+    same step and source, and no key logged twice (a value logged again is a message of its own)."""
+    return record.step == held.step and record.source == held.source and held.metrics.keys().isdisjoint(record.metrics)
 
 
 def _is_batch_end(record: Record) -> bool:
