@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -49,10 +49,12 @@ def _steps_per_sec(times: list[float]) -> float:
     return (len(times) - 1 - warm) / (times[-1] - times[warm])
 
 
-def _mark(times: list[float], cpu: list[float]) -> None:
-    """A step's end: the wall clock, and the CPU time of this (the training) process, all its threads."""
+def _mark(times: list[float], cpu: list[float], warmup: "_Warmup") -> None:
+    """A step's end: the wall clock, the CPU time of this (the training) process, all its threads, and
+    at the two ends of the steady part, the daemons' CPU time."""
     times.append(time.perf_counter())
     cpu.append(time.process_time())
+    warmup.mark(len(times))
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
@@ -79,11 +81,26 @@ class _Warmup:
     daemon is connected and asleep for 1 s in a row: on a loaded machine a daemon waiting for a CPU
     is runnable, not asleep, so a starved start is not taken for an idle one."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int = 0) -> None:
         self.pids: list[int] = []
         self.started: list[float] = []
         self.seconds = 0.0
         self.cpu = 0.0
+        # The daemons' CPU at the steps where the trainer's steady part starts and ends (step counts).
+        self.steady = (_warm([0.0] * steps) + 1, steps)
+        self.readings: dict[int, list[float]] = {}
+
+    def mark(self, count: int) -> None:
+        if self.pids and count in self.steady:
+            self.readings[count] = [_stat(pid)[1] for pid in self.pids]
+
+    def steady_cpu(self) -> Optional[list[float]]:
+        """Each daemon's CPU seconds over the trainer's steady part (what it spends per step, its
+        start and the run's end left out, as for the trainer); None if a reading is missing."""
+        first, last = (self.readings.get(count) for count in self.steady)
+        if first is None or last is None:
+            return None
+        return [b - a for a, b in zip(first, last)]
 
     def wait(self, bus_callback: Any) -> None:
         if not self.pids:
@@ -180,7 +197,7 @@ def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, se
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if not self.times:
                 warmup.wait(callbacks[0])
-            _mark(self.times, self.cpu)
+            _mark(self.times, self.cpu, warmup)
 
     clock = Clock()
     callbacks: list[Any] = [clock]
@@ -221,7 +238,7 @@ def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path,
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if not self.times:
                 warmup.wait(bus)
-            _mark(self.times, self.cpu)
+            _mark(self.times, self.cpu, warmup)
 
     data = loader(steps, batch_size).dataset
     dataset = [{"x": x, "labels": y} for x, y in zip(*data.tensors)]
@@ -267,7 +284,7 @@ def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, set
         def batch_end(self, state: Any, logger: Any) -> None:
             if not self.times:
                 warmup.wait(callbacks[0])
-            _mark(self.times, self.cpu)
+            _mark(self.times, self.cpu, warmup)
 
     clock = Clock()
     callbacks: list[Any] = [clock]
@@ -294,7 +311,7 @@ def _setups(trainer: str) -> list[str]:
 def _fit(trainer: str, shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str) -> dict[str, float]:
     """One fit: steady steps/s; seconds from the last step's end until ``fit`` returned (the bus's close,
     which lets live daemons catch up); for (c) the daemons' warm-up and their exit after the run."""
-    warmup = _Warmup()
+    warmup = _Warmup(steps)
     with contextlib.ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")
@@ -304,11 +321,19 @@ def _fit(trainer: str, shape: tuple[int, int, int], steps: int, folder: pathlib.
         returned = time.perf_counter()
         daemon_cpu = warmup.cpu_since()
     warm = _warm(times)
+    steady = warmup.steady_cpu()
     result = {"steps_per_sec": _steps_per_sec(times), "end_s": returned - times[-1], "warmup_s": warmup.seconds,
               "warmup_cpu_s": warmup.cpu, "daemons_exit_s": time.perf_counter() - returned,
               "trainer_cpu_ms_per_step": 1000 * (cpu[-1] - cpu[warm]) / (len(cpu) - 1 - warm)}
-    for name, seconds in zip(DAEMONS, daemon_cpu):  # per step after the warm-up, against the step's time
-        result[f"{name}_cpu_ms_per_step"] = 1000 * seconds / (len(times) - 1)
+    if steady is not None:  # per step over the trainer's steady part; the rest is the run's end
+        last = warmup.readings[warmup.steady[1]]
+        if daemon_cpu and min(daemon_cpu) > 0:  # each still running when fit returned
+            result["daemons_end_cpu_s"] = sum(daemon_cpu) - sum(b - a for a, b in zip(warmup.started, last))
+        for name, seconds in zip(DAEMONS, steady):
+            result[f"{name}_cpu_ms_per_step"] = 1000 * seconds / (len(times) - 1 - warm)
+    else:
+        for name, seconds in zip(DAEMONS, daemon_cpu):  # per step after the warm-up, against the step's time
+            result[f"{name}_cpu_ms_per_step"] = 1000 * seconds / (len(times) - 1)
     return result
 
 
@@ -375,7 +400,8 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
             end_of_run = {s: median([f["end_s"] for f in v]) for s, v in runs.items()}
             ends.append((trainer, label, median([f["warmup_s"] for f in daemons]),
                          median([f["warmup_cpu_s"] for f in daemons]), end_of_run["alone"], end_of_run["bus"],
-                         end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons])))
+                         end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons]),
+                         _median_of(daemons, "daemons_end_cpu_s")))
             results.setdefault(trainer, {})[label] = {
                 "steps": steps, "steps_per_sec": steps_s, "ratios": ratios, "target_met": met,
                 "end_of_run_s": end_of_run, "trainer_cpu_ms_per_step": trainer_cpu,
@@ -386,11 +412,17 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
            f"(c)>={'/'.join(f'{v}' for v in TARGETS.values())} & >(d)"], rows)
     table("9. adapters: (c)'s daemons: warm-up from the first step and its CPU (s), the end of the run (last step "
           "to fit's return, s)",
-          ["trainer", "step", "warm-up", "its CPU", "end (a)", "end (b)", "end (c)", "daemons exit"], ends)
+          ["trainer", "step", "warm-up", "its CPU", "end (a)", "end (b)", "end (c)", "daemons exit",
+           "daemons' CPU after the last step"], ends)
     table("9. adapters: CPU per step (ms; user + system, every thread) of the training process in each setup, of "
           "each of (c)'s daemons after their warm-up, and (c)'s total (training process + daemons)",
           ["trainer", "step", "(a)", "(b)", "(c)", "(d) own TB", "(d) own W&B", *DAEMONS, "(c) total"], cpu_rows)
     return results
+
+
+def _median_of(fits: list[dict[str, float]], key: str) -> Any:
+    values = [f[key] for f in fits if key in f]
+    return median(values) if values else "-"
 
 
 def _cpu_row(trainer: str, label: str, trainer_cpu: dict[str, float], daemon_cpu: dict[str, float]) -> tuple:
