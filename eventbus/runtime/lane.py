@@ -12,6 +12,7 @@ what applying a message to it means, and its commits to the cursor.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import inspect
 import logging
@@ -31,13 +32,16 @@ from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.declarations import reads_weights, takes_metrics
 from eventbus.runtime.subscriber_logger import SubscriberLogger
 
-__all__ = ["END", "STOP", "SLOW_BURST", "Call", "Lane", "Slot", "SlotCall", "commit_together"]
+__all__ = ["END", "STOP", "SLOW_BURST", "SLOW_BURSTS", "SLOW_SPAN", "Call", "Lane", "Slot", "SlotCall",
+           "commit_together"]
 
 log = logging.getLogger(__name__)
 
 END = object()  # the stream ended: commit
 STOP = object()  # the callback is closed: its thread returns
-SLOW_BURST = 0.02  # a callback taking this long on one burst gets a thread of its own
+SLOW_BURST = 0.02  # a callback taking this long on SLOW_BURSTS bursts within SLOW_SPAN seconds gets a thread
+SLOW_BURSTS = 3  # of its own: one slow burst is a one-off (a CSV rewritten for a new column, the thread
+SLOW_SPAN = 30.0  # preempted by the trainer on a small machine), not a callback that holds the others back
 
 # The lane's threads apply an item (a burst of messages, or None: idle, commit) to a slot with
 # ``apply(slot, item)``, which returns the seconds its messages took; ``calling(slot)`` tells the
@@ -99,6 +103,7 @@ class Slot:
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.thread: Optional[threading.Thread] = None
         self.done = 0  # items of its lane taken care of (written by the thread that applies them)
+        self.slow_at: collections.deque[float] = collections.deque(maxlen=SLOW_BURSTS)  # its latest slow bursts
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=queue_size)
         self.reads_weights = reads_weights(callback)  # or found reading them (wants_weights)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"cb-{name}") \
@@ -243,12 +248,19 @@ class Lane:
                     continue
                 calling(slot)
                 spent = apply(slot, item)
-                if spent >= SLOW_BURST and len(self.slots) > 1:
-                    log.info("%s took %.0f ms on one burst of messages: it runs on a thread of its own from now on",
-                             slot.name, spent * 1e3)
+                if spent >= SLOW_BURST and len(self.slots) > 1 and _proved_slow(slot):
+                    log.info("%s took over %.0f ms on %d bursts of messages in %.0f s: it runs on a thread of its "
+                             "own from now on", slot.name, SLOW_BURST * 1e3, SLOW_BURSTS, SLOW_SPAN)
                     slot.thread = threading.Thread(target=slot.serve, args=(apply, calling, idle),
                                                    name=f"cb-{slot.name}", daemon=True)
                     slot.thread.start()
+
+
+def _proved_slow(slot: Slot) -> bool:
+    """Note a slow burst of ``slot``'s: True once it had ``SLOW_BURSTS`` of them within ``SLOW_SPAN``."""
+    now = time.monotonic()
+    slot.slow_at.append(now)
+    return len(slot.slow_at) == SLOW_BURSTS and now - slot.slow_at[0] <= SLOW_SPAN
 
 
 def commit_together(cursor: Cursor, slots: list[Slot]) -> None:

@@ -153,6 +153,15 @@ class SlowBatchEnds(BatchEnds):
         super().batch_end(state, logger)
 
 
+class SlowOnce(BatchEnds):
+    """Slow on its first batch only: a one-off (a file rewritten for a new column, say)."""
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        if not self.batches:
+            time.sleep(0.05)
+        super().batch_end(state, logger)
+
+
 async def paced(journal: str) -> AsyncIterator[Message]:
     """The run as a live worker gets it: a burst at a time (here, one message each 10 ms)."""
     async for message in journal_messages(journal):
@@ -169,3 +178,11 @@ async def test_a_slow_callback_leaves_the_shared_thread_and_keeps_its_order(jour
     assert fast.threads == {"cb-lane"} and [e for e, _ in fast.seen].count(Event.BATCH_END) == 8 and fast.closed
     messages = await messages_of(journal)
     assert Cursor(tmp_path / "cursor.json").seqs == {"SlowBatchEnds": messages[-1].seq, "Everything": messages[-1].seq}
+
+
+async def test_a_callback_slow_on_one_burst_only_stays_on_the_shared_thread(journal):
+    """One slow burst is a one-off, not a slow callback: a thread of its own would cost a wake-up per
+    burst (and a cursor write per commit) for the rest of the run."""
+    once, fast = SlowOnce(), Everything()
+    await CallbackHost([once, fast]).run(paced(journal))
+    assert once.batches == list(range(1, 9)) and once.threads == fast.threads == {"cb-lane"}
