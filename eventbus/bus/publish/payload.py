@@ -22,7 +22,7 @@ _PLAIN = frozenset({type(None), str, int, float, bool})
 
 def resolve(value: Any) -> Any:
     """Turn a captured value into plain msgpack-able data (waiting for staged device values)."""
-    if value.__class__ in _PLAIN or value is None or isinstance(value, (str, int, float, bool)):
+    if value.__class__ in _PLAIN or isinstance(value, (str, int, float, bool)):
         return value
     if value.__class__ is dict:  # metrics and settings: mostly plain values, each kept as it is
         return {k if k.__class__ is str else str(k): v if v.__class__ in _PLAIN else resolve(v)
@@ -79,12 +79,7 @@ class PayloadBuilder:
         immutable objects, shared by the events of a batch)."""
         last, seen = self._last, self._last_record
         if (last is not None and seen is not None and record.changes is None and record.checkpoint is None
-                and record.timestamp is seen.timestamp and record.previous_timestamp is seen.previous_timestamp
-                and record.eval_timestamp is seen.eval_timestamp and record.event != "batch_start"
-                and record.dataloader_label == seen.dataloader_label
-                and record.dataloader_len == seen.dataloader_len
-                and record.batch_num_samples == seen.batch_num_samples
-                and record.batch_num_tokens == seen.batch_num_tokens):
+                and record.event != "batch_start" and _same(record, seen)):
             return last
         if record.event == "batch_start" and any(self._current[key] is not None for key in PER_BATCH_KEYS):
             self._current.update(dict.fromkeys(PER_BATCH_KEYS))  # on-demand captures describe one batch
