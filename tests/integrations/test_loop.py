@@ -59,6 +59,15 @@ EVAL = ["eval_before_all", "eval_start", "eval_end", "eval_after_all"]
 START = ["init", "before_load", "after_load", "fit_start", "iteration_start"]
 
 
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory) -> dict:
+    """The plain loop without a bus (two epochs of 4 steps): what a stopped and resumed run must match.
+    The same command for every test that compares with it, so it runs once for the module."""
+    reference = tmp_path_factory.mktemp("reference")
+    finished(loop(reference, "--bus", "off"))
+    return result(reference)
+
+
 def followed_run(folder: pathlib.Path, *args: str) -> tuple[dict[str, str], dict]:
     """The loop with the seed's EpochMonitor, an event log and a batch counter in two workers and the
     logger daemon (two epochs of 4 optimizer steps); every process's output and the loop's record."""
@@ -111,15 +120,18 @@ def test_the_same_loop_under_accelerate(tmp_path):
 
 
 @pytest.mark.parametrize("way", ["plain", "accelerate"])
-def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tmp_path, way):
+def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tmp_path, way, request):
     """The loop without a bus is the reference; a worker stops a second run (at step 4: the test holds
     step 3 until the request arrived), the checkpoint daemon wrote step 4, and a third run resumes from
     it: the same losses for every later step and the same final weights, dropout and batches included."""
     options = ["--accelerate"] if way == "accelerate" else []
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    finished(loop(reference, "--bus", "off", *options))
-    expected = result(reference)
+    if options:
+        reference = tmp_path / "reference"
+        reference.mkdir()
+        finished(loop(reference, "--bus", "off", *options))
+        expected = result(reference)
+    else:
+        expected = request.getfixturevalue("plain_reference")
 
     bus = f"ipc://{tmp_path}/runs/loop/bus"
     stopper = worker(tmp_path, bus, f'{CALLBACKS}:StopAtBatch:{{"batch": 3}}', identity="stopper")
@@ -144,14 +156,11 @@ def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tm
     assert resumed["lr"] == expected["lr"]
 
 
-def test_two_ranks_under_torchrun_stop_at_the_same_step_and_resume(tmp_path):
+def test_two_ranks_under_torchrun_stop_at_the_same_step_and_resume(tmp_path, plain_reference):
     """One set of daemons for the job (rank 0 starts it); a worker's stop reaches both ranks at the same
     step; rank 0's checkpoint, written by the daemon, resumes both ranks (each with its own RNG). Both
     ranks draw the same batches, so DDP's averaged gradients are one process's: that run is the reference."""
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    finished(loop(reference, "--bus", "off"))
-    expected = [result(reference)] * 2
+    expected = [plain_reference] * 2
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
                "--out", "out", "--ddp"]

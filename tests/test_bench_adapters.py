@@ -1,0 +1,24 @@
+"""The benchmarks' quick versions, continued from ``test_bench.py``: floods, stop latency and the trainer
+adapters (a file of their own, so that they run beside the first half on the other xdist worker)."""
+
+from __future__ import annotations
+
+from tests.test_bench import run_quick
+
+
+def test_quick_flood_stop_latency_and_adapter_benchmarks_print_tables_and_json(tmp_path):
+    by_name, stdout = run_quick(tmp_path, "flood", "stop_latency", "adapters")
+    assert set(by_name) == {"flood", "stop_latency", "adapters"}
+    assert {"hello", "metrics", "multipart", "zmtp", "replay", "journal_complete"} <= set(by_name["flood"])
+    assert by_name["flood"]["journal_complete"] is True
+    stop = by_name["stop_latency"]["stop_latency"]
+    assert set(stop) == {"1ms_step", "31ms_step"}
+    for case in stop.values():
+        assert {"median_batches_late", "max_batches_late", "median_ms"} <= set(case["window"]) & set(case["fast_path"])
+    adapters = by_name["adapters"]
+    assert {"lightning", "transformers", "composer"} <= set(adapters["steps_per_sec"])
+    assert {"bus/alone", "daemons/alone", "own/alone"} <= set(adapters["steps_per_sec"]["lightning"]["~1 ms"]["ratios"])
+    assert "own-wandb/alone" in adapters["steps_per_sec"]["transformers"]["~1 ms"]["ratios"]
+    assert adapters["checkpoint"]["10MB"]["written_on_training_thread"] == 0  # every save was staged
+    for title in ("7. floods", "8. stop latency", "9. adapters"):
+        assert title in stdout
