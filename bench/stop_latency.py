@@ -4,8 +4,8 @@ A worker hosts ``bench.callbacks:StopAt``, which logs the wall time of its reque
 at BATCH_END of batch 30. The journal gives the rest: the wall time and batch of the BATCH_END that
 carries the stop reason. In process the run stops at batch 30 itself (0 batches late).
 
-Measured side by side, at ~1 ms and ~30 ms steps with the default bus window (10 ms, growing up to
-50 ms at ~1 ms steps): the stopper declared as one (the worker leases ``stops``: the bus sends each
+Measured side by side, at ~1 ms and ~30 ms steps with the default bus window (50 ms while events keep
+coming): the stopper declared as one (the worker leases ``stops``: the bus sends each
 BATCH_END at once) and declared as none (``fast: false``: BATCH_END waits for the end of the window, as before).
 """
 

@@ -15,7 +15,7 @@ from eventbus.bus import wire
 from eventbus.errors import ConfigError
 
 __all__ = ["BusConfig", "service_address_for", "address_for_rank", "advertised", "check_bindable",
-           "default_address", "is_trusted_endpoint"]
+           "default_address", "is_trusted_endpoint", "owner_only", "remove_socket_file"]
 
 _MAX_IPC_PATH = 100  # the kernel's sun_path limit is 107 bytes
 
@@ -50,7 +50,8 @@ class BusConfig:
     # (subscribe.service_client.RECONNECT_MS) and is heard from by then, so a run shorter than this
     # still waits for it. Costs a run that short this much at close, and nothing to a longer one.
     join_grace: float = 0.5
-    # The bus thread's batching window (adds this much latency); up to 5x this while events come fast.
+    # The bus thread's batching window after a quiet spell (adds this much latency); 5x this while
+    # events keep coming (at most one window per 50 ms: each costs the bus thread and every subscriber).
     coalesce_seconds: float = 0.01
     # What one client can make the request service hold or spend (above these: refused and counted).
     request_hwm: int = 64  # requests queued per client before ZeroMQ stops reading from it
@@ -167,3 +168,18 @@ def default_address(run_folder: pathlib.Path) -> str:
     if len(str(path)) + len(".ctl") > _MAX_IPC_PATH:
         path = pathlib.Path(tempfile.gettempdir()) / f"eventbus-{uuid.uuid4().hex[:12]}"
     return f"ipc://{path}"
+
+
+def owner_only(address: str) -> None:
+    """An ipc socket file that only its owner may connect to (connecting needs write permission):
+    local trust on ipc rests on this, and on the run folder's 0700, also for an ipc address given
+    outside the run folder."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: abstract, no file
+        os.chmod(address[len("ipc://"):], 0o600)
+
+
+def remove_socket_file(address: str) -> None:
+    """No dead ipc socket left in the run folder: connections made keep working, new ones find no file
+    (ZeroMQ leaves the file behind when the socket closes)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        pathlib.Path(address[len("ipc://"):]).unlink(missing_ok=True)

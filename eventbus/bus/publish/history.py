@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import time
 from typing import Any, Optional
 
 import zmq
@@ -208,6 +209,12 @@ class History:
         self._close_window()
         if self.journal is not None:
             self.journal.flush()
+
+    def unsent_for(self) -> float:
+        """Seconds the oldest message not handed to the wire yet has waited (0 when there is none)."""
+        if self._unsent:
+            return time.monotonic() - self._unsent[0].mono
+        return time.monotonic() - self._mono if self._topics else 0.0
 
     def flush_and_send(self, pub: zmq.Socket) -> int:
         """Journal first (one write per window), then the wire: each subscription group its window,

@@ -1,15 +1,10 @@
 """The publisher: a bus thread that numbers, journals and sends what the training thread captured.
 
-Training thread (:meth:`Publisher.put`, called by :mod:`eventbus.capture.event_capture`):
-one record on an unbounded-by-type but size-checked queue; it never touches a
-socket or a file and never blocks. When the queue is full (the bus thread far
-behind) the record is dropped and counted, so training never waits.
-
-Bus thread: turns records into payloads, numbers them (seq, contiguous per run
-and rank), appends them to the journal, sends them on the PUB socket (never
-blocking: at the high-water mark ZeroMQ drops for that slow subscriber, who
-recovers the gap from the replay service), and serves the ROUTER socket
-(:mod:`eventbus.bus.publish.service`). Imports no torch.
+Training thread (:meth:`Publisher.put`): one record on a size-checked queue, never a socket or file
+call; when the queue is full (the bus thread far behind) the record is dropped and counted. Bus
+thread: records become payloads, numbered (seq, contiguous per run and rank), journaled, then sent
+on the PUB socket (never blocking: at the high-water mark ZeroMQ drops for that slow subscriber, who
+recovers the gap by replay); it serves the ROUTER socket (:mod:`eventbus.bus.publish.service`). No torch.
 """
 
 from __future__ import annotations
@@ -34,6 +29,8 @@ from eventbus.bus.config import (
     check_bindable,
     default_address,
     is_trusted_endpoint,
+    owner_only,
+    remove_socket_file,
     service_address_for,
 )
 from eventbus.bus.journal import JOURNAL_NAME, JournalWriter
@@ -41,7 +38,15 @@ from eventbus.bus.protocol import LARGEST_REQUEST_BYTES, STOPS_LEASE
 from eventbus.bus.publish.history import History
 from eventbus.bus.publish.leases import Leases, StopRequests
 from eventbus.bus.publish.payload import PayloadBuilder, resolve
-from eventbus.bus.publish.records import EndRecord, EventRecord, HyperparametersRecord, MetricsRecord, Record
+from eventbus.bus.publish.records import (
+    EndRecord,
+    EventRecord,
+    HyperparametersRecord,
+    MetricsRecord,
+    Record,
+    is_batch_end,
+    joins,
+)
 from eventbus.bus.publish.service import PublisherStats, RequestService, StagingArea, SubscriberTable
 from eventbus.bus.schema import Kind
 from eventbus.bus.security import ServerKeys
@@ -51,14 +56,12 @@ __all__ = ["Publisher", "PublisherStats"]
 
 log = logging.getLogger(__name__)
 
-# The window adapts to the rate of events. Each window costs the bus thread a fixed ~0.5 ms on a
-# small VM (a dozen socket and file calls, each a GIL hand-off; measured at ~1 ms steps, beside
-# ~5 us per event): while events come fast, a longer window keeps that cost per step small.
-#: While turns are busy the window doubles, up to this many times ``coalesce_seconds``...
+# Each window costs the bus thread a fixed ~0.5 ms on a small VM (a dozen socket and file calls, each a
+# GIL hand-off; measured at ~1 ms steps, beside ~5 us per event), and each subscriber it wakes about as
+# much again. So while events keep coming (a turn opened less than two long windows ago) a window lasts
+# MAX_WINDOW_FACTOR x ``coalesce_seconds`` (50 ms: at most 20 windows a second, whatever the step);
+# an event after a quiet spell waits only ``coalesce_seconds``.
 MAX_WINDOW_FACTOR = 5
-#: ...a turn of at least this many records being busy (at 10 ms: ~1.3 ms steps of ~17 events);
-#: one of fewer than a quarter of it halves the window again, down to ``coalesce_seconds``.
-BUSY_TURN_RECORDS = 128
 #: Records taken in one turn at most (a window each); after a full turn the next one starts at once.
 TURN_RECORDS = 4096
 
@@ -172,7 +175,8 @@ class _BusThread(threading.Thread):
         self._start_error: Optional[BaseException] = None
         self._monitors: list[zmq.Socket] = []  # disconnect events of the PUB and ROUTER sockets
         self._bound_at = 0.0  # when the sockets were bound (time.monotonic)
-        self._window = self.config.coalesce_seconds  # this turn's; adapts to the rate (_next_window)
+        self._turn_started = -1.0  # when the latest turn's window opened (time.monotonic)
+        self._full_turn = False  # the latest turn took TURN_RECORDS: the queue holds more, taken at once
 
     def start(self) -> None:
         super().start()
@@ -203,7 +207,7 @@ class _BusThread(threading.Thread):
         router.bind(self.publisher.service_address)
         self._bound_at = time.monotonic()
         for address in (self.publisher.address, self.publisher.service_address):
-            _owner_only(address)
+            owner_only(address)
         self._monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in (pub, router)]
         journal_path = self.publisher.journal_path
         journal = JournalWriter(journal_path, segment_bytes=self.config.journal_segment_bytes) if journal_path else None
@@ -244,7 +248,7 @@ class _BusThread(threading.Thread):
                 sock.disable_monitor()
                 monitor.close(linger=0)
             for address in (publisher.address, publisher.service_address):
-                _remove_socket_file(address)  # before the close: a trainer restarted on it binds a new one
+                remove_socket_file(address)  # before the close: a trainer restarted on it binds a new one
             self._pub.close()
             self._router.close()
             if journal is not None:
@@ -269,27 +273,27 @@ class _BusThread(threading.Thread):
                 except queue.Empty:
                     break
             ending = self._encode_all(records)
-            self._window = self._next_window(len(records))
-            self._send()
-            self._serve_waiting(poller, 0)
+            self._full_turn = len(records) >= TURN_RECORDS
+            self._serve_waiting(poller, 0, send=False)
+            # What requests published between turns (workers' metrics) goes with the next turn's window,
+            # or alone once it waited a long window: not a window per request that metrics readers wake for.
+            if records or ending or self._history.unsent_for() >= self.config.coalesce_seconds * MAX_WINDOW_FACTOR:
+                self._send()
         self._finish(poller)
 
     def _gather_window(self, poller: zmq.Poller, first: Record) -> list[Record]:
-        """Let a batch's worth of events accumulate: one wake-up, one journal flush and one GIL
-        hand-off per window instead of per event keeps the training thread running (measured: with
-        a 1 ms window the bus cost ~1.7 ms per 6 ms step; with 10 ms, ~0). Requests arriving
-        meanwhile are answered at once, so a stop request reaches the training thread before its
-        next BATCH_END whatever the window.
+        """Let events accumulate: one wake-up, journal flush and GIL hand-off per window, not per event
+        (measured: a 1 ms window cost ~1.7 ms per 6 ms step; 10 ms, ~0). Requests arriving meanwhile are
+        answered at once, so a stop request reaches the training thread before its next BATCH_END.
 
         While a subscriber that may stop training holds the ``stops`` lease, the window ends at
-        BATCH_END (returning the records taken so far): the stopper sees each batch's end without
-        waiting up to a window, so its stop lands at most about one batch late, as in process it
-        lands at the same batch. Checking costs a wake-up per millisecond of the window, only then."""
-        deadline = time.monotonic() + self._window
+        BATCH_END: the stopper sees each batch's end at once, so its stop lands about one batch late
+        (in process, at the same batch). That costs a wake-up per millisecond of the window, only then."""
+        deadline = self._window_end()
         budget = self.config.requests_per_turn
         fast = self.publisher.leases.holds(STOPS_LEASE)
         taken: list[Record] = []
-        if fast and _is_batch_end(first):
+        if fast and is_batch_end(first):
             return taken
         while (left := deadline - time.monotonic()) > 0:
             slice_s = min(left, 0.001) if fast else left
@@ -304,24 +308,19 @@ class _BusThread(threading.Thread):
                         taken.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                    if _is_batch_end(taken[-1]) or isinstance(taken[-1], EndRecord):
+                    if is_batch_end(taken[-1]) or isinstance(taken[-1], EndRecord):
                         return taken
         return taken
 
-    def _next_window(self, records: int) -> float:
-        """The next turn's window: doubled after a busy turn (up to ``MAX_WINDOW_FACTOR`` times
-        ``coalesce_seconds``), halved after a quiet one (down to ``coalesce_seconds``), none after a
-        full one (the queue holds more: taken at once). Requests are answered during the window
-        whatever its length, and a ``stops`` lease still ends it at BATCH_END: only what subscribers
-        see live, and the queue a crash loses, wait longer."""
+    def _window_end(self) -> float:
+        """When the window opening now closes (see ``MAX_WINDOW_FACTOR``); now after a full turn. Requests
+        are answered during it whatever its length, and a ``stops`` lease still ends it at BATCH_END."""
+        now = time.monotonic()
         base = self.config.coalesce_seconds
-        if records >= TURN_RECORDS:
-            return 0.0
-        if records >= BUSY_TURN_RECORDS:
-            return min(max(self._window, base) * 2, base * MAX_WINDOW_FACTOR)
-        if records < BUSY_TURN_RECORDS // 4:
-            return max(self._window / 2, base)
-        return max(self._window, base)
+        longest = base * MAX_WINDOW_FACTOR
+        busy = now - self._turn_started < 2 * longest
+        self._turn_started = now
+        return now if self._full_turn else now + (longest if busy else base)
 
     def _finish(self, poller: zmq.Poller) -> None:
         """Let live workers catch up, publish END, and keep answering a little longer: late gap
@@ -358,17 +357,15 @@ class _BusThread(threading.Thread):
 
     def _encode_all(self, records: list[Record]) -> bool:
         """Number and store a turn's records, up to the end of the run (True once it is reached).
-        The bus thread's per-event work: one loop, its lookups made once per turn.
 
-        Metrics logged one after another for the same step by the same source (a trainer logs its
-        loss, its train metrics and its microbatch size at one point of the batch) become one
-        message: nothing was published between them, so every reader sees them at the same point of
-        the run, with a message, a decode and a logger call per batch instead of one per key group."""
+        Metrics logged one after another for the same step by the same source (a trainer's loss, train
+        metrics and microbatch size) become one message: nothing was published between them, so every
+        reader sees them at the same point of the run, with one decode and one logger call."""
         event_payload, append, event_kind = self._payloads.event_payload, self._history.append, Kind.EVENT
         metrics: Optional[MetricsRecord] = None  # held until a record that cannot join it
         for record in records:
             if metrics is not None:
-                if type(record) is MetricsRecord and _joins(metrics, record):
+                if type(record) is MetricsRecord and joins(metrics, record):
                     metrics.metrics = {**metrics.metrics, **record.metrics}
                     continue
                 self._append_metrics(metrics)
@@ -449,28 +446,3 @@ class _BusThread(threading.Thread):
         self._history.flush_and_send(self._pub)
         self._stats.published, self._stats.sent = self._history.published, self._history.sent
         self._stats.replay_cache_bytes = self._history.cache_bytes
-
-
-def _joins(held: MetricsRecord, record: MetricsRecord) -> bool:
-    """Whether ``record`` can be published in one message with ``held``, logged just before it: the
-    same step and source, and no key logged twice (a value logged again is a message of its own)."""
-    return record.step == held.step and record.source == held.source and held.metrics.keys().isdisjoint(record.metrics)
-
-
-def _is_batch_end(record: Record) -> bool:
-    return isinstance(record, EventRecord) and record.event == "batch_end"
-
-
-def _owner_only(address: str) -> None:
-    """An ipc socket file that only its owner may connect to (connecting needs write permission):
-    local trust on ipc rests on this, and on the run folder's 0700, also for an ipc address given
-    outside the run folder."""
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):  # @: abstract, no file
-        os.chmod(address[len("ipc://"):], 0o600)
-
-
-def _remove_socket_file(address: str) -> None:
-    """No dead ipc socket left in the run folder: connections made keep working, new ones find no file
-    (ZeroMQ leaves the file behind when the socket closes)."""
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):
-        pathlib.Path(address[len("ipc://"):]).unlink(missing_ok=True)

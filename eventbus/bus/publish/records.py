@@ -15,7 +15,7 @@ from typing import Any, Optional, Protocol, Union
 import msgspec
 
 __all__ = ["Deferred", "StagedCheckpointRef", "EventRecord", "MetricsRecord",
-           "HyperparametersRecord", "EndRecord", "Record"]
+           "HyperparametersRecord", "EndRecord", "Record", "joins", "is_batch_end"]
 
 
 class Deferred(Protocol):
@@ -71,3 +71,13 @@ class EndRecord:
 
 
 Record = Union[EventRecord, MetricsRecord, HyperparametersRecord, EndRecord]
+
+
+def joins(held: MetricsRecord, record: MetricsRecord) -> bool:
+    """Whether ``record`` can be published in one message with ``held``, logged just before it: the
+    same step and source, and no key logged twice (a value logged again is a message of its own)."""
+    return record.step == held.step and record.source == held.source and held.metrics.keys().isdisjoint(record.metrics)
+
+
+def is_batch_end(record: Record) -> bool:
+    return isinstance(record, EventRecord) and record.event == "batch_end"
