@@ -256,20 +256,16 @@ def _positive(value: Any, name: str, kind: type = int) -> None:
 
 
 def validate_config(config: JobConfig) -> None:
-    """Every option checked before anything starts (no folder, socket or process yet); ConfigError if not."""
+    """Every option checked before anything starts (no folder, socket or process yet); ConfigError if not.
+    The checks that need torch come last: a mistyped option is refused before torch is imported."""
     from eventbus.core.interval import interval_scheduler
-    from eventbus.training.checks import check_max_duration, resolve_device
-    from eventbus.training.demo import CharLMConfig
+    from eventbus.core.time import check_max_duration
 
     check_types(dataclasses.asdict(config), "options")  # a JobConfig built in code, not from a file or flags
     for name in ("batch_size", "seq_len", "d_model", "layers", "keep"):
         _positive(getattr(config, name), name)
     for name in ("lr", "daemon_timeout"):
         _positive(getattr(config, name), name, float)
-    heads = CharLMConfig().n_heads  # the model width is split evenly across the attention heads
-    if config.d_model % heads:
-        raise ConfigError(f"d-model must be a multiple of {heads} (the attention heads), got {config.d_model}")
-    _check_fits_in_memory(config, heads)
     if not 0 <= config.seed < 2**32:
         raise ConfigError(f"seed must be an integer from 0 to 2**32-1, got {config.seed!r}")
     if config.precision not in PRECISIONS:  # a config file's value does not pass argparse's choices
@@ -278,7 +274,6 @@ def validate_config(config: JobConfig) -> None:
     check_max_duration(config.max_duration)
     for name in ("eval_interval", "save_interval"):  # the checkpoint daemon's interval too: it would fail late
         interval_scheduler(getattr(config, name), name=name.replace("_", "-"))
-    resolve_device(config.device)
     if config.bus is not None and not config.bus.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"bus must be ipc://PATH or tcp://HOST:PORT, got {config.bus!r}")
     _check_bus_is_guarded(config.bus)
@@ -286,6 +281,19 @@ def validate_config(config: JobConfig) -> None:
     if config.run_name is not None:
         check_run_name(config.run_name, "run-name")
     _check_writable(pathlib.Path(config.runs_dir))
+    _check_model_and_device(config)
+
+
+def _check_model_and_device(config: JobConfig) -> None:
+    """The model's shape, its memory and the device: the checks that import torch."""
+    from eventbus.training.checks import resolve_device
+    from eventbus.training.demo import CharLMConfig
+
+    heads = CharLMConfig().n_heads  # the model width is split evenly across the attention heads
+    if config.d_model % heads:
+        raise ConfigError(f"d-model must be a multiple of {heads} (the attention heads), got {config.d_model}")
+    _check_fits_in_memory(config, heads)
+    resolve_device(config.device)
 
 
 def training_bytes(config: JobConfig, heads: int) -> int:

@@ -7,7 +7,7 @@ from typing import Any, Union
 
 import torch
 
-from eventbus.core.time import Time, TimeUnit, ensure_time
+from eventbus.core.time import check_duration, check_max_duration
 from eventbus.errors import ConfigError
 
 __all__ = ["check_duration", "check_max_duration", "check_microbatch_size", "check_model", "check_not_empty",
@@ -34,21 +34,6 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     return resolved
-
-
-def check_duration(value: Union[int, str, Time], name: str) -> Time:
-    """A duration a run can train for: in ep, ba, sp or tok (not dur or iterations)."""
-    duration = ensure_time(value, TimeUnit.EPOCH, name=name)
-    if duration.unit in (TimeUnit.DURATION, TimeUnit.ITERATION):
-        raise ConfigError(f"{name} must be in ep, ba, sp or tok, got {duration}")
-    return duration
-
-
-def check_max_duration(value: Union[int, str, Time]) -> Time:
-    duration = check_duration(value, "max_duration")
-    if duration.value <= 0:
-        raise ConfigError(f"max_duration must be positive, got {duration}")
-    return duration
 
 
 def check_microbatch_size(size: Any) -> None:
