@@ -1,5 +1,5 @@
 import sys
 
-from eventbus.cli import main
+from eventbus.cli import command
 
-sys.exit(main())
+sys.exit(command())

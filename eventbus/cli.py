@@ -327,5 +327,12 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def command() -> int:
+    """The ``eventbus`` console script: :func:`main` on this process's arguments, then a quick exit."""
+    from eventbus.runtime.program_exit import without_final_collection
+
+    return without_final_collection(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -254,4 +254,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from eventbus.runtime.program_exit import without_final_collection
+
+    sys.exit(without_final_collection(main()))

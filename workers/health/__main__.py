@@ -2,6 +2,7 @@
 
 import sys
 
+from eventbus.runtime.program_exit import without_final_collection
 from eventbus.workers.health.cli import main
 
-sys.exit(main())
+sys.exit(without_final_collection(main()))
