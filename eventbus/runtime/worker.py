@@ -32,6 +32,8 @@ __all__ = ["run_worker", "replay_journal", "bus_status"]
 
 log = logging.getLogger(__name__)
 
+PROGRESS_EVERY = 1.0  # seconds between reports of how far a worker applied, while messages keep coming
+
 
 def _install_signal_handlers(host: CallbackHost) -> None:
     loop = asyncio.get_running_loop()
@@ -124,11 +126,15 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
     """Tell the trainer this worker is alive (with its stats, for monitors) and how far it has
     applied the run (so the run ends after its last metrics; a following worker also says which
     run, so a restarted trainer waits for it to switch), and keep the trainer capturing what
-    hosted callbacks declare (:func:`~eventbus.runtime.declarations.capture_leases`), and only that."""
+    hosted callbacks declare (:func:`~eventbus.runtime.declarations.capture_leases`), and only that.
+
+    How far it has applied goes out once a second while messages keep coming, and at once (within
+    ~0.2 s) when they pause: at the end of a run the trainer waits for it, and sends nothing new
+    meanwhile. Each report wakes the trainer's bus thread, so not ten a second per worker."""
     leases = capture_leases(callbacks)
     names = [type(cb).__name__ for cb in callbacks]
     loop = asyncio.get_running_loop()
-    next_hello, reported = 0.0, -1
+    next_hello, reported, next_progress, previous = 0.0, -1, 0.0, -1
     weights_leased: frozenset[str] = frozenset()
     while True:
         run_id = host.run_id if follow else None
@@ -141,11 +147,13 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
             if weights:  # a staged copy at each of these events, held until this worker applied it
                 subscriber.request_capture([WEIGHTS_LEASE], ttl=every * 3, events=weights)
             weights_leased = weights
-            subscriber.hello(names, applied=host.applied_seq, run_id=run_id)
-            next_hello = loop.time() + every
-        elif host.applied_seq != reported:
-            subscriber.progress(host.applied_seq, run_id)
-        reported = host.applied_seq
+            applied = host.applied_seq
+            subscriber.hello(names, applied=applied, run_id=run_id)
+            next_hello, reported = loop.time() + every, applied
+        elif (applied := host.applied_seq) != reported and (applied == previous or loop.time() >= next_progress):
+            subscriber.progress(applied, run_id)
+            next_progress, reported = loop.time() + PROGRESS_EVERY, applied
+        previous = host.applied_seq
         await asyncio.sleep(0.1)
 
 
