@@ -232,6 +232,8 @@ _COUNTERS = (
     "batch_in_epoch", "sample_in_epoch", "token_in_epoch",
 )
 _CLOCKS = ("total_wct", "iteration_wct", "epoch_wct", "batch_wct")
+_FIELD_SET = frozenset(_COUNTERS + _CLOCKS)
+_FIELD_SLOTS = tuple("_" + f for f in _COUNTERS + _CLOCKS)
 _COUNTER_UNITS = {
     "iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH,
     "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN,
@@ -264,7 +266,9 @@ class Timestamp:
     The wall-clock fields count training time only; evaluation is excluded.
     """
 
-    __slots__ = tuple("_" + f for f in _COUNTERS + _CLOCKS)
+    # ``_source``: the state dict of a Timestamp built by ``from_state_dict``, whose fields are
+    # converted when first read (subscribers build one per message and most read a field or two).
+    __slots__ = (*_FIELD_SLOTS, "_source")
     _iteration: int
     _epoch: int
     _batch: int
@@ -305,6 +309,21 @@ class Timestamp:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Timestamp is immutable; use copy(...) or to_next_batch(...)")
+
+    def __getattr__(self, name: str) -> Any:
+        """A field of a Timestamp built by ``from_state_dict``, converted the first time it is read
+        (only reached for a field not set yet: ``__getattr__`` runs when the normal lookup fails)."""
+        field = name[1:]
+        if field not in _FIELD_SET:
+            raise AttributeError(name)
+        try:
+            state = object.__getattribute__(self, "_source")
+        except AttributeError:
+            raise AttributeError(name) from None
+        value: Any = (int(state.get(field, 0)) if field in _COUNTER_UNITS else
+                      datetime.timedelta(seconds=float(state.get(field, 0.0))))
+        object.__setattr__(self, name, value)
+        return value
 
     iteration = property(lambda self: Time(self._iteration, TimeUnit.ITERATION))
     epoch = property(lambda self: Time(self._epoch, TimeUnit.EPOCH))
@@ -375,13 +394,15 @@ class Timestamp:
         return out
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Union[int, float]]) -> "Timestamp":
-        timestamp = object.__new__(cls)  # the fast path: subscribers build one per message
-        set_field = object.__setattr__
-        for field in _COUNTERS:
-            set_field(timestamp, "_" + field, int(state.get(field, 0)))
-        for field in _CLOCKS:
-            set_field(timestamp, "_" + field, datetime.timedelta(seconds=float(state.get(field, 0.0))))
+    def from_state_dict(cls, state: dict[str, Union[int, float]], *, lazy: bool = False) -> "Timestamp":
+        """The Timestamp of a ``state_dict()``, every field converted now (a checkpoint's: a bad value
+        raises here). ``lazy``: each field converted when first read, ``state`` kept meanwhile (never
+        change it): a subscriber builds one per message, and most callbacks read a field or two."""
+        timestamp = object.__new__(cls)
+        object.__setattr__(timestamp, "_source", state)
+        if not lazy:
+            for name in _FIELD_SLOTS:
+                getattr(timestamp, name)
         return timestamp
 
     def _compare_value(self, other: object) -> tuple[Union[int, float], Union[int, float]]:

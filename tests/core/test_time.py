@@ -68,3 +68,18 @@ def test_timestamp_has_every_composer_field():
         getattr(ts, field)
     assert ts >= Time(7, "ba") and ts < Time(3, "ep")
     assert Timestamp.from_state_dict(ts.state_dict()) == ts
+
+
+def test_a_timestamp_from_a_state_dict_reads_the_same_lazily_and_a_checkpoints_bad_value_fails_at_load():
+    ts = Timestamp(epoch=2, batch=7, sample=28, total_wct=datetime.timedelta(seconds=3.5))
+    lazy = Timestamp.from_state_dict(ts.state_dict(), lazy=True)  # as a subscriber builds one per message
+    assert lazy.batch == Time(7, "ba") and lazy.total_wct == datetime.timedelta(seconds=3.5)
+    assert lazy == ts and lazy.state_dict() == ts.state_dict() and lazy.to_next_batch(4).sample == 32
+    with pytest.raises(AttributeError):
+        lazy.nope  # noqa: B018
+    with pytest.raises(ValueError):  # a checkpoint's timestamp is checked when it is loaded...
+        Timestamp.from_state_dict({"batch": "x"})
+    unread = Timestamp.from_state_dict({"batch": "x"}, lazy=True)  # ...a message's, when read
+    assert int(unread.epoch) == 0
+    with pytest.raises(ValueError):
+        unread.batch  # noqa: B018

@@ -126,18 +126,18 @@ class Snapshot:
         timestamp = self._cache.get("timestamp")  # read several times per event by most callbacks
         if timestamp is None:
             ts = self._payload.get(Key.TIMESTAMP)
-            timestamp = self._cache["timestamp"] = Timestamp.from_state_dict(ts) if ts else Timestamp()
+            timestamp = self._cache["timestamp"] = Timestamp.from_state_dict(ts, lazy=True) if ts else Timestamp()
         return timestamp  # type: ignore[no-any-return]
 
     @property
     def eval_timestamp(self) -> Timestamp:
         ts = self._payload.get(Key.EVAL_TIMESTAMP)
-        return self._cached("eval_timestamp", lambda: Timestamp.from_state_dict(ts) if ts else Timestamp())
+        return self._cached("eval_timestamp", lambda: Timestamp.from_state_dict(ts, lazy=True) if ts else Timestamp())
 
     @property
     def previous_timestamp(self) -> Optional[Timestamp]:
         ts = self._payload.get(Key.PREVIOUS_TIMESTAMP)
-        return self._cached("previous_timestamp", lambda: Timestamp.from_state_dict(ts) if ts else None)
+        return self._cached("previous_timestamp", lambda: Timestamp.from_state_dict(ts, lazy=True) if ts else None)
 
     @property
     def max_duration(self) -> Optional[Time]:
