@@ -1,10 +1,12 @@
 """6. The default deployment's cost: `eventbus run`'s daemons against the trainer alone, the bus alone
 and Composer with the same callbacks in process, at two step sizes; worker CPU per message beside floors.
 
-Steps/s are medians over alternating repeats (this machine is noisy). A worker's CPU per message is
-its user+system CPU from the moment training starts to its exit, divided by the messages it received;
-its CPU per step is the same CPU divided by the steps, printed beside the training process's own CPU
-per step (all its threads, the bus thread included, during ``fit``) and their total.
+Steps/s are medians over alternating repeats (this machine is noisy). A worker's CPU per step is its
+user+system CPU while the trainer is in ``fit`` divided by the steps, printed beside the training
+process's own CPU per step (all its threads, the bus thread included, during ``fit``) and their total;
+its CPU per message is the same CPU divided by the messages it received. What a worker spends after
+``fit`` (applying the last window, final commits, closing its files, exiting) is its own column: a
+cost per run, not per step.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 class _Worker:
-    """A daemon process whose CPU is counted from ``mark()`` (training starts) to ``sample()`` (the run
-    has ended and the daemon applied all of it): start-up and teardown are not per-message costs."""
+    """A daemon process whose CPU is counted from ``mark()`` (training starts) to ``sample()`` (``fit``
+    returned), and from there to its exit apart: start-up and the run's end are not per-step costs."""
 
     def __init__(self, name: str, command: list[str], folder: str):
         self.name = name
@@ -92,15 +94,16 @@ class _Worker:
         except OSError:  # already gone: its whole life counts, read when it is reaped
             self.cpu = -1.0
 
-    def finish(self) -> tuple[float, int]:
-        """(CPU seconds from mark to sample, messages received), once the daemon exits."""
+    def finish(self) -> tuple[float, float, int]:
+        """(CPU seconds from mark to sample, from sample to its exit, messages received), once it exits."""
         _, status, usage = os.wait4(self.proc.pid, 0)
         self.proc.returncode = os.waitstatus_to_exitcode(status)
-        cpu = self.cpu if self.cpu >= 0 else usage.ru_utime + usage.ru_stime
+        total = usage.ru_utime + usage.ru_stime
+        cpu = self.cpu if self.cpu >= 0 else total
         self.log.seek(0)
         text = self.log.read()
         found = re.search(r"done; (\d+) messages", text)
-        return cpu - self.start_cpu, int(found.group(1)) if found else 0
+        return cpu - self.start_cpu, max(total - cpu, 0.0), int(found.group(1)) if found else 0
 
 
 def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bus: Any,
@@ -121,9 +124,9 @@ def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bu
     seconds = time.perf_counter() - started
     if cpu is not None:
         cpu.append((time.process_time() - cpu_started) / batches)
-    trainer.close()  # returns once live workers applied the whole run (or after drain_timeout)
-    for worker in workers or ():
+    for worker in workers:
         worker.sample()
+    trainer.close()  # returns once live workers applied the whole run (or after drain_timeout)
     return batches / seconds
 
 
@@ -197,7 +200,7 @@ def _floors(shape: tuple[int, int, int], batches: int, folder: str) -> dict[str,
             name = "recv (+ window header)" if kind == "recv" else "decode (whole window)"
             out[f"floor: pyzmq {name}"] = float(found.group(2)) / int(found.group(1)) * 1e6
     for worker in workers:
-        cpu, messages = worker.finish()
+        cpu, _, messages = worker.finish()
         out[f"no-op batch_end worker{' + identity' if 'identity' in worker.name else ''}"] = \
             cpu / max(messages, 1) * 1e6
     return out
@@ -214,6 +217,7 @@ def run(quick: bool) -> dict:
             times: dict[str, list[float]] = {k: [] for k in ("plain", "alone", "bus", "daemons", "composer")}
             cpu: dict[str, list[float]] = {name: [] for name in DAEMONS}
             per_step: dict[str, list[float]] = {name: [] for name in ("alone", "bus", "daemons", *DAEMONS)}
+            after_fit: dict[str, list[float]] = {name: [] for name in DAEMONS}
             for r in range(repeats):  # alternate the setups so that noise hits them alike
                 tag = f"{label[1:-3]}-{r}"
                 times["plain"].append(_plain(shape, batches))
@@ -225,9 +229,10 @@ def run(quick: bool) -> dict:
                 times["daemons"].append(_train(shape, batches, folder, f"c{tag}", address, workers,
                                                cpu=per_step["daemons"]))
                 for worker in workers:
-                    seconds, messages = worker.finish()
+                    seconds, after, messages = worker.finish()
                     cpu[worker.name].append(seconds / max(messages, 1) * 1e6)
                     per_step[worker.name].append(seconds / batches)
+                    after_fit[worker.name].append(after)
                 composer = _composer(shape, batches, folder, f"d{tag}")
                 if composer is not None:
                     times["composer"].append(composer)
@@ -239,14 +244,18 @@ def run(quick: bool) -> dict:
                   ["", "steps/s", "x trainer alone", "x plain loop", "ms/batch over plain"], rows)
             cpu_ms = {k: median(v) * 1e3 for k, v in per_step.items()}
             total = cpu_ms["daemons"] + sum(cpu_ms[name] for name in DAEMONS)
-            table(f"6. daemons, {label} steps: CPU per step (ms; user + system, every thread): the training "
-                  "process in each setup, each daemon, and the total with the daemons",
-                  ["trainer alone", "trainer + bus", "trainer (daemons)", *DAEMONS, "total (daemons)"],
-                  [[cpu_ms["alone"], cpu_ms["bus"], cpu_ms["daemons"], *(cpu_ms[n] for n in DAEMONS), total]])
+            ends = {name: median(after_fit[name]) for name in DAEMONS}
+            table(f"6. daemons, {label} steps: CPU per step (ms; user + system, every thread) during fit: the "
+                  "training process in each setup, each daemon, and the total with the daemons; then the four "
+                  "daemons' CPU after fit (s, the run's end: a cost per run)",
+                  ["trainer alone", "trainer + bus", "trainer (daemons)", *DAEMONS, "total (daemons)",
+                   "daemons after fit (s)"],
+                  [[cpu_ms["alone"], cpu_ms["bus"], cpu_ms["daemons"], *(cpu_ms[n] for n in DAEMONS), total,
+                    sum(ends.values())]])
             results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": steps["daemons"] / alone,
                               "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
                               "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()},
-                              "cpu_ms_per_step": dict(cpu_ms, total=total)}
+                              "cpu_ms_per_step": dict(cpu_ms, total=total), "daemons_cpu_after_fit_s": ends}
         floors = _floors(STEP_SIZES["~1 ms"], 60 if quick else 600, folder)
     per_message = dict(results["~1 ms"]["worker_cpu_us_per_message"], **floors)
     table("6. worker CPU per message received (µs), ~1 ms steps", ["", "µs"], list(per_message.items()))
