@@ -15,6 +15,7 @@ from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.bus.subscribe.messages import Message
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.host import CallbackHost
+from eventbus.runtime.lane import SLOW_BURST
 from tests.support import bus_address, make_trainer
 
 pytestmark = pytest.mark.fast
@@ -149,7 +150,7 @@ async def test_plain_callbacks_share_one_thread_and_async_ones_are_awaited_on_th
 
 class SlowBatchEnds(BatchEnds):
     def batch_end(self, state: Any, logger: Any) -> None:
-        time.sleep(0.05)
+        time.sleep(1.5 * SLOW_BURST)
         super().batch_end(state, logger)
 
 
@@ -158,7 +159,7 @@ class SlowOnce(BatchEnds):
 
     def batch_end(self, state: Any, logger: Any) -> None:
         if not self.batches:
-            time.sleep(0.05)
+            time.sleep(1.5 * SLOW_BURST)
         super().batch_end(state, logger)
 
 
