@@ -13,8 +13,7 @@ from typing import Any, Optional, Union
 
 from eventbus.errors import ConfigError
 
-__all__ = ["TimeUnit", "Time", "Timestamp", "as_time", "ensure_time", "check_duration", "check_max_duration",
-           "elapsed_duration", "foreign_value"]
+__all__ = ["TimeUnit", "Time", "Timestamp", "as_time", "ensure_time", "elapsed_duration", "foreign_value"]
 
 
 def foreign_value(obj: object, class_name: str) -> Any:
@@ -241,21 +240,6 @@ _COUNTER_UNITS = {
     "batch_in_epoch": TimeUnit.BATCH, "sample_in_epoch": TimeUnit.SAMPLE,
     "token_in_epoch": TimeUnit.TOKEN,
 }
-
-
-def check_duration(value: Union[int, str, Time], name: str) -> Time:
-    """A duration a run can train for: in ep, ba, sp or tok (not dur or iterations)."""
-    duration = ensure_time(value, TimeUnit.EPOCH, name=name)
-    if duration.unit in (TimeUnit.DURATION, TimeUnit.ITERATION):
-        raise ConfigError(f"{name} must be in ep, ba, sp or tok, got {duration}")
-    return duration
-
-
-def check_max_duration(value: Union[int, str, Time]) -> Time:
-    duration = check_duration(value, "max_duration")
-    if duration.value <= 0:
-        raise ConfigError(f"max_duration must be positive, got {duration}")
-    return duration
 
 
 class Timestamp:

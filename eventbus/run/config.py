@@ -259,7 +259,7 @@ def validate_config(config: JobConfig) -> None:
     """Every option checked before anything starts (no folder, socket or process yet); ConfigError if not.
     The checks that need torch come last: a mistyped option is refused before torch is imported."""
     from eventbus.core.interval import interval_scheduler
-    from eventbus.core.time import check_max_duration
+    from eventbus.training.checks import check_max_duration
 
     check_types(dataclasses.asdict(config), "options")  # a JobConfig built in code, not from a file or flags
     for name in ("batch_size", "seq_len", "d_model", "layers", "keep"):

@@ -1,20 +1,24 @@
 """Checking the Trainer's arguments: each check raises :class:`ConfigError` before any event fires,
-so a bad argument never leaves a half-started run (or a bound bus) behind."""
+so a bad argument never leaves a half-started run (or a bound bus) behind. Torch is imported by the
+checks that need it only: ``eventbus run`` refuses a mistyped option before torch is loaded."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-import torch
-
-from eventbus.core.time import check_duration, check_max_duration
+from eventbus.core.time import Time, TimeUnit, ensure_time
 from eventbus.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["check_duration", "check_max_duration", "check_microbatch_size", "check_model", "check_not_empty",
            "check_subset", "resolve_device"]
 
 
 def check_model(model: Any) -> None:
+    import torch
+
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "loss"):
         raise ConfigError(
             "model must be a ComposerModel (forward(batch) and loss(outputs, batch)); "
@@ -23,6 +27,8 @@ def check_model(model: Any) -> None:
 
 
 def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    import torch
+
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(device, str) and device == "gpu":
@@ -34,6 +40,21 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     return resolved
+
+
+def check_duration(value: Union[int, str, Time], name: str) -> Time:
+    """A duration a run can train for: in ep, ba, sp or tok (not dur or iterations)."""
+    duration = ensure_time(value, TimeUnit.EPOCH, name=name)
+    if duration.unit in (TimeUnit.DURATION, TimeUnit.ITERATION):
+        raise ConfigError(f"{name} must be in ep, ba, sp or tok, got {duration}")
+    return duration
+
+
+def check_max_duration(value: Union[int, str, Time]) -> Time:
+    duration = check_duration(value, "max_duration")
+    if duration.value <= 0:
+        raise ConfigError(f"max_duration must be positive, got {duration}")
+    return duration
 
 
 def check_microbatch_size(size: Any) -> None:
