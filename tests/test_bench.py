@@ -34,7 +34,7 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
     assert by_name["slow_callbacks"]["every_event_delivered_in_c"] is True
     assert by_name["throughput"]["subscribers_4"]["complete"] is True
     assert "10MB" in by_name["checkpoint_stall"]
-    assert {"~1 ms", "~30 ms", "cpu_per_message_us"} <= set(by_name["daemons"])
+    assert {"~1 ms", "cpu_per_message_us"} <= set(by_name["daemons"])  # --quick: the ~1 ms steps only
     for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "5. GPU",
                   "6. daemons"):
         assert title in stdout
