@@ -94,22 +94,17 @@ class ServiceClient:
 
     async def _request(self, op: Op, fields: dict[str, Any]) -> Optional[list[bytes]]:
         assert self._dealer is not None, "connect() first"
-        request_id = next(self._ids)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
-        try:
-            # A DEALER with no connection to queue on (one a CURVE server refused, between two of its
-            # reconnects) waits to send: within the request's timeout too, never for ever.
-            await asyncio.wait_for(self._dealer.send(wire.encode_request(op, id=request_id, **self._routed(fields))),
-                                   self._timeout)
+        request = wire.encode_request(op, id=(request_id := next(self._ids)), **self._routed(fields))
+        try:  # refused by a CURVE server, a DEALER has no connection to queue on between reconnects
+            await asyncio.wait_for(self._dealer.send(request), self._timeout)
         except TimeoutError:
-            self._no_reply()
-            return None
+            return self._no_reply()
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0 or not await self._dealer.poll(remaining * 1000):
-                self._no_reply()
-                return None
+                return self._no_reply()
             frames = await self._dealer.recv_multipart()
             try:
                 reply = wire.decode_request(frames[0])
@@ -120,11 +115,12 @@ class ServiceClient:
                 return [frames[0], *frames[1:]]
             self._note_refusal(reply)
 
-    def _no_reply(self) -> None:
+    def _no_reply(self) -> Optional[list[bytes]]:
         """A request that timed out: a late reply must not be mistaken for the next one, so a fresh socket."""
         assert self._dealer is not None
         self._dealer.close(linger=0)
         self._dealer = self._new_dealer()
+        return None
 
     def _note_refusal(self, reply: dict[str, Any]) -> None:
         """A one-way message (stop, metrics, capture) the trainer refused, e.g. from a client without
