@@ -28,7 +28,7 @@ from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
-from eventbus.capture.settings import SettingsSeen, hyperparameters, last_lr
+from eventbus.capture.settings import SettingsSeen
 from eventbus.capture.source import CaptureSource
 from eventbus.capture.staged import StagedWeights, stage
 from eventbus.checkpoint.staging import Staged, StagingBuffers
@@ -199,11 +199,9 @@ class EventCapture(EventSink):
             self._last_total_losses = state.total_loss_dict
             changes[Key.TOTAL_LOSSES] = {k: stage(v) for k, v in state.total_loss_dict.items()}
         if settings:
-            changes[Key.OPTIMIZERS] = [(type(o).__name__, hyperparameters(o, self._hyperparameter_keys))
-                                       for o in state.optimizers]
-            changes[Key.SCHEDULERS] = [(type(s).__name__, last_lr(s)) for s in state.schedulers]
             seen = SettingsSeen(state.optimizers, state.schedulers, self._hyperparameter_keys)
-            self._settings = seen if seen.comparable() else None
+            changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = seen.captured()
+            self._settings = seen if seen.comparable else None
         label = state.dataloader_label
         if event is Event.EVAL_END and label is not None and label in state.eval_metric_values:
             values = state.eval_metric_values[label]

@@ -6,14 +6,29 @@ only when they did: :class:`SettingsSeen` keeps the values last captured and com
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from eventbus.capture.staged import stage
 from eventbus.core.plain import PLAIN_TYPES
 
-__all__ = ["SettingsSeen", "hyperparameters", "last_lr"]
+__all__ = ["SettingsSeen"]
+
+
+def _keys(group: dict[str, Any], keys_by_group: dict[int, tuple[str, ...]]) -> tuple[str, ...]:
+    """A param group's hyperparameter keys (lr, momentum, betas, ...; not its params), decided once per group."""
+    keys = keys_by_group.get(id(group))
+    if keys is None:
+        keys = keys_by_group[id(group)] = tuple(
+            key for key, value in group.items() if key != "params" and _is_hyperparameter(value))
+    return keys
+
+
+def _holds_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(
+        isinstance(v, torch.Tensor) for v in value))
+
 
 def _is_hyperparameter(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
@@ -24,25 +39,6 @@ def _is_hyperparameter(value: Any) -> bool:
 
 
 _PLAIN_TYPES = frozenset(PLAIN_TYPES)  # for an exact type test, faster than isinstance
-
-
-def hyperparameters(optimizer: Any, keys_by_group: dict[int, tuple[str, ...]]) -> list[dict[str, Any]]:
-    """Each param group's hyperparameters (lr, momentum, betas, ...), not its params; 0-dim tensors
-    staged. Which keys are hyperparameters is decided once per group (``keys_by_group``)."""
-    groups = []
-    for group in optimizer.param_groups:
-        keys = keys_by_group.get(id(group))
-        if keys is None:
-            keys = keys_by_group[id(group)] = tuple(
-                key for key, value in group.items() if key != "params" and _is_hyperparameter(value))
-        groups.append({key: value if type(value) in _PLAIN_TYPES else stage(value)
-                       for key, value in ((key, group[key]) for key in keys)})
-    return groups
-
-
-def last_lr(scheduler: Any) -> Optional[list[Any]]:
-    lrs = _scheduler_lrs(scheduler)
-    return None if lrs is None else [stage(lr) for lr in lrs]
 
 
 def _scheduler_lrs(scheduler: Any) -> Any:
@@ -60,25 +56,36 @@ class SettingsSeen:
     """The optimizers' and schedulers' settings as last captured, so that BATCH_END compares them
     instead of building them again: a float compared per setting, nothing allocated; most batches
     change none of them. A tensor-valued setting (a capturable optimizer's lr) cannot be compared
-    without reading the device: the settings are then captured at every such event, as staged values."""
+    without reading the device: the settings are then captured at every such event, as staged values.
 
-    __slots__ = ("optimizers", "schedulers")
+    One pass over the param groups makes both what is compared and what is published (``captured``):
+    with a scheduler that changes the lr every batch, that pass runs every batch."""
+
+    __slots__ = ("optimizers", "schedulers", "comparable")
 
     def __init__(self, optimizers: Sequence[Any], schedulers: Sequence[Any],
                  keys_by_group: dict[int, tuple[str, ...]]):
         # Per optimizer: (it, ((group, ((key, value), ...)), ...)); per scheduler: (it, its lrs).
         self.optimizers = tuple(
-            (optimizer, tuple((group, tuple((key, group[key]) for key in keys_by_group[id(group)]))
+            (optimizer, tuple((group, tuple((key, group[key]) for key in _keys(group, keys_by_group)))
                               for group in optimizer.param_groups))
             for optimizer in optimizers)
         self.schedulers = tuple((scheduler, _copy(_scheduler_lrs(scheduler))) for scheduler in schedulers)
-
-    def comparable(self) -> bool:
-        """No tensor among the values kept (comparing one would read it)."""
-        return not any(isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(
-            isinstance(v, torch.Tensor) for v in value))
-            for _, groups in self.optimizers for _, items in groups for _, value in items) \
+        #: No tensor among the values kept (comparing one would read it).
+        self.comparable = not any(type(value) not in _PLAIN_TYPES and _holds_tensor(value)
+                                  for _, groups in self.optimizers for _, items in groups for _, value in items) \
             and not any(isinstance(lr, torch.Tensor) for _, lrs in self.schedulers for lr in lrs or ())
+
+    def captured(self) -> tuple[list[Any], list[Any]]:
+        """The settings as published: per optimizer its class name and each group's hyperparameters, per
+        scheduler its class name and last lrs (0-dim tensors staged, never read here)."""
+        optimizers = [(type(optimizer).__name__,
+                       [{key: value if type(value) in _PLAIN_TYPES else stage(value) for key, value in items}
+                        for _, items in groups])
+                      for optimizer, groups in self.optimizers]
+        schedulers = [(type(scheduler).__name__, None if lrs is None else [stage(lr) for lr in lrs])
+                      for scheduler, lrs in self.schedulers]
+        return optimizers, schedulers
 
     def same(self, optimizers: Sequence[Any], schedulers: Sequence[Any]) -> bool:
         """Whether ``optimizers`` and ``schedulers`` hold the settings kept (the same objects, the

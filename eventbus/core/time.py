@@ -285,11 +285,19 @@ class Timestamp:
         epoch_wct: datetime.timedelta = _ZERO,
         batch_wct: datetime.timedelta = _ZERO,
     ):
-        values = locals()
-        for field in _COUNTERS:
-            object.__setattr__(self, "_" + field, int(values[field]))
-        for field in _CLOCKS:
-            object.__setattr__(self, "_" + field, values[field])
+        counters = (iteration, epoch, batch, sample, token, epoch_in_iteration, token_in_iteration, batch_in_epoch,
+                    sample_in_epoch, token_in_epoch)
+        for setter, value in zip(_SETTERS, (*map(int, counters), total_wct, iteration_wct, epoch_wct, batch_wct)):
+            setter(self, value)
+
+    @classmethod
+    def _of(cls, *values: Any) -> "Timestamp":
+        """A Timestamp of its fields' values, in slot order and of the right types already: ``to_next_batch``
+        runs every batch, and setting slots through their descriptors is ~3x faster than ``__init__``."""
+        timestamp = object.__new__(cls)
+        for setter, value in zip(_SETTERS, values):
+            setter(timestamp, value)
+        return timestamp
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Timestamp is immutable; use copy(...) or to_next_batch(...)")
@@ -347,7 +355,8 @@ class Timestamp:
         self, samples: int = 0, tokens: int = 0, duration: datetime.timedelta = _ZERO
     ) -> "Timestamp":
         """One batch later: counters advance, ``batch_wct`` becomes ``duration``."""
-        return Timestamp(
+        samples, tokens = int(samples), int(tokens)
+        return Timestamp._of(
             self._iteration, self._epoch, self._batch + 1, self._sample + samples,
             self._token + tokens, self._epoch_in_iteration, self._token_in_iteration + tokens,
             self._batch_in_epoch + 1, self._sample_in_epoch + samples, self._token_in_epoch + tokens,
@@ -426,6 +435,8 @@ class Timestamp:
         fields = ", ".join(f"{f}={getattr(self, '_' + f)}" for f in _COUNTERS)
         return f"Timestamp({fields}, total_wct={self._total_wct})"
 
+
+_SETTERS = tuple(Timestamp.__dict__[name].__set__ for name in _FIELD_SLOTS)  # past __setattr__, which refuses
 
 def elapsed_duration(timestamp: Timestamp, max_duration: Optional[Time]) -> Optional[Time]:
     """Composer's ``get_elapsed_duration``: the fraction of ``max_duration`` trained so far, as a

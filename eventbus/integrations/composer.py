@@ -17,7 +17,8 @@ This module imports Composer; ``import eventbus`` and ``import eventbus.integrat
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
 
 import composer
 import torch
@@ -66,18 +67,22 @@ class _Converted:
     """Another library's immutable value converted once per object: ``get`` converts only when the
     source is a different object from the last one (Composer replaces, never mutates, Timestamps)."""
 
-    __slots__ = ("_convert", "_source", "_value")
+    __slots__ = ("_convert", "source", "_value")
 
     def __init__(self, convert: Callable[[Any], Any]):
         self._convert = convert
-        self._source: Any = object()
+        self.source: Any = object()  # the last object converted
         self._value: Any = None
 
     def get(self, source: Any) -> Any:
-        if source is not self._source:
-            self._source = source
+        if source is not self.source:
+            self.source = source
             self._value = None if source is None else self._convert(source)
         return self._value
+
+    def take_over(self, other: "_Converted") -> None:
+        """Hold ``other``'s last conversion: a batch's new previous timestamp is the one current until now."""
+        self.source, self._value = other.source, other._value
 
 
 def _timestamp(composer_timestamp: Any) -> Timestamp:
@@ -118,7 +123,10 @@ class _StateMirror:
     def update(self, event: Event, state: Any) -> None:
         """Called before each publish; most events change only identity checks' worth of work."""
         run = self.run_state
-        timestamp = self._timestamp.get(state.timestamp)
+        source = state.timestamp
+        if source is not self._timestamp.source:
+            self._previous_timestamp.take_over(self._timestamp)  # converted once, not again as the previous
+        timestamp = self._timestamp.get(source)
         if timestamp is not run.timestamp:
             previous = run.timestamp
             run.timestamp = timestamp

@@ -25,7 +25,8 @@ import datetime
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
 
 import torch
 import transformers
