@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Optional
 
+import msgspec
+
 from eventbus.bus import wire
 from eventbus.bus.protocol import Op
 from eventbus.bus.schema import Kind
@@ -26,15 +28,14 @@ __all__ = ["Message", "RunView"]
 _EVENTS = {event.value: event for event in Event}  # a dict lookup: Event(name) costs an enum call per message
 
 
-class _State:
+class _State(msgspec.Struct, eq=False):
     """The snapshot as of one event (under the header then current), built when first read and
-    shared by the messages that follow it until the next event."""
+    shared by the messages that follow it until the next event. A Struct: built in C, once per event."""
 
-    __slots__ = ("envelope", "header", "view", "snapshot")
-
-    def __init__(self, envelope: Optional[wire.Envelope], header: dict[str, Any], view: "RunView"):
-        self.envelope, self.header, self.view = envelope, header, view
-        self.snapshot: Optional[Snapshot] = None
+    envelope: Optional[wire.Envelope]
+    header: dict[str, Any]
+    view: "RunView"
+    snapshot: Optional[Snapshot] = None
 
     def get(self, own: Optional[wire.Envelope]) -> Snapshot:
         """The snapshot (``own``: the message asking, whose seq an empty snapshot carries before any event)."""
@@ -48,18 +49,23 @@ class _State:
         return snapshot
 
 
-class Message:
-    """One delivered message. ``state`` is the snapshot as of this message (built when first read)."""
+class Message(msgspec.Struct, eq=False):
+    """One delivered message. ``state`` is the snapshot as of this message (built when first read).
 
-    __slots__ = ("kind", "event", "seq", "run_id", "rank", "metrics", "step", "source", "recovered", "_state",
-                 "_envelope")
+    A Struct, built in C (~0.1 us against ~0.35 for a class with slots), once per message. Compared by
+    identity. Tracked by the garbage collector: through its snapshot's view it can sit in a cycle."""
 
-    def __init__(self, kind: str, event: Optional[Event], state: Any, seq: int, run_id: str, rank: int,
-                 metrics: Optional[dict[str, Any]] = None, step: Optional[int] = None, source: Optional[str] = None,
-                 recovered: bool = False, envelope: Optional[wire.Envelope] = None):
-        self.kind, self.event, self.seq, self.run_id, self.rank = kind, event, seq, run_id, rank
-        self.metrics, self.step, self.source, self.recovered = metrics, step, source, recovered
-        self._state, self._envelope = state, envelope
+    kind: str
+    event: Optional[Event]
+    _state: Any  # a _State until ``state`` is first read, then its Snapshot
+    seq: int
+    run_id: str
+    rank: int
+    metrics: Optional[dict[str, Any]] = None
+    step: Optional[int] = None
+    source: Optional[str] = None
+    recovered: bool = False
+    _envelope: Optional[wire.Envelope] = None
 
     @property
     def state(self) -> Snapshot:
@@ -149,7 +155,7 @@ class RunView:
                 event = _EVENTS[envelope.event or ""]  # checked by decode
                 if wanted is None or event in wanted:
                     append(Message(kind, event, current, envelope.seq, envelope.run_id, envelope.rank,
-                                   recovered=envelope.recovered, envelope=envelope))
+                                   None, None, None, envelope.recovered, envelope))
             elif kind == metrics_kind:
                 payload = envelope.payload
                 append(Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
@@ -159,7 +165,7 @@ class RunView:
                 if kind == Kind.HEADER:
                     self.header = envelope.payload  # re-published mid-run: what follows sees its hyperparameters
                 append(Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
-                               recovered=envelope.recovered, envelope=envelope))
+                               None, None, None, envelope.recovered, envelope))
         if delivered:
             stats = self._stats
             stats.delivered += len(delivered)
