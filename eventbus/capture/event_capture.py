@@ -51,6 +51,8 @@ _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEF
 # next BATCH_START too (one capture per batch instead of two).
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
 _PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
+# Compared with ``is`` at every event: an enum member read from its class costs ~0.07 us, a global less.
+_BATCH_END, _EVAL_END = Event.BATCH_END, Event.EVAL_END
 _SKIPPED_REPORT_SECONDS = 10.0  # skipped checkpoints are reported (log line and metric) at most this often
 
 
@@ -156,7 +158,7 @@ class EventCapture(EventSink):
         """Capture one event; called by the engine after the local callbacks. Never blocks.
 
         This runs ~15 times per batch on the training thread: keep it to reference-taking."""
-        if event is Event.BATCH_END:
+        if event is _BATCH_END:
             self._apply_stop_request(state)
         changes = self._changes(event, state)
         staged = None
@@ -187,7 +189,7 @@ class EventCapture(EventSink):
         loss = state.loss
         settings = event in _LR_EVENTS and not self._same_settings(state)
         if loss is self._last_loss and state.total_loss_dict is self._last_total_losses \
-                and not settings and event is not Event.EVAL_END \
+                and not settings and event is not _EVAL_END \
                 and state.train_metric_values is self._last_train_values \
                 and state.max_duration is self._last_max_duration and state.stop_reason is self._last_stop_reason:
             return None  # the common case: nothing changed since the previous event
@@ -203,7 +205,7 @@ class EventCapture(EventSink):
             changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = seen.captured()
             self._settings = seen if seen.comparable else None
         label = state.dataloader_label
-        if event is Event.EVAL_END and label is not None and label in state.eval_metric_values:
+        if event is _EVAL_END and label is not None and label in state.eval_metric_values:
             values = state.eval_metric_values[label]
             changes[Key.EVAL_METRICS] = (label, {k: stage(v) for k, v in values.items()})
         if state.train_metric_values is not self._last_train_values:

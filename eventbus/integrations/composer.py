@@ -63,6 +63,10 @@ class BusLoggerDestination(LoggerDestination):
         return pending
 
 
+# Compared with ``is`` at every Composer event: an enum member read from its class costs ~0.07 us.
+_INIT, _BEFORE_LOAD, _BATCH_END, _EVAL_END = Event.INIT, Event.BEFORE_LOAD, Event.BATCH_END, Event.EVAL_END
+
+
 class _Converted:
     """Another library's immutable value converted once per object: ``get`` converts only when the
     source is a different object from the last one (Composer replaces, never mutates, Timestamps)."""
@@ -143,9 +147,9 @@ class _StateMirror:
         run.model = self._model.get(state.model)
         run.optimizers = state.optimizers
         run.schedulers = state.schedulers
-        if event is Event.BATCH_END:
+        if event is _BATCH_END:
             self._batch_end(state)
-        elif event is Event.EVAL_END:
+        elif event is _EVAL_END:
             self._eval_end(state)
 
     def _batch_end(self, state: Any) -> None:
@@ -204,16 +208,16 @@ class EventBusCallback(composer.Callback):
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
         ours = _EVENTS[event.value]
-        if ours is Event.INIT:
+        if ours is _INIT:
             self._mirror_init(state, logger)
             return  # published at BEFORE_LOAD, first, with the state mirrored here
         mirror = self._mirror
         if mirror is None:
             return
-        if ours is Event.BEFORE_LOAD:
+        if ours is _BEFORE_LOAD:
             self._open(state)
         mirror.update(ours, state)
-        if ours is Event.BATCH_END:
+        if ours is _BATCH_END:
             self.adapter.agree_stop()  # under torchrun: every rank stops at the same batch
             self.adapter.publish(ours)
             if self.adapter.take_stop() is not None:
