@@ -438,6 +438,7 @@ class Timestamp:
 
 _SETTERS = tuple(Timestamp.__dict__[name].__set__ for name in _FIELD_SLOTS)  # past __setattr__, which refuses
 
+
 def elapsed_duration(timestamp: Timestamp, max_duration: Optional[Time]) -> Optional[Time]:
     """Composer's ``get_elapsed_duration``: the fraction of ``max_duration`` trained so far, as a
     ``dur`` Time (at most 1); None without a duration. One rule for the State, a Snapshot and an
