@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import random
 import socket
 import subprocess
 import sys
@@ -77,15 +78,23 @@ def make_trainer(tmp_path: pathlib.Path, max_duration: str = "3ep", *, model_see
     return Trainer(model, make_loader(shuffle=shuffle), max_duration=max_duration, device="cpu", **trainer_kwargs)
 
 
+_PORT_DRAWS = random.SystemRandom()
+
+
 def free_port() -> int:
-    """A free loopback TCP port whose successor (the request service's port) is free too."""
+    """A free TCP port, on every interface (a compose trainer binds 0.0.0.0), whose successor (the
+    request service's port) is free too. Drawn below the kernel's ephemeral range: a port of that range
+    can be handed to any process's outgoing connection between this check and the bind (a parallel
+    test's connection once took a trainer's service port)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral = int(ports.read().split()[0])
+    low = max(1024, ephemeral - 20000)
     while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = _PORT_DRAWS.randrange(low, ephemeral - 2)  # never a seeded sequence shared by two workers
         try:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", port + 1))
+            for candidate in (port, port + 1):
+                with socket.socket() as probe:
+                    probe.bind(("0.0.0.0", candidate))
         except OSError:
             continue
         return port
