@@ -83,6 +83,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 8
 MAX_CONTAINER_LEN = 100_000
 
+
 def _plain(value: Any) -> Any:
     """What msgspec does not encode itself: subclasses of str, int and float (enums of them) as
     their plain values, as msgpack's Packer did; anything else is a TypeError."""
