@@ -13,11 +13,11 @@ import time
 import pytest
 
 from eventbus import Callback
-from tests.support import BackgroundTrainer
+from tests.support import BackgroundTrainer, free_port
 
 pytest.importorskip("mlflow.server", reason="the MLflow tracking server comes with the full mlflow package")
 
-from tests.workers.mlflow_server import MLflowServer, _trainer_and_logger, free_port, wait_for  # noqa: E402
+from tests.workers.mlflow_server import MLflowServer, _trainer_and_logger, wait_for  # noqa: E402
 
 
 @pytest.fixture
