@@ -128,6 +128,28 @@ async def test_late_joiner_sees_the_same_events_from_its_join_point(tmp_path):
     assert first.stats().lost == 0 and second.stats().lost == 0
 
 
+async def test_messages_taken_one_at_a_time_then_by_window_are_each_delivered_once_in_order(tmp_path):
+    """``async for`` takes what arrived in one go and hands it out one message at a time: the
+    subscriber's state is that of the message just handed out, and ``windows()`` called next
+    starts with what ``async for`` took but had not handed out yet."""
+    run = make_trainer(tmp_path, "1ep", run_name="mixed")
+    run.fit()
+    run.close()
+    one_by_one, by_window, states = [], [], []
+    async with Subscriber(run.publisher.address, journal=run.publisher.journal_path, start="beginning") as sub:
+        async for message in sub:
+            one_by_one.append(message.seq)
+            if message.event is not None:
+                states.append((message.state.timestamp.state_dict(), sub.state.timestamp.state_dict()))
+            if len(one_by_one) == 30:
+                break
+        async for window in sub.windows():
+            by_window.extend(message.seq for message in window)
+    journal = [m.seq for m in read_messages(run.publisher.journal_path)]
+    assert one_by_one + by_window == journal and len(by_window) > 30
+    assert states and all(own == current for own, current in states)
+
+
 async def test_subscriber_api_snapshot_names(tmp_path):
     run = make_trainer(tmp_path, "1ep", run_name="bus-test", eval_dataloader=make_loader(16, 16))
     seen = {}

@@ -25,7 +25,6 @@ from eventbus.bus import wire
 from eventbus.bus.journal import JournalReader, Position
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.messages import Message, RunView
-from eventbus.bus.subscribe.sequencer import Decoded
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError
 
@@ -169,7 +168,7 @@ class JournalStream:
                     self.skipped.note(envelope.seq, why)
                     continue
                 self.stats.received += 1
-                message = view.deliver(Decoded(envelope))
+                message = view.deliver_one(envelope)
                 if message is not None:
                     self._last = message
                     self.last_seq = message.seq

@@ -139,8 +139,25 @@ class RunView:
         """The message to yield, or None when its event is filtered out (its state is still absorbed)."""
         if item.recovered:
             item.envelope.recovered = True
-        delivered = self.deliver_all((item.envelope,))
-        return delivered[0] if delivered else None
+        return self.deliver_one(item.envelope)
+
+    def deliver_one(self, envelope: wire.Envelope) -> Optional[Message]:
+        """:meth:`deliver_all` for one message, for a consumer that takes them one at a time: an
+        event's message is built here, without the list and loop (at ~3 us a message flat out,
+        that was a tenth of a subscriber's cost); anything else goes through ``deliver_all``."""
+        if envelope.kind != Kind.EVENT:
+            delivered = self.deliver_all((envelope,))
+            return delivered[0] if delivered else None
+        current = self._current = _State(envelope, self._header, self)  # its payload read when used
+        event = _EVENTS[envelope.event or ""]  # checked by decode
+        if self._events is not None and event not in self._events:
+            return None
+        stats = self._stats
+        stats.delivered += 1
+        lag = time.time() - envelope.wall_time
+        stats.lag_seconds = lag if lag > 0.0 else 0.0
+        return Message(Kind.EVENT, event, current, envelope.seq, envelope.run_id, envelope.rank, None, None, None,
+                       envelope.recovered, envelope)
 
     def deliver_all(self, envelopes: Iterable[wire.Envelope]) -> list[Message]:
         """The messages to yield for ``envelopes``, in order: those whose event is filtered out are

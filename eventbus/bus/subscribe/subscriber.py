@@ -40,6 +40,7 @@ filling); this module holds the sockets, the receive loop and the delivery.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -152,6 +153,7 @@ class Subscriber(ControlChannel):
         self._gather = gather  # after a frame, wait this long before taking what arrived
         self._reports_progress = reports_progress
         self._waited = False  # no trainer answered the first request: the run that comes is all new
+        self._ready: collections.deque[wire.Envelope] = collections.deque()  # in order, for ``async for``
 
     # ------------------------------------------------------------------ what is known of the run
 
@@ -183,7 +185,7 @@ class Subscriber(ControlChannel):
         return self._view.state
 
     def stats(self) -> SubscriberStats:
-        self._stats.buffered = len(self._sequencer)
+        self._stats.buffered = len(self._sequencer) + len(self._ready)
         return dataclasses.replace(self._stats)
 
     # ------------------------------------------------------------------ lifecycle
@@ -262,8 +264,14 @@ class Subscriber(ControlChannel):
         """The messages a wake-up at a time: each list holds everything one wake-up made ready (a
         window or more, in seq order, each message exactly once), so a consumer awaits once per
         window instead of once per message. Mixing it with ``async for message in sub`` is fine."""
-        view, sequencer = self._view, self._sequencer
+        view, sequencer, ready = self._view, self._sequencer, self._ready
         while True:
+            if ready:  # taken by ``async for`` and not delivered yet: these come first
+                batch = view.deliver_all(list(ready))
+                ready.clear()
+                if batch:
+                    yield batch
+                continue
             if len(sequencer):
                 batch = view.deliver_all(sequencer.take())
                 if batch:
@@ -276,12 +284,14 @@ class Subscriber(ControlChannel):
             await self._receive_one()
 
     async def __anext__(self) -> Message:
+        ready, deliver = self._ready, self._view.deliver_one
         while True:
-            item = self._sequencer.pop()
-            if item is not None:
-                message = self._view.deliver(item)
+            while ready:
+                message = deliver(ready.popleft())
                 if message is not None:
                     return message
+            if len(self._sequencer):
+                ready.extend(self._sequencer.take())  # taken in one go, delivered one at a time
                 continue
             if self._sequencer.finished:
                 raise StopAsyncIteration
