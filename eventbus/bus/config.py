@@ -50,8 +50,8 @@ class BusConfig:
     # (subscribe.service_client.RECONNECT_MS) and is heard from by then, so a run shorter than this
     # still waits for it. Costs a run that short this much at close, and nothing to a longer one.
     join_grace: float = 0.5
-    # The bus thread's batching window after a quiet spell (adds this much latency); 5x this while
-    # events keep coming (at most one window per 50 ms: each costs the bus thread and every subscriber).
+    # The bus thread's batching window after a quiet spell (adds this much latency); 20x this while
+    # events keep coming (at most one window per 200 ms: each costs the bus thread and every subscriber).
     coalesce_seconds: float = 0.01
     # What one client can make the request service hold or spend (above these: refused and counted).
     request_hwm: int = 64  # requests queued per client before ZeroMQ stops reading from it

@@ -42,7 +42,7 @@ STOP = object()  # the callback is closed: its thread returns
 SLOW_BURST = 0.1  # a callback taking this long on SLOW_BURSTS bursts within SLOW_SPAN seconds gets a thread
 SLOW_BURSTS = 3  # of its own: one slow burst is a one-off (a CSV rewritten for a new column, the thread
 SLOW_SPAN = 30.0  # preempted by the trainer on a small machine), not a callback that holds the others back.
-# 0.1 s is twice the trainer's longest window: a callback that spends 20 ms on a 50 ms window's ~50
+# 0.1 s is half the trainer's longest window: a callback that spends 20 ms on a 200 ms window's ~200
 # batches is not slow, and on a thread of its own it would cost a wake-up and GIL hand-off per window.
 
 # The lane's threads apply an item (a burst of messages, or None: idle, commit) to a slot with

@@ -263,7 +263,9 @@ def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spaw
 
 
 async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
-    run = make_trainer(tmp_path, "2ep", run_name="bus-test", callbacks=[SlowBatches(0.02)])
+    # 16 batches of 50 ms: the request, sent after the second window (the bus sends one every 200 ms
+    # while events keep coming), reaches the trainer with batches to go.
+    run = make_trainer(tmp_path, "4ep", run_name="bus-test", callbacks=[SlowBatches(0.05)])
     norms = []
     async with Subscriber(run.publisher.address, start="beginning", events=[Event.AFTER_TRAIN_BATCH]) as sub:
         background = BackgroundTrainer(run).start()

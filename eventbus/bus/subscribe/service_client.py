@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from eventbus.bus import wire
-from eventbus.bus.protocol import MAX_METRICS_MORE, Op, request_limit
+from eventbus.bus.protocol import MAX_METRICS_MORE, MAX_SOURCE_CHARS, Op, request_limit
 from eventbus.bus.security import ClientKeys
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError, TransferError
@@ -174,7 +174,7 @@ class ServiceClient:
         with self._metrics_lock:
             logged, self._metrics, self._metrics_flush_due = self._metrics, [], False
         by_source: dict[str, list[tuple[Optional[int], dict[str, Any]]]] = {}
-        for source, step, metrics in logged:
+        for source, step, metrics in _one_per_step(logged):
             by_source.setdefault(source, []).append((step, metrics))
         for source, steps in by_source.items():
             self._send_metrics(source, steps)
@@ -360,3 +360,29 @@ def _plain_data(value: Any, depth: int = 4) -> Any:
     if depth > 1 and isinstance(value, (list, tuple)):
         return [_plain_data(v, depth - 1) for v in value]
     return str(value)
+
+
+_Logged = tuple[str, Optional[int], dict[str, Any]]  # source, step, metrics
+
+
+def _one_per_step(logged: list[_Logged]) -> list[_Logged]:
+    """What several callbacks logged for the same step, as one entry named by all of them ("SpeedMonitor+
+    LRMonitor"): a worker's lane applies a burst to each callback in turn, and each entry becomes a message
+    the trainer publishes and every metrics reader decodes (the timing daemon's three per batch were most of
+    the trainer's work for the daemons). A key logged again at a step, no step, or names too long to join
+    keep entries of their own."""
+    merged: list[list[Any]] = []
+    at_step: dict[int, list[Any]] = {}
+    for source, step, metrics in logged:
+        held = at_step.get(step) if step is not None else None
+        if held is not None and held[2].keys().isdisjoint(metrics):
+            names = held[0] if source in held[0].split("+") else f"{held[0]}+{source}"
+            if len(names) <= MAX_SOURCE_CHARS:
+                held[0] = names
+                held[2].update(metrics)
+                continue
+        entry = [source, step, dict(metrics)]
+        merged.append(entry)
+        if step is not None:
+            at_step[step] = entry
+    return [(source, step, metrics) for source, step, metrics in merged]

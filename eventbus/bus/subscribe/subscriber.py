@@ -94,7 +94,7 @@ class Subscriber(ControlChannel):
     address); None: the rank that answers. ``keys``: CURVE keys for a secured bus (by default
     from EVENTBUS_CLIENT_SECRET_KEY / EVENTBUS_SERVER_PUBLIC_KEY). ``gather``: seconds to let more
     arrive after a frame before taking what is there (0, the default: the trainer already sends
-    each turn of its bus thread, up to 50 ms of events, as one window frame). ``reports_progress``:
+    each turn of its bus thread, up to 200 ms of events, as one window frame). ``reports_progress``:
     this subscriber tells the trainer how far it has applied the run (:meth:`progress`), and from
     the start: the trainer waits for it before ending a run.
     """
