@@ -83,12 +83,14 @@ def test_bad_arguments_are_one_line_errors_with_exit_code_2(tmp_path, args, prob
 
 @pytest.mark.parametrize("module", ["eventbus.workers.logger", "eventbus.workers.checkpoint"])
 def test_daemons_reject_bad_arguments_in_one_line(module, tmp_path):
-    result = subprocess.run([sys.executable, "-m", module, "--connect"], capture_output=True, text=True,
-                            env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    # HOME: a cursor the user's own daemons left (~/.cache/eventbus) adds a line about it before the error.
+    env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", module, "--connect"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     keys = subprocess.run([sys.executable, "-m", module, "--connect", "tcp://10.0.0.1:5555"], capture_output=True,
-                          text=True, cwd=tmp_path, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin",
-                                                        "EVENTBUS_CLIENT_SECRET_KEY": str(tmp_path / "none")})
+                          text=True, cwd=tmp_path,
+                          env=dict(env, EVENTBUS_CLIENT_SECRET_KEY=str(tmp_path / "none")))
     assert keys.returncode == 2 and "EVENTBUS_SERVER_PUBLIC_KEY" in keys.stderr
     assert len(keys.stderr.strip().splitlines()) == 1
 
