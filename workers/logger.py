@@ -35,6 +35,7 @@ __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLo
 # (gradient norms alone are dozens of keys, and a line longer than the terminal wraps and scrolls).
 BAR_KEYS = {"loss/train/total": "loss", "throughput/samples_per_sec": "samples/s"}
 RUN_ETA_KEY = "time/remaining_estimate"  # hours, from the timing worker's RuntimeEstimator
+_UNKNOWN = object()
 
 
 class ProgressLogger(LoggerDestination):
@@ -56,6 +57,7 @@ class ProgressLogger(LoggerDestination):
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._latest: dict[str, Any] = {}
         self._bar: Any = None
+        self._epoch_total: Any = _UNKNOWN  # batches this epoch runs: worked out at its first batch_end
         self._done_line: Optional[str] = None
 
     def init(self, state: Any, logger: Logger) -> None:
@@ -86,13 +88,16 @@ class ProgressLogger(LoggerDestination):
             self._bar.set_postfix_str(self._postfix("=", ", "), refresh=False)
             self._bar.update(done - self._bar.n)
             return
-        total = _epoch_batches(state)
+        total = self._epoch_total
+        if total is _UNKNOWN:  # once an epoch: it reads four fields, each a Time built (~4 us a batch)
+            total = self._epoch_total = _epoch_batches(state)
         if not self.interactive and (done % self.log_interval == 0 or done == total):
             title = f"epoch {int(state.timestamp.epoch) + 1} [batch {done}/{total if total else '?'}]"
             self._write(f"{title} {self._postfix(' ', '  ')}".rstrip())
 
     def epoch_end(self, state: Any, logger: Logger) -> None:
         self._close_bar()
+        self._epoch_total = _UNKNOWN
 
     def eval_end(self, state: Any, logger: Logger) -> None:
         label = state.dataloader_label
