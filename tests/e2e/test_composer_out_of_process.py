@@ -194,15 +194,20 @@ def _journal(trainer: eventbus.Trainer) -> list[Any]:
     return list(read_messages(trainer.publisher.journal_path))
 
 
-def _logged(trainer: eventbus.Trainer) -> dict[str, dict[str, list[Any]]]:
-    """What each source logged, as the trainer journaled it: {source: {key: [values]}}."""
+def _logged(trainer: eventbus.Trainer) -> tuple[dict[str, dict[str, list[Any]]], dict[str, set[str]]]:
+    """What the trainer and the worker logged, as the trainer journaled it: {"trainer" or "worker": {key:
+    [values]}}, and per key the callbacks named as its source. A worker's callbacks that log at the same
+    step share a message, named by all of them ("LRMonitor+SpeedMonitor")."""
     logged: dict[str, dict[str, list[Any]]] = {}
+    sources: dict[str, set[str]] = {}
     for message in _journal(trainer):
         if message.kind == "metrics":
-            by_key = logged.setdefault(message.payload["source"], {})
+            source = message.payload["source"]
+            by_key = logged.setdefault("trainer" if source == "trainer" else "worker", {})
             for key, value in message.payload["metrics"].items():
                 by_key.setdefault(key, []).append(value)
-    return logged
+                sources.setdefault(key, set()).update(source.split("+"))
+    return logged, sources
 
 
 def test_worker_hosts_every_composer_class_without_an_error(runs):
@@ -214,20 +219,20 @@ def test_worker_hosts_every_composer_class_without_an_error(runs):
 
 
 def test_hosted_monitors_log_what_composer_logs(runs):
-    logged, theirs = _logged(runs["monitors"]), runs["composer"]
+    (logged, sources), theirs = _logged(runs["monitors"]), runs["composer"]
     assert runs["monitors"].state.stop_reason is None  # the stoppers ignored this run's evaluator
-    hosted = {}
-    for cls in MONITORS:
-        hosted[cls.__name__] = mine = logged.pop(cls.__name__, {})
-        assert set(mine) <= set(theirs), cls.__name__
-        _compare_series(mine, {key: theirs[key] for key in mine})  # values to rel 1e-4; wall clock by count
-    assert set(logged) == {"trainer"}
-    everything = {key for series in [logged["trainer"], *hosted.values()] for key in series}
-    assert everything == set(theirs)  # every key Composer logged, each from the same place
-    assert set(hosted["LRMonitor"]) == {"lr-SGD/group0"} and "l2_norm/grad/global" in hosted["OptimizerMonitor"]
-    assert {"throughput/batches_per_sec", "time/train"} <= set(hosted["SpeedMonitor"])
-    assert set(hosted["RuntimeEstimator"]) == {"time/remaining_estimate"}
-    assert hosted["MemoryMonitor"] == {} and not any(key.startswith("memory/") for key in theirs)  # CUDA only
+    assert set(logged) == {"trainer", "worker"}
+    hosted = logged["worker"]
+    assert set(hosted) <= set(theirs) and not set(hosted) & set(logged["trainer"])
+    _compare_series(hosted, {key: theirs[key] for key in hosted})  # values to rel 1e-4; wall clock by count
+    assert set(logged["trainer"]) | set(hosted) == set(theirs)  # every key Composer logged, each from the same place
+    named = {name for names in sources.values() for name in names} - {"trainer"}
+    assert named <= {cls.__name__ for cls in MONITORS} and "MemoryMonitor" not in named  # nothing on CPU
+    for key, monitor in [("lr-SGD/group0", "LRMonitor"), ("l2_norm/grad/global", "OptimizerMonitor"),
+                         ("throughput/batches_per_sec", "SpeedMonitor"), ("time/train", "SpeedMonitor"),
+                         ("time/remaining_estimate", "RuntimeEstimator")]:
+        assert key in hosted and monitor in sources[key], key
+    assert not any(key.startswith("memory/") for key in theirs)  # CUDA only
 
 
 def _file_lines(path: pathlib.Path) -> collections.Counter[tuple[int, str]]:
@@ -244,7 +249,7 @@ def test_hosted_loggers_receive_every_metric_composer_logs(runs):
     # The logger keeps the state it got at INIT, which reads as the current one: what the trainer
     # logged is stamped with Composer's batches; what other workers sent back arrives later in the
     # stream, and is stamped with a batch at or after the one it was logged at.
-    from_trainer = _logged(runs["monitors"])["trainer"]
+    from_trainer = _logged(runs["monitors"])[0]["trainer"]
     for key, series in received.items():
         batches, expected = [batch for batch, _ in series], runs["composer_batches"][key]
         if key in from_trainer:
@@ -275,7 +280,8 @@ def test_hosted_stoppers_stop_the_run(runs, label, stopper):
     # yet was not waited for, and its last metrics came after END.)
     journal = _journal(trainer)
     assert [message.kind for message in journal].index("end") == len(journal) - 1
-    lr_steps = [m.payload["step"] for m in journal if m.kind == "metrics" and m.payload["source"] == "LRMonitor"]
+    lr_steps = [m.payload["step"] for m in journal if m.kind == "metrics" and "lr-SGD/group0" in m.payload["metrics"]
+                and "LRMonitor" in m.payload["source"].split("+")]
     assert lr_steps == list(range(1, stopped + 1))
 
 

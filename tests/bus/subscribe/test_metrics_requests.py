@@ -25,13 +25,45 @@ def test_a_turns_metrics_go_as_one_request_per_source_and_arrive_in_order(tmp_pa
     """Three callbacks log in turn at every step, on a thread, while the event loop is busy (as a
     worker's lane does while its loop waits for the next window): once the loop turns, the trainer gets
     three requests, not sixty, and journals each source's twenty steps in the order they were logged."""
-    publisher = Publisher(BusConfig(address=bus_address(tmp_path), drain_timeout=0.5), tmp_path / "run")
-    publisher.start({"run_name": "metrics-back"})
 
     def log_all(subscriber: Subscriber) -> None:
         for step in range(STEPS):
-            for source in SOURCES:
+            for source in SOURCES:  # the same key from each: a step's entries cannot be merged
                 subscriber.log_metrics({"value": float(step)}, step=step, source=source)
+
+    requests, logged = _log_in_one_turn(tmp_path, log_all, expected_requests=len(SOURCES))
+    assert requests == len(SOURCES)
+    assert len(logged) == STEPS * len(SOURCES)
+    for source in SOURCES:
+        steps = [(m["step"], m["metrics"]["value"]) for m in logged if m["source"] == source]
+        assert steps == [(step, float(step)) for step in range(STEPS)], source
+
+
+def test_what_callbacks_log_in_turn_for_the_same_step_is_one_message_named_by_all(tmp_path):
+    """As a worker's lane applies a window to each callback in turn: each callback logs its own keys for
+    every step. The trainer gets one request and publishes one message per step holding every key, named
+    by the callbacks that logged it; a key logged again at a step is a message of its own."""
+
+    def log_all(subscriber: Subscriber) -> None:
+        for source in SOURCES:
+            for step in range(STEPS):
+                subscriber.log_metrics({f"{source}/value": float(step)}, step=step, source=source)
+        subscriber.log_metrics({"SpeedMonitor/value": -1.0}, step=3, source="SpeedMonitor")
+
+    requests, logged = _log_in_one_turn(tmp_path, log_all, expected_requests=2)
+    assert requests == 2  # the merged steps, then the value logged again (a source of its own)
+    merged = [m for m in logged if m["source"] == "+".join(SOURCES)]
+    assert [m["step"] for m in merged] == list(range(STEPS))
+    assert all(m["metrics"] == {f"{source}/value": float(m["step"]) for source in SOURCES} for m in merged)
+    assert [(m["step"], m["source"], m["metrics"]) for m in logged if m not in merged] == [
+        (3, "SpeedMonitor", {"SpeedMonitor/value": -1.0})]
+
+
+def _log_in_one_turn(tmp_path, log_all, expected_requests: int) -> tuple[int, list]:
+    """Run ``log_all(subscriber)`` on a thread while the event loop is blocked, so that all of it leaves
+    in the loop's next turn; the requests the trainer got and the metrics payloads it journaled."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), drain_timeout=0.5), tmp_path / "run")
+    publisher.start({"run_name": "metrics-back"})
 
     async def main() -> None:
         async with Subscriber(publisher.address) as subscriber:
@@ -40,7 +72,7 @@ def test_a_turns_metrics_go_as_one_request_per_source_and_arrive_in_order(tmp_pa
             logging.join(30)  # blocks the loop: nothing logged can leave before it is all logged
             assert not logging.is_alive()
             deadline = time.monotonic() + 20
-            while publisher.stats().control_messages < len(SOURCES):
+            while publisher.stats().control_messages < expected_requests:
                 assert time.monotonic() < deadline, f"requests received: {publisher.stats().control_messages}"
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)  # time for any further request to arrive and be counted
@@ -50,9 +82,4 @@ def test_a_turns_metrics_go_as_one_request_per_source_and_arrive_in_order(tmp_pa
         requests = publisher.stats().control_messages
     finally:
         publisher.close()
-    assert requests == len(SOURCES)
-    logged = [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
-    assert len(logged) == STEPS * len(SOURCES)
-    for source in SOURCES:
-        steps = [(m["step"], m["metrics"]["value"]) for m in logged if m["source"] == source]
-        assert steps == [(step, float(step)) for step in range(STEPS)], source
+    return requests, [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
