@@ -54,12 +54,18 @@ class MetricsFileLogger(LoggerDestination):
         self.refused = Refused("metrics.jsonl")  # a metric named "step" (the line's own key), a non-text key
 
     def init(self, state: Any, logger: Logger) -> None:
-        """A new run. What a cursor restored belongs to an earlier run (a daemon's cursor outlives
-        runs): its held-back steps go to that run's file, then this run starts afresh."""
+        """A new run. What a cursor restored for another run's folder belongs to that earlier run (a
+        daemon's cursor outlives runs): its held-back steps go to that run's file, then this run starts
+        afresh. Restored for this run's folder (``eventbus export --resume`` starts its destination with
+        INIT), they are this run's steps, some still incomplete: they stay held back."""
+        folder = announced_run_folder(state, self.configured_folder)
+        if self._file is None and self._pending and self.folder is not None and \
+                pathlib.Path(self.folder) == pathlib.Path(folder):
+            return
         if (self._pending or self._file is not None) and self.folder is not None:
             self.close(state, logger)  # also what it made and has not written yet
         self._pending, self._written, self._held, self.path = {}, set(), None, None
-        self.folder = announced_run_folder(state, self.configured_folder)
+        self.folder = folder
 
     def state_dict(self) -> dict[str, Any]:
         """The folder and the steps still held back: a restarted worker loses neither."""

@@ -3,6 +3,7 @@ tracker read back with its own reader; reruns, a SIGKILL and a SIGTERM double or
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import csv
 import json
@@ -17,6 +18,8 @@ import pytest
 from eventbus import Callback, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import JournalReader, read_messages
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.trackers.files import MetricsFileLogger
 from tests.support import REPO_ROOT, BackgroundTrainer, make_loader, make_trainer
 
 
@@ -194,6 +197,36 @@ def test_follow_stops_cleanly_on_sigterm_and_at_the_runs_end(tmp_path, spawn):
     assert len(steps) == len(set(steps)), "a step was written twice"
     assert dict(zip(steps, lines)) == expected
     assert (run / "metrics.csv").exists()
+
+
+def test_a_resumed_export_completes_the_steps_an_interrupted_one_held_back(tmp_path):
+    """An export interrupted between two messages of one step saves that step, incomplete, in its cursor;
+    ``--resume`` starts the tracker with the run's INIT and then gets the step's other metrics: the line
+    holds them all. What a cursor restored for another run's folder is written to that run's file."""
+    run = finished_run(tmp_path)
+
+    async def first_state():
+        async for message in journal_messages(run / "events.journal"):
+            return message.state
+
+    init = asyncio.run(first_state())
+    interrupted = MetricsFileLogger()
+    interrupted.init(init, None)
+    interrupted.log_metrics({"time/batch": 0}, step=0)
+    saved = interrupted.state_dict()  # what the cursor kept: no line written yet
+    resumed = MetricsFileLogger()
+    resumed.load_state_dict(saved)
+    resumed.init(init, None)
+    resumed.log_metrics({"loss/train/total": 0.5}, step=0)
+    resumed.close(init, None)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 0, "time/batch": 0, "loss/train/total": 0.5}]
+
+    other = tmp_path / "other-run"
+    elsewhere = MetricsFileLogger()
+    elsewhere.load_state_dict(dict(saved, folder=str(other)))
+    elsewhere.init(init, None)
+    assert json.loads((other / "metrics.jsonl").read_text()) == {"step": 0, "time/batch": 0}
 
 
 def test_damaged_journal_exports_the_intact_records_and_exits_3(tmp_path):
