@@ -41,12 +41,13 @@ class TrainerHealth:
         published = reply.get("seq")
         subscribers = {str(k): v for k, v in (reply.get("subscribers") or {}).items() if isinstance(v, dict)}
         # A callback that sends metrics back shows up in the trainer's table under its own name, seen only
-        # when it sends (OptimizerMonitor: every few batches). It is part of its daemon, not a daemon: it
-        # is neither counted nor judged stale on its own.
+        # when it sends (OptimizerMonitor: every few batches), or under its name joined with those of the
+        # callbacks that logged for the same steps ("SpeedMonitor+LRMonitor"). It is part of its daemon,
+        # not a daemon: it is neither counted nor judged stale on its own.
         hosted = {str(c) for seen in subscribers.values() if isinstance(seen.get("callbacks"), list)
                   for c in seen["callbacks"]}
         for identity, seen in sorted(subscribers.items()):
-            if identity not in hosted or isinstance(seen.get("callbacks"), list):
+            if not set(identity.split("+")) <= hosted or isinstance(seen.get("callbacks"), list):
                 view.daemons.append(_daemon_view(str(identity), seen,
                                                  trainer_now if is_number(trainer_now) else time.time(),
                                                  published if is_number(published) else None))

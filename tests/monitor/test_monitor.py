@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import pytest
 
 from eventbus import Callback, Trainer
+from eventbus.bus.journal import read_messages
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.monitor.app import main
 from eventbus.monitor.chart import chart
@@ -346,6 +347,30 @@ def test_piped_monitors_follow_a_live_run(tmp_path, spawn):
     final = last_frame(follower.stdout)
     assert "· finished" in final[0] and shown_batch("\n".join(final)) == (80, 80)
     assert f"{trainer.state.loss.item():.4g}" in line_with(final, "loss/train/total")
+
+
+def test_a_daemon_whose_callbacks_send_metrics_back_is_one_daemon(tmp_path, spawn):
+    """The timing daemon's callbacks send their metrics back under their names, joined for the steps
+    they logged together ("SpeedMonitor+RuntimeEstimator+LRMonitor"); the trainer hears from each name.
+    The monitor shows one daemon, hosting them."""
+    address = bus_address(tmp_path)
+    timing = spawn("-m", "eventbus.workers.timing", "--connect", address, "--state-dir", str(tmp_path / "state"))
+    timing.wait_for("following")
+    pace = Pace(0.02, hold_at=20)
+    trainer = Trainer(make_model(), make_loader(), max_duration="10ep", device="cpu", run_name="one-daemon",
+                      bus=address, callbacks=[pace])
+    background = BackgroundTrainer(trainer).start()
+    try:
+        journal = trainer.publisher.journal_path
+        wait_until(lambda: any("+" in (message.payload.get("source") or "") for message in read_messages(journal)
+                               if message.kind == "metrics"), "metrics the timing daemon's callbacks logged together")
+        once = monitor_command(address, "--once", cwd=tmp_path)
+        assert once.returncode == 0, once.stderr
+        assert line_with(once.stdout.splitlines(), "daemons").split()[1:3] == ["1", "connected,"], once.stdout
+    finally:
+        pace.release.set()
+    background.join()
+    assert timing.finish() == 0, "\n".join(timing.stderr[-20:])
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it; "
