@@ -34,6 +34,18 @@ DOCS_CALLBACKS = textwrap.dedent("""
 """)
 
 
+class WaitForLease(Callback):
+    """From batch ``from_batch`` on, holds each batch's end until ``held()`` (30 s at most)."""
+
+    def __init__(self, held, from_batch: int):
+        self.held, self.from_batch = held, from_batch
+
+    def batch_end(self, state, logger):
+        deadline = time.monotonic() + 30
+        while int(state.timestamp.batch) >= self.from_batch and not self.held() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
 class SlowBatches(Callback):
     """Makes the trainer take a while, so things can happen mid-run."""
 
@@ -263,9 +275,10 @@ def test_worker_can_stop_training_and_its_metrics_are_republished(tmp_path, spaw
 
 
 async def test_costly_captures_happen_only_while_a_subscriber_asks(tmp_path):
-    # 16 batches of 50 ms: the request, sent after the second window (the bus sends one every 200 ms
-    # while events keep coming), reaches the trainer with batches to go.
-    run = make_trainer(tmp_path, "4ep", run_name="bus-test", callbacks=[SlowBatches(0.05)])
+    # From batch 3 on the trainer waits for the lease (30 s at most): the request, sent once the second
+    # AFTER_TRAIN_BATCH arrived, reaches it with batches to go, however the windows fall.
+    waits = WaitForLease(lambda: run.publisher.leases.holds("grad_norms"), from_batch=3)
+    run = make_trainer(tmp_path, "2ep", run_name="bus-test", callbacks=[waits])
     norms = []
     async with Subscriber(run.publisher.address, start="beginning", events=[Event.AFTER_TRAIN_BATCH]) as sub:
         background = BackgroundTrainer(run).start()
