@@ -14,7 +14,9 @@ handles (:mod:`eventbus.runtime.declarations`); once every hosted callback has a
 event, the host releases its staged buffer (``release_weights``), and once they are closed, what is left.
 
 Messages reach the lane without a round trip through the event loop per
-message: whatever queued up while it was busy is taken in one wake-up. The
+message: whatever queued up while it was busy is taken in one wake-up. A
+callback that declares ``latest_only`` events gets, of such a burst, only the
+latest of each (:func:`eventbus.runtime.declarations.latest_only_events`). The
 stream is held back, not buffered without bound, while a callback has
 ``queue_size`` messages it has not applied.
 
@@ -231,7 +233,7 @@ class CallbackHost:
         clock = time.perf_counter
         spent, started = 0.0, clock()  # one clock read per message: each ends where the next starts
         skip_through, resumed = slot.skip_through, self._resumed_run
-        for message in item:
+        for message in slot.latest(item):
             if message is END:
                 slot.commit(self.cursor, force=True)
             elif message.seq <= skip_through and message.run_id == resumed:

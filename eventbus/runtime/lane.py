@@ -29,7 +29,7 @@ from eventbus.core.callback import RUN_EVENT, Callback, Calls, event_calls, hand
 from eventbus.core.events import Event
 from eventbus.core.logger import is_logger_destination
 from eventbus.runtime.cursor import Cursor
-from eventbus.runtime.declarations import reads_weights, takes_metrics
+from eventbus.runtime.declarations import handled_events, latest_only_events, reads_weights, takes_metrics
 from eventbus.runtime.subscriber_logger import SubscriberLogger
 
 __all__ = ["END", "STOP", "SLOW_BURST", "SLOW_BURSTS", "SLOW_SPAN", "Call", "Lane", "Slot", "SlotCall",
@@ -84,6 +84,8 @@ class Slot:
         # and arguments every time, the live state and the logger being one object each for the run.
         self.by_event: dict[Event, Calls] = {}
         self.takes_metrics = takes_metrics(callback)
+        self.handles = handled_events(callback)  # None: every event (it overrides run_event)
+        self.latest_only = latest_only_events(callback)
         self.is_destination = is_logger_destination(callback)
         self.skip_through = 0  # seqs at or below were applied before a restart
         self.seen_init = False
@@ -137,6 +139,29 @@ class Slot:
             self.hyperparameters = dict(message.state.hyperparameters) if message.state is not None else {}
             return [(callback.log_hyperparameters, (self.hyperparameters,))] if self.seen_init else []
         return []
+
+    def latest(self, burst: list[Any]) -> list[Any]:
+        """``burst`` less the messages superseded for this callback: those of a ``latest_only`` event
+        followed, before any other message it handles, by the same event from the same rank (metrics
+        count as handled by a logger destination only)."""
+        if not self.latest_only or len(burst) < 2:
+            return burst
+        latest_only, handles, destination = self.latest_only, self.handles, self.is_destination
+        later: set[tuple[Event, int]] = set()
+        kept = []
+        for message in reversed(burst):
+            event = getattr(message, "event", None)  # END is not a message
+            if event in latest_only:
+                key = (event, message.rank)
+                if key in later:
+                    continue
+                later.add(key)
+            elif handles is None or event in handles or (
+                    event is None and (destination or getattr(message, "kind", None) != Kind.METRICS)):
+                later.clear()
+            kept.append(message)
+        kept.reverse()
+        return kept
 
     def _event_calls(self, event: Event) -> Calls:
         """What ``event`` calls, as the trainer's engine calls it; kept for its next messages unless it

@@ -7,7 +7,13 @@ from composer.callbacks import EarlyStopper, LRMonitor, SpeedMonitor, ThresholdS
 
 from bench.callbacks import StopAt
 from eventbus import Callback, Event
-from eventbus.runtime.declarations import may_stop_training, reads_weights, staged_only_events, subscription
+from eventbus.runtime.declarations import (
+    latest_only_events,
+    may_stop_training,
+    reads_weights,
+    staged_only_events,
+    subscription,
+)
 from tests.e2e.fidelity_callbacks import StopAtBatch, WeightsAtEval
 
 
@@ -66,3 +72,17 @@ def test_a_worker_is_sent_the_staged_checkpoint_events_only_when_every_callback_
                                                                            Event.ITERATION_CHECKPOINT}
     assert staged_only_events([EveryBatchCheckpoint()], frozenset({Event.BATCH_CHECKPOINT})) == frozenset()
     assert staged_only_events([saver], None) == frozenset()  # a run_event callback beside it: every event
+
+
+def test_latest_only_takes_events_or_their_names_and_refuses_anything_else():
+    class Newest(Callback):
+        latest_only: object = {Event.BATCH_END, "eval_batch_end"}
+
+    assert latest_only_events(Newest()) == {Event.BATCH_END, Event.EVAL_BATCH_END}
+    assert latest_only_events(LRMonitor()) == frozenset()
+    Newest.latest_only = "batch_end"
+    assert latest_only_events(Newest()) == {Event.BATCH_END}
+    for bad in ({"batch_ends"}, 3):
+        Newest.latest_only = bad
+        with pytest.raises(ValueError, match=r"Newest.latest_only must name events"):
+            latest_only_events(Newest())

@@ -105,6 +105,45 @@ async def test_each_callback_gets_the_runs_events_in_order_and_only_those_it_han
     assert everything.closed
 
 
+class Newest(Callback):
+    """Needs only the newest BATCH_END of a burst; also handles EPOCH_END."""
+
+    latest_only = frozenset({Event.BATCH_END})
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.seen.append(("batch_end", state.timestamp.batch.value))
+
+    def epoch_end(self, state: Any, logger: Any) -> None:
+        self.seen.append(("epoch_end", state.timestamp.epoch.value))
+
+
+async def test_a_latest_only_callback_gets_the_newest_batch_end_before_each_other_event_it_handles(journal):
+    messages = await messages_of(journal)
+
+    async def one_burst() -> AsyncIterator[list[Message]]:
+        yield messages  # the whole run taken in one wake-up
+
+    newest, every = Newest(), BatchEnds()
+    host = CallbackHost([newest, every])
+    await host.run(one_burst())
+    # Two epochs of four batches: the last batch of each epoch comes before its EPOCH_END.
+    assert newest.seen == [("batch_end", 4), ("epoch_end", 1), ("batch_end", 8), ("epoch_end", 2)]
+    assert every.batches == list(range(1, 9))  # a callback beside it still gets every batch
+    assert host.applied_seq == messages[-1].seq
+
+
+
+def test_a_latest_only_callback_in_process_gets_every_batch_end(tmp_path):
+    newest = Newest()
+    trainer = make_trainer(tmp_path, "2ep", callbacks=[newest], bus=None)
+    trainer.fit()
+    trainer.close()
+    assert [batch for what, batch in newest.seen if what == "batch_end"] == list(range(1, 9))
+
+
 async def test_one_callbacks_exception_does_not_stop_it_or_the_others(journal):
     failing, other = BatchEnds(fail_at=3), Everything()
     host = CallbackHost([failing, other])

@@ -81,17 +81,17 @@ class LossMonitor(Callback):
         loss = _loss(state)
         if loss is None:
             return
-        batch = int(state.timestamp.batch)
         if not math.isfinite(loss):
-            self._nonfinite(state, logger, loss, batch)
+            self._nonfinite(state, logger, loss, int(state.timestamp.batch))
             return
         if self._bad_since is not None:
-            log.warning("loss is finite again at batch %d (%.6g), non-finite since batch %d", batch, loss,
-                        self._bad_since)
+            log.warning("loss is finite again at batch %d (%.6g), non-finite since batch %d",
+                        int(state.timestamp.batch), loss, self._bad_since)
             self._bad_since = None
         median = self._median() if len(self._losses) >= self.warmup else 0.0
         self._keep(loss)
         if self.spike_factor and median > 0 and loss > self.spike_factor * median:
+            batch = int(state.timestamp.batch)  # read for an alarm only: a Time built per read
             log.warning("loss spike at batch %d: %.6g is %.1f x the median %.6g of the last %d batches", batch,
                         loss, loss / median, median, len(self._losses) - 1)
             logger.log_metrics({"health/loss_spike": loss / median}, step=batch)

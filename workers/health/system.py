@@ -6,6 +6,7 @@ import logging
 import socket
 from typing import Any, Optional
 
+from eventbus.core.events import Event
 from eventbus.core.logger import Logger
 from eventbus.runtime.daemon import check_positive
 from eventbus.workers.health.probes import SystemProbe, trainer_process
@@ -26,7 +27,10 @@ class SystemMonitor(Watchdog):
     visible here. Per NVML device ``i``: ``health/gpu<i>/utilization`` (%), ``memory_used_gb``,
     ``memory_percent``, ``temperature_c``, ``power_w``; nothing without pynvml or a device. Polled on
     a thread of this callback, so readings keep coming during evaluation and while the trainer is stuck.
+    The step they are logged at is the newest batch applied (``latest_only``: one call per window).
     """
+
+    latest_only = frozenset({Event.BATCH_END})
 
     def __init__(self, interval: float = 10.0):
         check_positive("interval", interval)
