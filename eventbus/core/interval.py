@@ -17,16 +17,35 @@ from eventbus.core.state import StateView
 from eventbus.core.time import Time, TimeUnit, ensure_time
 from eventbus.errors import ConfigError
 
-__all__ = ["IntervalLike", "interval_scheduler"]
+__all__ = ["IntervalLike", "interval_rule", "interval_scheduler"]
 
 IntervalLike = Union[int, str, Time, Callable[[Any, Event], bool]]
 
 
 def interval_scheduler(interval: IntervalLike, *, name: str, batch_event: Event = Event.BATCH_END,
                        epoch_event: Event = Event.EPOCH_END) -> Callable[[StateView, Event], bool]:
-    """Turn an interval into ``due(state, event)``; ConfigError names ``name``."""
+    """Turn an interval into ``due(state, event)``; ConfigError names ``name``. At FIT_END it is due
+    unless it already was for the final batch (it remembers the last batch it was due at)."""
     if callable(interval) and not isinstance(interval, Time):
         return interval
+    due = interval_rule(interval, name=name, batch_event=batch_event, epoch_event=epoch_event)
+    last_batch_done = -1
+
+    def scheduler(state: Any, event: Event) -> bool:
+        nonlocal last_batch_done
+        due_now = due(state, event) and (event is not Event.FIT_END or state.timestamp.batch.value != last_batch_done)
+        if due_now:
+            last_batch_done = state.timestamp.batch.value
+        return due_now
+
+    return scheduler
+
+
+def interval_rule(interval: Union[int, str, Time], *, name: str, batch_event: Event = Event.BATCH_END,
+                  epoch_event: Event = Event.EPOCH_END) -> Callable[[StateView, Event], bool]:
+    """The rule alone, remembering nothing: whether ``interval`` falls at ``event`` as of ``state``
+    (FIT_END: always, unless the interval is 0). What a loop asks ahead of an event without counting
+    it as done."""
     if not isinstance(interval, (int, str, Time)) or isinstance(interval, bool):
         raise ConfigError(
             f"{name} must be an int (epochs), a time string like '2ep' or '100ba', a Time, "
@@ -40,30 +59,22 @@ def interval_scheduler(interval: IntervalLike, *, name: str, batch_event: Event 
     if every.unit is TimeUnit.DURATION and every.value > 1:
         raise ConfigError(f"{name}: a 'dur' interval must be at most 1.0, got {every}")
 
-    last_batch_done = -1
-
     def due(state: Any, event: Event) -> bool:
-        ts, prev = state.timestamp, state.previous_timestamp
         if event is Event.FIT_END:
-            return ts.batch.value != last_batch_done
+            return True
         if every.unit is TimeUnit.DURATION:
             return event is batch_event and _duration_due(state, every.value, name)
+        ts = state.timestamp
         if event is epoch_event:
             return every.unit is TimeUnit.EPOCH and ts.epoch.value % every.value == 0
         if event is not batch_event or every.unit is TimeUnit.EPOCH:
             return False
+        prev = state.previous_timestamp
         now = ts.get(every.unit).value
         before = prev.get(every.unit).value if prev is not None else 0
         return now // every.value > before // every.value
 
-    def scheduler(state: Any, event: Event) -> bool:
-        nonlocal last_batch_done
-        if due(state, event):
-            last_batch_done = state.timestamp.batch.value
-            return True
-        return False
-
-    return scheduler
+    return due
 
 
 def _duration_due(state: Any, fraction: float, name: str) -> bool:

@@ -53,6 +53,10 @@ class LoopCheckpoint:
         """The loop continues from here: the next checkpoint holds the random generators as they are now."""
         self._rng = rng_state(_device(self._state.device))
 
+    def forget_resume_point(self) -> None:
+        """No checkpoint can come before the next mark: the next one reads the generators when it is built."""
+        self._rng = None
+
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint; under torchrun a collective (every rank's RNG is gathered), which capture
         calls on every rank at the same batch."""
