@@ -22,6 +22,7 @@ seq index keeps memory bounded).
 from __future__ import annotations
 
 import array
+import itertools
 import collections
 import dataclasses
 import time
@@ -255,16 +256,17 @@ class History:
         """The messages of ``window`` flagged in ``picked``, as a window covering ``first..window.last``."""
         if window.last - first >= 0xFFFFFFFF:  # seq offsets are u32: the subscriber replays the rest
             first = window.first
-        held = [n for n, flag in enumerate(picked) if flag]
-        start, times, refs = window.first - first, window.times, window.refs
-        offsets = array.array("I", [start + n for n in held])
+        # Picked in C (compress, map): a 200 ms window at ~1 ms steps holds ~4,000 messages, cut once
+        # per subscription group; Python loops over them cost up to a millisecond a cut.
+        held = list(itertools.compress(range(len(picked)), picked))
+        start = window.first - first
+        offsets = array.array("I", map(start.__add__, held) if start else held)
+        pairs = memoryview(window.times).cast("B").cast("Q")  # each message's two float32 times as one u64
         cut_times = array.array("f")
-        for n in held:
-            cut_times.append(times[2 * n])
-            cut_times.append(times[2 * n + 1])
-        cut_refs = [refs[n] for n in held]
+        cut_times.frombytes(array.array("Q", map(pairs.__getitem__, held)).tobytes())
+        cut_refs = list(map(window.refs.__getitem__, held))
         frame = wire.encode_window(self.run_id, self.rank, first, window.last, window.wall, window.mono,
-                                   bytes(window.topics[n] for n in held), offsets, cut_times, cut_refs,
+                                   bytes(map(window.topics.__getitem__, held)), offsets, cut_times, cut_refs,
                                    window.payloads[:max(cut_refs) + 1])  # a delta's bases come before it
         return frame, len(held)
 
