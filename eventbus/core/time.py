@@ -67,12 +67,13 @@ class Time:
     __slots__ = ("_value", "_unit")
 
     def __init__(self, value: Union[int, float], unit: Union[TimeUnit, str]):
-        try:
-            unit = TimeUnit(unit)
-        except ValueError:
-            raise ConfigError(
-                f"unknown time unit {unit!r}; use one of {', '.join(u.value for u in TimeUnit)}"
-            ) from None
+        if unit.__class__ is not TimeUnit:  # a Timestamp's fields pass theirs: no enum call (~0.4 us)
+            try:
+                unit = TimeUnit(unit)
+            except ValueError:
+                raise ConfigError(
+                    f"unknown time unit {unit!r}; use one of {', '.join(u.value for u in TimeUnit)}"
+                ) from None
         if unit is TimeUnit.DURATION:
             value = float(value)
         elif isinstance(value, float):
@@ -94,8 +95,7 @@ class Time:
                 f"'10ba', '640sp', '1000tok', '0.5dur'"
             )
         number, unit = match.groups()
-        value = float(number)
-        return cls(value, unit)
+        return cls(float(number), unit)
 
     @property
     def value(self) -> Union[int, float]:

@@ -22,9 +22,9 @@ seq index keeps memory bounded).
 from __future__ import annotations
 
 import array
-import itertools
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Any, Optional
 
