@@ -21,7 +21,7 @@ import pathlib
 import sys
 from typing import Any, Optional, Sequence, TextIO
 
-from eventbus import LoggerDestination
+from eventbus import Event, LoggerDestination
 from eventbus.core.logger import Logger, to_number
 from eventbus.runtime.daemon import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon, seconds
 from eventbus.trackers.files import MetricsFileLogger
@@ -55,6 +55,9 @@ class ProgressLogger(LoggerDestination):
         self.log_interval = log_interval
         self.width = width  # columns for the bar line; None: the terminal's width, followed as it changes
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
+        # A bar needs only the newest batch of those a worker takes at once (a line every log_interval
+        # batches needs each): at ~1 ms steps, a bar update per window instead of one per batch.
+        self.latest_only = frozenset({Event.BATCH_END}) if self.interactive else frozenset()
         self._latest: dict[str, Any] = {}
         self._bar: Any = None
         self._epoch_total: Any = _UNKNOWN  # batches this epoch runs: worked out at its first batch_end

@@ -142,11 +142,11 @@ class Slot:
 
     def latest(self, burst: list[Any]) -> list[Any]:
         """``burst`` less the messages superseded for this callback: those of a ``latest_only`` event
-        followed, before any other message it handles, by the same event from the same rank (metrics
-        count as handled by a logger destination only)."""
+        followed, before any other event it handles, by the same event from the same rank. Metrics
+        and headers are not events: they are all applied, in order, and supersede nothing."""
         if not self.latest_only or len(burst) < 2:
             return burst
-        latest_only, handles, destination = self.latest_only, self.handles, self.is_destination
+        latest_only, handles = self.latest_only, self.handles
         later: set[tuple[Event, int]] = set()
         kept = []
         for message in reversed(burst):
@@ -156,8 +156,7 @@ class Slot:
                 if key in later:
                     continue
                 later.add(key)
-            elif handles is None or event in handles or (
-                    event is None and (destination or getattr(message, "kind", None) != Kind.METRICS)):
+            elif event is not None and (handles is None or event in handles):
                 later.clear()
             kept.append(message)
         kept.reverse()

@@ -4,6 +4,9 @@ cursor commits and an exactly-once resume on a real cursor file, plain and async
 from __future__ import annotations
 
 import asyncio
+import io
+import os
+import select
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -15,7 +18,8 @@ from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.bus.subscribe.messages import Message
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.host import CallbackHost
-from eventbus.runtime.lane import SLOW_BURST
+from eventbus.runtime.lane import SLOW_BURST, Slot
+from eventbus.workers.logger import ProgressLogger
 from tests.support import bus_address, make_trainer
 
 pytestmark = pytest.mark.fast
@@ -134,6 +138,61 @@ async def test_a_latest_only_callback_gets_the_newest_batch_end_before_each_othe
     assert every.batches == list(range(1, 9))  # a callback beside it still gets every batch
     assert host.applied_seq == messages[-1].seq
 
+
+
+def test_latest_only_keeps_each_ranks_newest_batch_end_and_every_metric():
+    def message(seq: int, event: Event | None, rank: int = 0) -> Message:
+        return Message(kind="event" if event else "metrics", event=event, _state=None, seq=seq, run_id="r", rank=rank)
+
+    burst = [message(1, Event.BATCH_END, 0), message(2, Event.BATCH_END, 1), message(3, None),
+             message(4, Event.BATCH_END, 0), message(5, Event.BATCH_START, 0), message(6, Event.EPOCH_END, 1),
+             message(7, Event.BATCH_END, 1), message(8, Event.BATCH_END, 0), message(9, Event.BATCH_END, 1)]
+    slot = Slot(Newest(), "Newest", None, 100)
+    # BATCH_START is not handled by it (passed on, calling nothing): rank 0's 1 goes, superseded by its 4.
+    # EPOCH_END pins both ranks' newest before it (2, 4); after it, rank 1's 7 goes for its 9.
+    assert [m.seq for m in slot.latest(burst)] == [2, 3, 4, 5, 6, 8, 9]
+    assert slot.latest(burst[:1]) == burst[:1] and Slot(BatchEnds(), "b", None, 100).latest(burst) is burst
+
+
+class CountedBar(ProgressLogger):
+    """The logger daemon's progress display, counting the batches it was handed."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream=stream, width=100)  # a new pseudo-terminal is 0 columns wide
+        self.batch_ends = 0
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.batch_ends += 1
+        super().batch_end(state, logger)
+
+
+async def test_the_progress_bar_on_a_terminal_takes_the_newest_batch_and_ends_each_epoch_full(journal):
+    messages = await messages_of(journal)
+
+    async def one_burst() -> AsyncIterator[list[Message]]:
+        yield messages
+
+    terminal, screen = os.openpty()
+    with os.fdopen(screen, "w") as stream:
+        bar = CountedBar(stream)
+        assert bar.interactive
+        await CallbackHost([bar]).run(one_burst())
+    drawn = b""
+    while select.select([terminal], [], [], 0)[0]:
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(terminal)
+    assert bar.batch_ends == 2  # the last batch of each epoch, of the 8 in the burst
+    text = drawn.decode(errors="replace")
+    assert "epoch 1/2" in text and "epoch 2/2" in text and text.count("4/4") >= 2, text
+    off_terminal = CountedBar(io.StringIO())
+    await CallbackHost([off_terminal]).run(one_burst())
+    assert off_terminal.batch_ends == 8  # a line every log_interval batches needs each of them
 
 
 def test_a_latest_only_callback_in_process_gets_every_batch_end(tmp_path):
