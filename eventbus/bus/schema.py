@@ -63,7 +63,7 @@ class Key:
 PER_BATCH_KEYS: Final = (Key.GRAD_NORMS, Key.MEMORY, Key.BATCH_FLOPS)
 
 #: The payload keys holding a Timestamp. On the wire each is an array of its fields in this order
-#: (about 60 bytes instead of 250 as a map); the subscriber's decoder gives back the map.
+#: (about 60 bytes instead of 250 as a map); ``Envelope.payload`` gives back the map, a snapshot builds it when read.
 TIMESTAMP_KEYS: Final = (Key.TIMESTAMP, Key.PREVIOUS_TIMESTAMP, Key.EVAL_TIMESTAMP)
 TIMESTAMP_FIELDS: Final = (
     "iteration", "epoch", "batch", "sample", "token", "epoch_in_iteration", "token_in_iteration",

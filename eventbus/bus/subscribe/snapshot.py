@@ -51,6 +51,11 @@ def _time(text: Optional[str]) -> Optional[Time]:
     return Time.from_timestring(text) if text else None
 
 
+def _timestamp(stamp: Any) -> Timestamp:
+    """A payload's timestamp (an array as it travels, or a map), its fields converted when read."""
+    return Timestamp.from_state_dict(wire.timestamp_map(stamp), lazy=True)
+
+
 def _scalar(value: Any) -> Any:
     return Scalar(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
@@ -112,7 +117,7 @@ class Snapshot:
         source = self._source
         if isinstance(source, dict):
             return source
-        payload = source.payload
+        payload = source.fields  # timestamps as they travel: converted below when read
         object.__setattr__(self, "_source", payload)
         return payload
 
@@ -126,18 +131,18 @@ class Snapshot:
         timestamp = self._cache.get("timestamp")  # read several times per event by most callbacks
         if timestamp is None:
             ts = self._payload.get(Key.TIMESTAMP)
-            timestamp = self._cache["timestamp"] = Timestamp.from_state_dict(ts, lazy=True) if ts else Timestamp()
+            timestamp = self._cache["timestamp"] = _timestamp(ts) if ts else Timestamp()
         return timestamp  # type: ignore[no-any-return]
 
     @property
     def eval_timestamp(self) -> Timestamp:
         ts = self._payload.get(Key.EVAL_TIMESTAMP)
-        return self._cached("eval_timestamp", lambda: Timestamp.from_state_dict(ts, lazy=True) if ts else Timestamp())
+        return self._cached("eval_timestamp", lambda: _timestamp(ts) if ts else Timestamp())
 
     @property
     def previous_timestamp(self) -> Optional[Timestamp]:
         ts = self._payload.get(Key.PREVIOUS_TIMESTAMP)
-        return self._cached("previous_timestamp", lambda: Timestamp.from_state_dict(ts, lazy=True) if ts else None)
+        return self._cached("previous_timestamp", lambda: _timestamp(ts) if ts else None)
 
     @property
     def max_duration(self) -> Optional[Time]:
