@@ -42,7 +42,7 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, ContextManager, Optional, Sequence, Union
 
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.snapshot import calling_callback, weights_wanted
@@ -66,9 +66,12 @@ class CallbackHost:
 
     def __init__(self, callbacks: Sequence[Callback], *, send_metrics: Any = None, fail_fast: bool = False,
                  cursor: Optional[Cursor] = None, queue_size: int = 10_000, send_hyperparameters: Any = None,
-                 release_weights: Optional[Callable[[dict[str, Any]], None]] = None):
+                 release_weights: Optional[Callable[[dict[str, Any]], None]] = None,
+                 metrics_held: Optional[Callable[[], ContextManager[None]]] = None):
         """``release_weights(descriptor)``: tell the trainer this worker applied the event whose staged
-        weights the descriptor names (a worker following a live run); None: nothing to release."""
+        weights the descriptor names (a worker following a live run); None: nothing to release.
+        ``metrics_held()``: what ``send_metrics`` gets inside waits for its end (the lane holds each
+        burst's, so the trainer gets one message per step, not one per callback and step)."""
         send = send_metrics or (lambda metrics, step, source: log.info("metrics from %s: %s", source, metrics))
         names = [type(cb).__name__ for cb in callbacks]
         self.slots = [
@@ -78,7 +81,7 @@ class CallbackHost:
         for callback in callbacks:
             declare_captures(callback)  # before the worker's heartbeat reads what to lease
         plain = [slot for slot in self.slots if not slot.runs_async]
-        self.lane = Lane(plain) if plain else None
+        self.lane = Lane(plain, metrics_held) if plain else None
         self.fail_fast = fail_fast
         self.cursor = cursor
         self.failure: Optional[BaseException] = None
@@ -98,6 +101,14 @@ class CallbackHost:
     def applied_seq(self) -> int:
         """Every callback has applied every message up to this seq."""
         return min((slot.last_seq for slot in self.slots), default=0)
+
+    @property
+    def reported_seq(self) -> int:
+        """Every callback has applied every message up to this seq and what it logged for them has left
+        (the lane's are held over a burst): the progress to tell the trainer, which ends a run once each
+        worker reports its end, so after the metrics logged for it."""
+        return min((slot.released_seq if slot.lane is not None and slot.thread is None else slot.last_seq
+                    for slot in self.slots), default=0)
 
     def weights_events(self) -> frozenset[str]:
         """Where this worker's callbacks read the weights: what it leases ``weights`` at (worked out

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from eventbus.bus.protocol import WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
@@ -93,6 +94,7 @@ class Slot:
         self.errors = 0
         self.applied = 0
         self.last_seq = 0
+        self.released_seq = 0  # on the lane: applied, and what it logged for them has left (end of a burst)
         self.ended = False  # it applied the run's end
         self.committed_seq = 0
         self.commit_cost = 0.0  # seconds the last commit took
@@ -224,8 +226,9 @@ class Slot:
 class Lane:
     """The thread that applies messages to the plain callbacks, and what waits to be handed to it."""
 
-    def __init__(self, slots: list[Slot]):
+    def __init__(self, slots: list[Slot], metrics_held: Optional[Callable[[], ContextManager[None]]] = None):
         self.slots = slots
+        self.metrics_held = metrics_held or contextlib.nullcontext  # held over a burst: see CallbackHost
         for slot in slots:
             slot.lane = self
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -267,19 +270,25 @@ class Lane:
                     calling(item.slot)
                     item.call.run()
                 continue
+            with self.metrics_held():
+                self._apply_all(item, apply, calling, idle)
             for slot in self.slots:
-                if slot.thread is not None:
-                    if item is not None:
-                        slot.inbox.put(item)
-                    continue
-                calling(slot)
-                spent = apply(slot, item)
-                if spent >= SLOW_BURST and len(self.slots) > 1 and _proved_slow(slot):
-                    log.info("%s took over %.0f ms on %d bursts of messages in %.0f s: it runs on a thread of its "
-                             "own from now on", slot.name, SLOW_BURST * 1e3, SLOW_BURSTS, SLOW_SPAN)
-                    slot.thread = threading.Thread(target=slot.serve, args=(apply, calling, idle),
-                                                   name=f"cb-{slot.name}", daemon=True)
-                    slot.thread.start()
+                slot.released_seq = slot.last_seq
+
+    def _apply_all(self, item: Any, apply: Apply, calling: Calling, idle: Optional[float]) -> None:
+        for slot in self.slots:
+            if slot.thread is not None:
+                if item is not None:
+                    slot.inbox.put(item)
+                continue
+            calling(slot)
+            spent = apply(slot, item)
+            if spent >= SLOW_BURST and len(self.slots) > 1 and _proved_slow(slot):
+                log.info("%s took over %.0f ms on %d bursts of messages in %.0f s: it runs on a thread of its "
+                         "own from now on", slot.name, SLOW_BURST * 1e3, SLOW_BURSTS, SLOW_SPAN)
+                slot.thread = threading.Thread(target=slot.serve, args=(apply, calling, idle),
+                                               name=f"cb-{slot.name}", daemon=True)
+                slot.thread.start()
 
 
 def _proved_slow(slot: Slot) -> bool:

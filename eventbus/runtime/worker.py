@@ -85,13 +85,13 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             host = CallbackHost(current, fail_fast=fail_fast, cursor=cursor,
                                 send_metrics=lambda m, step, source: subscriber.log_metrics(m, step, source),
                                 send_hyperparameters=subscriber.log_hyperparameters,
-                                release_weights=subscriber.weights_done)
+                                release_weights=subscriber.weights_done, metrics_held=subscriber.metrics_held)
             _install_signal_handlers(host)
             heartbeat = asyncio.create_task(_heartbeat(subscriber, current, host, follow))
             say(f"{', '.join(host.names)} following {address}", routine=True)
 
             def joined(run_id: str, host: CallbackHost = host) -> None:
-                subscriber.progress(host.applied_seq, run_id if follow else None)
+                subscriber.progress(host.reported_seq, run_id if follow else None)
 
             try:
                 await host.run(stream.one_run(joined))
@@ -147,13 +147,13 @@ async def _heartbeat(subscriber: Subscriber, callbacks: Sequence[Callback], host
             if weights:  # a staged copy at each of these events, held until this worker applied it
                 subscriber.request_capture([WEIGHTS_LEASE], ttl=every * 3, events=weights)
             weights_leased = weights
-            applied = host.applied_seq
+            applied = host.reported_seq
             subscriber.hello(names, applied=applied, run_id=run_id)
             next_hello, reported = loop.time() + every, applied
-        elif (applied := host.applied_seq) != reported and (applied == previous or loop.time() >= next_progress):
+        elif (applied := host.reported_seq) != reported and (applied == previous or loop.time() >= next_progress):
             subscriber.progress(applied, run_id)
             next_progress, reported = loop.time() + PROGRESS_EVERY, applied
-        previous = host.applied_seq
+        previous = host.reported_seq
         await asyncio.sleep(0.1)
 
 

@@ -4,7 +4,7 @@ fetches. Each goes through the subscriber's :class:`~eventbus.bus.subscribe.serv
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, ContextManager, Iterable, Optional, Sequence
 
 from eventbus.bus.subscribe.service_client import ServiceClient
 from eventbus.bus.subscribe.stats import SubscriberStats
@@ -28,6 +28,11 @@ class ControlChannel:
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
         """Send metrics to the trainer, which journals and re-publishes them to every subscriber."""
         self._service.log_metrics(metrics, step, source)
+
+    def metrics_held(self) -> ContextManager[None]:
+        """What the calling thread logs inside leaves together at the end: one message per step for
+        what several callbacks log in turn (a worker's lane holds them over each burst)."""
+        return self._service.metrics_held()
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:
         """Send hyperparameters to the trainer, which merges them into the run header and re-publishes

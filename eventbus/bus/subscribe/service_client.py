@@ -10,10 +10,11 @@ a proxy routes on it, and a rank refuses another's requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import zmq
 import zmq.asyncio
@@ -67,6 +68,7 @@ class ServiceClient:
         self._metrics: list[tuple[str, Optional[int], dict[str, Any]]] = []  # logged, not sent yet
         self._metrics_lock = threading.Lock()
         self._metrics_flush_due = False  # a flush of them is scheduled on the loop
+        self._held: dict[int, list[_Logged]] = {}  # by thread: logged inside metrics_held(), not released yet
         self._turn = asyncio.Lock()
         self._refusals_logged: set[str] = set()  # errors answered to one-way messages, each logged once
 
@@ -144,29 +146,60 @@ class ServiceClient:
         data = wire.encode_request(op, **self._routed(fields))
         rank = fields.get("rank")
         if threading.get_ident() == self._loop_thread:
-            # On the loop's own thread: queued in ZeroMQ now, so a close() right after (linger) still sends it,
-            # after any metrics logged before it.
-            if self._metrics:
-                self._flush_metrics()
-            self._send_now(rank, data)
+            # On the loop's own thread: queued in ZeroMQ now, so a close() right after (linger) still sends it.
+            self._send_in_order(rank, data)
         else:
-            self._loop.call_soon_threadsafe(self._send_now, rank, data)
+            self._loop.call_soon_threadsafe(self._send_in_order, rank, data)
+
+    def _send_in_order(self, rank: Optional[int], data: bytes) -> None:
+        """On the loop thread: after the metrics logged before it (those not held)."""
+        if self._metrics:
+            self._flush_metrics()
+        self._send_now(rank, data)
 
     def _queue_metrics(self, source: str, step: Optional[int], metrics: dict[str, Any]) -> None:
-        """Thread-safe. Metrics logged on a callback's thread until the event loop's next turn leave
-        together: one request per source, each later step in ``more`` (a window's worth of a callback's
-        per-batch metrics is one request, not one per call), each source's in the order logged.
-        On the loop's own thread they leave at once (after any that wait)."""
+        """Thread-safe. Metrics logged on a callback's thread until the event loop's next turn (or the
+        end of the thread's :meth:`metrics_held`) leave together: one request per source, each later step
+        in ``more`` (a window's worth of a callback's per-batch metrics is one request, not one per call),
+        each source's in the order logged. On the loop's own thread they leave at once (after any that wait)."""
         assert self._loop is not None, "connect() first"
+        thread = threading.get_ident()
         with self._metrics_lock:
+            held = self._held.get(thread)
+            if held is not None:
+                held.append((source, step, metrics))
+                return
             self._metrics.append((source, step, metrics))
             if self._metrics_flush_due:
                 return
             self._metrics_flush_due = True
-        if threading.get_ident() == self._loop_thread:
+        self._schedule_flush(thread)
+
+    def _schedule_flush(self, thread: int) -> None:
+        if thread == self._loop_thread:
             self._flush_metrics()
-        else:
+        elif self._loop is not None and not self._closed:
             self._loop.call_soon_threadsafe(self._flush_metrics)
+
+    @contextlib.contextmanager
+    def metrics_held(self) -> Iterator[None]:
+        """Thread-safe. What this thread logs inside leaves when it ends: a worker's lane holds its
+        callbacks' metrics over a burst, so that what they log in turn for a step is one message
+        (:func:`_one_per_step`), not one per callback and step as when each log woke the loop. A
+        message sent meanwhile (a heartbeat) does not wait for them: what it reports must not count
+        on held metrics (a worker reports progress only through bursts whose hold ended)."""
+        thread = threading.get_ident()
+        with self._metrics_lock:
+            self._held[thread] = []
+        try:
+            yield
+        finally:
+            with self._metrics_lock:
+                self._metrics.extend(self._held.pop(thread))
+                due = bool(self._metrics) and not self._metrics_flush_due
+                self._metrics_flush_due = self._metrics_flush_due or due
+            if due:
+                self._schedule_flush(thread)
 
     def _flush_metrics(self) -> None:
         """On the loop thread: what was logged since, as few requests as the limits allow: one per source

@@ -1,19 +1,25 @@
 """Metrics a subscriber sends back: what callbacks log on their threads between two turns of the event
-loop leaves as one request per source, and the trainer journals every step, each source's in order."""
+loop (or over a worker lane's burst) leaves as one request per source, and the trainer journals every
+step, each source's in order."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from typing import AsyncIterator
 
 import pytest
 
 from eventbus.bus.config import BusConfig
 from eventbus.bus.journal import read_messages
 from eventbus.bus.publish.publisher import Publisher
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.bus.subscribe.messages import Message
 from eventbus.bus.subscribe.subscriber import Subscriber
-from tests.support import bus_address
+from eventbus.core.callback import Callback
+from eventbus.runtime.host import CallbackHost
+from tests.support import bus_address, make_trainer
 
 pytestmark = pytest.mark.fast
 
@@ -83,3 +89,61 @@ def _log_in_one_turn(tmp_path, log_all, expected_requests: int) -> tuple[int, li
     finally:
         publisher.close()
     return requests, [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
+
+
+class Logs(Callback):
+    """Logs one key of its own at every batch, as the timing daemon's monitors do, then waits a
+    millisecond (GIL released: the worker's event loop runs meanwhile, as beside a busy trainer)."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def batch_end(self, state, logger):
+        logger.log_metrics({self.key: float(state.timestamp.batch.value)})
+        time.sleep(0.001)
+
+
+def test_a_worker_lanes_callbacks_send_one_message_per_step_for_each_burst(tmp_path):
+    """A worker's lane applies each burst to its callbacks in turn, holding what they log until the
+    burst is done: the trainer gets one request a burst and journals one message per step with every
+    callback's key, not one per callback and step (each a message every metrics reader decodes)."""
+    recorded = make_trainer(tmp_path / "recorded", "2ep", run_folder=tmp_path / "recorded" / "run",
+                            bus=bus_address(tmp_path / "recorded"))
+    recorded.fit()
+    recorded.close()
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), drain_timeout=0.5), tmp_path / "run")
+    publisher.start({"run_name": "metrics-held"})
+
+    async def main() -> None:
+        messages = [m async for m in journal_messages(str(recorded.publisher.journal_path))]
+        half = len(messages) // 2
+
+        async def two_bursts() -> AsyncIterator[list[Message]]:
+            yield messages[:half]
+            await _requests_received(publisher, 1)  # the first burst's metrics left before the second
+            yield messages[half:]
+
+        async with Subscriber(publisher.address) as subscriber:
+            host = CallbackHost([Logs("a"), Logs("b"), Logs("c")], send_metrics=subscriber.log_metrics,
+                                metrics_held=subscriber.metrics_held)
+            await host.run(two_bursts())
+            await _requests_received(publisher, 2)
+            await asyncio.sleep(0.2)  # time for any further request to arrive and be counted
+
+    try:
+        asyncio.run(main())
+        requests = publisher.stats().control_messages
+    finally:
+        publisher.close()
+    logged = [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
+    assert requests == 2
+    assert [(m["step"], m["source"], m["metrics"]) for m in logged] == [
+        (step, "Logs#0+Logs#1+Logs#2", {"a": float(step), "b": float(step), "c": float(step)})
+        for step in range(1, 9)]
+
+
+async def _requests_received(publisher: Publisher, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while publisher.stats().control_messages < count:
+        assert time.monotonic() < deadline, f"requests received: {publisher.stats().control_messages}"
+        await asyncio.sleep(0.01)
