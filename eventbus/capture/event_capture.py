@@ -105,9 +105,10 @@ class EventCapture(EventSink):
         self._settings: Optional[SettingsSeen] = None  # None: capture them at the next _LR_EVENTS
         self._agreed_stop = self._agreed_checkpoint = False
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
-        self._checkpoint_due: Optional[Callable[[Any, Event], bool]] = None
-        self._checkpoint_interval: Optional[str] = None
-        self._checkpoint_rule: Optional[tuple[str, Callable[[Any, Event], bool]]] = None  # interval, its rule
+        # The checkpoint lease's save interval: (interval, its rule, its scheduler), built once per interval.
+        self._save_interval: Optional[tuple[str, Callable[[Any, Event], bool], Callable[[Any, Event], bool]]] = None
+        self._flops_model: Any = None  # the model _flops was looked up on
+        self._flops: Any = None
         # Last values captured, compared by identity (cheap).
         self._last_loss: Any = None
         self._last_total_losses: Any = None
@@ -249,10 +250,18 @@ class EventCapture(EventSink):
             if self.leases.due("memory", batch) and state.device.type == "cuda":
                 # allocator counters: no sync
                 changes = _with(changes, Key.MEMORY, dict(torch.cuda.memory_stats(state.device)))
-            flops = getattr(state.model, "flops_per_batch", None)
-            if flops is not None and self.leases.due("flops", batch):
-                changes = _with(changes, Key.BATCH_FLOPS, stage(flops(state.batch)))
+            if self.leases.due("flops", batch):
+                flops = self._flops_per_batch(state.model)
+                if flops is not None:
+                    changes = _with(changes, Key.BATCH_FLOPS, stage(flops(state.batch)))
         return changes, None
+
+    def _flops_per_batch(self, model: Any) -> Any:
+        """``model.flops_per_batch`` (Composer's name) or None, looked up once per model: for a model
+        without it, an ``nn.Module`` raises and formats an AttributeError on every lookup (~1-3 us a batch)."""
+        if model is not self._flops_model:
+            self._flops_model, self._flops = model, getattr(model, "flops_per_batch", None)
+        return self._flops
 
     # ------------------------------------------------------------------ weights
 
@@ -356,18 +365,18 @@ class EventCapture(EventSink):
         hand-written loop reads the random generators for it only then (numpy's cost ~45 us a read)."""
         if self.checkpoint_source is None or not self.publisher.holds_checkpoint_lease():
             return False
-        wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
-        if self._checkpoint_rule is None or self._checkpoint_rule[0] != wanted:
-            self._checkpoint_rule = (wanted, interval_rule(wanted, name="save_interval",
-                                                           batch_event=Event.BATCH_CHECKPOINT,
-                                                           epoch_event=Event.EPOCH_CHECKPOINT))
-        return self._checkpoint_rule[1](state, event)
+        return self._save_rules()[0](state, event)
 
     def _checkpoint_is_due(self, event: Event, state: CaptureSource) -> bool:
+        return self._save_rules()[1](state, event)
+
+    def _save_rules(self) -> tuple[Callable[[Any, Event], bool], Callable[[Any, Event], bool]]:
+        """The save interval's rule (asked ahead, counting nothing) and its scheduler (at the event:
+        it remembers the final batch). Validated by the request service before it reached the leases:
+        building them cannot raise."""
         wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
-        if self._checkpoint_due is None or self._checkpoint_interval != wanted:
-            # Validated by the request service before it reached the leases: this cannot raise.
-            self._checkpoint_interval = wanted
-            self._checkpoint_due = interval_scheduler(
-                wanted, name="save_interval", batch_event=Event.BATCH_CHECKPOINT, epoch_event=Event.EPOCH_CHECKPOINT)
-        return self._checkpoint_due(state, event)
+        if self._save_interval is None or self._save_interval[0] != wanted:
+            events = {"batch_event": Event.BATCH_CHECKPOINT, "epoch_event": Event.EPOCH_CHECKPOINT}
+            self._save_interval = (wanted, interval_rule(wanted, name="save_interval", **events),
+                                   interval_scheduler(wanted, name="save_interval", **events))
+        return self._save_interval[1], self._save_interval[2]

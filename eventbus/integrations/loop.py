@@ -349,8 +349,8 @@ class LoopRun:
         capture = self.adapter.capture
         if capture is None:
             return
-        if self.state.world_size > 1 or (capture.publisher.holds_checkpoint_lease() and (
-                pending is None or capture.checkpoint_may_stage(pending, self.state))):
+        if self.state.world_size > 1 or (capture.publisher.holds_checkpoint_lease() if pending is None
+                                         else capture.checkpoint_may_stage(pending, self.state)):
             self.checkpoint.mark_resume_point()
         elif pending is Event.BATCH_CHECKPOINT:
             self.checkpoint.forget_resume_point()

@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--daemons", default=None,
                         help="'default': daemons=True; a save interval: the logger and checkpoint daemons with it")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--load-path", default=None, help="resume from this checkpoint file")
     parser.add_argument("--wait-checkpoint-worker", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--stop-gate", type=int, default=-1,
@@ -92,7 +93,7 @@ def main() -> None:
         daemons = Daemons(save_interval=args.daemons, names=("logger", "checkpoint"))
     run = loop.start(model, optimizer, schedulers=scheduler, max_duration=f"{args.epochs}ep",
                      steps_per_epoch=args.steps_per_epoch, run_name=args.run_name, bus=False if args.bus == "off" else args.bus,
-                     daemons=daemons, resume=args.resume, hyperparameters={"vocab": VOCAB, "block": BLOCK}, seed=0)
+                     daemons=daemons, resume=args.resume, load_path=args.load_path, hyperparameters={"vocab": VOCAB, "block": BLOCK}, seed=0)
     if args.wait_checkpoint_worker and run.state.rank == 0:  # the other ranks wait in the first collective
         capture = run.adapter.capture
         assert capture is not None

@@ -31,7 +31,8 @@ def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tm
     step 3 until the request arrived), the checkpoint daemon wrote step 4, and a third run resumes from
     it: the same losses for every later step and the same final weights, dropout and batches included.
     Every 3 batches, step 4's checkpoint is the run's last (FIT_END), after a batch whose checkpoint
-    event was not due: the loop read the random generators only where one was."""
+    event was not due: the loop read the random generators only where one was. Step 3's, staged at step
+    4's start after the next batch was drawn, resumes exactly too: the generators as of step 3's end."""
     options = ["--accelerate"] if way == "accelerate" else []
     if options:
         reference = tmp_path / "reference"
@@ -62,6 +63,13 @@ def test_a_worker_stops_the_loop_and_the_checkpoint_daemon_resumes_it_exactly(tm
     assert resumed["losses"] == {step: loss for step, loss in expected["losses"].items() if int(step) > 4}
     assert resumed["weights"] == expected["weights"]
     assert resumed["lr"] == expected["lr"]
+    if save_interval == "3ba":
+        at_3 = tmp_path / "runs" / "loop" / "checkpoints" / "ep0-ba3-rank0.pt"
+        finished(loop(tmp_path, "--load-path", str(at_3), "--bus", "off", *options))
+        resumed = result(tmp_path)
+        assert resumed["started_at"] == 3 and resumed["step"] == 8
+        assert resumed["losses"] == {step: loss for step, loss in expected["losses"].items() if int(step) > 3}
+        assert resumed["weights"] == expected["weights"]
 
 
 def test_two_ranks_under_torchrun_stop_at_the_same_step_and_resume(tmp_path, plain_reference):

@@ -55,6 +55,36 @@ def test_timing_worker_reports_the_trainers_own_speed(tmp_path, spawn):
     assert from_timing[16]["time/val"] > 0  # four evaluations happened
 
 
+def test_timing_worker_reports_flops_from_the_models_flops_per_batch(tmp_path, spawn):
+    """A model with Composer's ``flops_per_batch``: while the timing worker runs, the trainer captures each
+    batch's flops, and the worker reports flops/s and MFU over its window from them."""
+    model = make_model()
+    model.flops_per_batch = lambda batch: 1e6 * batch[0].shape[0]  # 16 samples a batch: 1.6e7
+    trainer = Trainer(model, make_loader(), max_duration="3ep", device="cpu", run_name="flops",
+                      bus=bus_address(tmp_path), callbacks=[Pace()])
+    worker = spawn("-m", "eventbus.workers.timing", "--connect", bus_address(tmp_path), "--window-size", "4",
+                   "--gpu-flops-available", "1e9", "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "timing" not in trainer.publisher.subscribers():
+        time.sleep(0.05)  # its capture lease (flops) is in place before training starts
+    trainer.fit()
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+    messages = journal(trainer)
+    batch_ends = [m.payload for m in messages if m.event == "batch_end"]
+    assert [p["batch_flops"] for p in batch_ends] == [1.6e7] * 12
+    wct = {p["ts"]["batch"]: p["ts"]["batch_wct"] for p in batch_ends}
+    from_timing: dict = {}
+    for m in messages:
+        if m.kind == "metrics" and m.payload["source"] != "trainer":
+            from_timing.setdefault(m.payload["step"], {}).update(m.payload["metrics"])
+    step = 8
+    flops_per_sec = 4 * 1.6e7 / sum(wct[b] for b in range(step - 3, step + 1))
+    assert from_timing[step]["throughput/flops_per_sec"] == pytest.approx(flops_per_sec, rel=1e-9)
+    assert from_timing[step]["throughput/device/mfu"] == pytest.approx(flops_per_sec / 1e9, rel=1e-9)
+
+
 def test_stopper_worker_stops_training_and_says_why(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="20ep", device="cpu", eval_interval="2ba",
                       eval_dataloader=make_loader(16, 16), bus=bus_address(tmp_path), callbacks=[Pace()])
