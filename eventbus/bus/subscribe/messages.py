@@ -196,9 +196,8 @@ class RunView:
 
     def _snapshot(self, envelope: wire.Envelope, event: Optional[str], payload: Any,
                   header: dict[str, Any]) -> Snapshot:
-        return Snapshot(run_id=envelope.run_id, rank=envelope.rank, seq=envelope.seq, event=event,
-                        wall_time=envelope.wall_time, mono_time=envelope.mono_time, header=header,
-                        payload=payload, control=self._control, fetch=self._fetch)
+        return Snapshot._of(envelope.run_id, envelope.rank, envelope.seq, event, envelope.wall_time,
+                            envelope.mono_time, header, payload, self._control, self._fetch)
 
 
 def _no_trainer(op: str, fields: dict[str, Any]) -> None:

@@ -264,7 +264,8 @@ class ServiceClient:
         self.control(Op.STOP, {"reason": reason})
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
-        plain = {str(k): _plain_number(v) for k, v in metrics.items()}
+        plain = {k if k.__class__ is str else str(k): v if v.__class__ is float else _plain_number(v)
+                 for k, v in metrics.items()}  # most are text keys and floats: kept without a call
         self._queue_metrics(source or self.identity, step, plain)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:

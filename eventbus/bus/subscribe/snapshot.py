@@ -91,24 +91,35 @@ class Snapshot:
                  mono_time: float, header: dict[str, Any], payload: Union[dict[str, Any], "wire.Envelope"],
                  control: Optional[Callable[[str, dict[str, Any]], None]] = None,
                  fetch: Optional[Callable[[dict[str, Any]], Any]] = None):
-        setattr_ = object.__setattr__
-        setattr_(self, "run_id", run_id)
-        setattr_(self, "rank", rank)
-        setattr_(self, "seq", seq)
-        setattr_(self, "event", event)
-        setattr_(self, "wall_time", wall_time)
-        setattr_(self, "mono_time", mono_time)
-        setattr_(self, "header", header)
-        setattr_(self, "_source", payload)
-        setattr_(self, "_control", control)
-        setattr_(self, "_fetch", fetch)
-        setattr_(self, "_cache", {})
+        for setter, value in zip(_SETTERS, (run_id, rank, seq, event, wall_time, mono_time, header, payload,
+                                            control, fetch, {})):
+            setter(self, value)
+
+    @classmethod
+    def _of(cls, run_id: str, rank: int, seq: int, event: Optional[str], wall_time: float, mono_time: float,
+           header: dict[str, Any], payload: Union[dict[str, Any], "wire.Envelope"],
+           control: Optional[Callable[[str, dict[str, Any]], None]],
+           fetch: Optional[Callable[[dict[str, Any]], Any]]) -> "Snapshot":
+        """The constructor's fields, positional: a subscriber builds one per event a callback reads
+        (~0.8 us, against ~2.5 through keywords and ``__init__``)."""
+        snapshot = object.__new__(cls)
+        _RUN_ID(snapshot, run_id)
+        _RANK(snapshot, rank)
+        _SEQ(snapshot, seq)
+        _EVENT(snapshot, event)
+        _WALL(snapshot, wall_time)
+        _MONO(snapshot, mono_time)
+        _HEADER(snapshot, header)
+        _SOURCE(snapshot, payload)
+        _CONTROL(snapshot, control)
+        _FETCH(snapshot, fetch)
+        _CACHE(snapshot, {})
+        return snapshot
 
     def with_header(self, header: dict[str, Any]) -> "Snapshot":
         """The same state under a re-published header (hyperparameters logged during the run)."""
-        return Snapshot(run_id=self.run_id, rank=self.rank, seq=self.seq, event=self.event,
-                        wall_time=self.wall_time, mono_time=self.mono_time, header=header,
-                        payload=self._source, control=self._control, fetch=self._fetch)
+        return Snapshot._of(self.run_id, self.rank, self.seq, self.event, self.wall_time, self.mono_time, header,
+                            self._source, self._control, self._fetch)
 
     @property
     def _payload(self) -> dict[str, Any]:
@@ -336,3 +347,6 @@ class LiveState:
 
 
 _message_of = LiveState._message.__get__  # type: ignore[attr-defined]  # the slot, read without __getattribute__
+# Snapshot's slots, set past its read-only __setattr__ (in the constructor's order).
+_SETTERS = tuple(Snapshot.__dict__[name].__set__ for name in Snapshot.__slots__)
+_RUN_ID, _RANK, _SEQ, _EVENT, _WALL, _MONO, _HEADER, _SOURCE, _CONTROL, _FETCH, _CACHE = _SETTERS
