@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import select
 import threading
 import time
@@ -193,6 +194,17 @@ async def test_the_progress_bar_on_a_terminal_takes_the_newest_batch_and_ends_ea
     off_terminal = CountedBar(io.StringIO())
     await CallbackHost([off_terminal]).run(one_burst())
     assert off_terminal.batch_ends == 8  # a line every log_interval batches needs each of them
+
+
+@pytest.mark.parametrize("interval, batches", [(3, [3, 4]), (2, [2, 4])])
+async def test_off_a_terminal_the_progress_logger_writes_a_line_every_log_interval_batches_and_at_epoch_end(
+        journal, interval, batches):
+    """It counts each epoch's batches and reads the timestamp only where a line is due: the lines
+    still fall on the batches the timestamps say (two epochs of four)."""
+    stream = io.StringIO()
+    await CallbackHost([ProgressLogger(stream=stream, log_interval=interval)]).run(journal_messages(journal))
+    lines = re.findall(r"epoch (\d+) \[batch (\d+)/4\]", stream.getvalue())
+    assert lines == [(str(epoch), str(batch)) for epoch in (1, 2) for batch in batches]
 
 
 def test_a_latest_only_callback_in_process_gets_every_batch_end(tmp_path):
