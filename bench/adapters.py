@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from bench.common import emit, median, python_env, table
+from bench.common import emit, median, paired_ratio, python_env, table
 from bench.daemons import STEP_SIZES
 from bench.models import loader, mlp
 
@@ -385,8 +385,10 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
             runs = fits[trainer]
             steps_s = {s: median([f["steps_per_sec"] for f in v]) for s, v in runs.items()}
             alone = steps_s["alone"]
-            ratios = {f"{s}/alone": v / alone for s, v in steps_s.items() if s != "alone"}
-            own = [steps_s[s] for s in steps_s if s.startswith("own")]
+            alone_runs = [f["steps_per_sec"] for f in runs["alone"]]
+            ratios = {f"{s}/alone": paired_ratio([f["steps_per_sec"] for f in v], alone_runs)
+                      for s, v in runs.items() if s != "alone"}
+            own = [ratios[f"{s}/alone"] for s in steps_s if s.startswith("own")]
             trainer_cpu = {s: median([f["trainer_cpu_ms_per_step"] for f in v]) for s, v in runs.items()}
             daemon_cpu = {name: median([f[f"{name}_cpu_ms_per_step"] for f in runs["daemons"]]) for name in DAEMONS} \
                 if "daemons" in runs else {}
@@ -398,7 +400,7 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
                                                           "ratios": ratios, "trainer_cpu_ms_per_step": trainer_cpu,
                                                           "fits": runs}
                 continue
-            met = ratios["daemons/alone"] >= TARGETS[label] and all(steps_s["daemons"] > v for v in own)
+            met = ratios["daemons/alone"] >= TARGETS[label] and all(ratios["daemons/alone"] > v for v in own)
             rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], ratios["daemons/alone"],
                          ratios["own/alone"], f"{ratios['own-wandb/alone']:.3g}" if "own-wandb/alone" in ratios
                          else "-", "yes" if met else "NO"))
@@ -413,7 +415,8 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
                 "end_of_run_s": end_of_run, "trainer_cpu_ms_per_step": trainer_cpu,
                 "daemon_cpu_ms_per_step": daemon_cpu,
                 "daemons_total_cpu_ms_per_step": sum(daemon_cpu.values()) + trainer_cpu["daemons"], "fits": runs}
-    table(f"9. adapters: steps/s of the trainer alone (a) and ratios to it (medians); {_load()}",
+    table(f"9. adapters: steps/s of the trainer alone (a, median) and ratios to it (the median of each repeat's "
+          f"ratio to (a) in that repeat); {_load()}",
           ["trainer", "step", "(a) steps/s", "ms/step", "(b) bus", "(c) daemons", "(d) own TB", "(d) own W&B",
            f"(c)>={'/'.join(f'{v}' for v in TARGETS.values())} & >(d)"], rows)
     table("9. adapters: (c)'s daemons: warm-up from the first step and its CPU (s), the end of the run (last step "

@@ -34,6 +34,13 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def paired_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
+    """The median of each repeat's ratio to the baseline measured beside it in the same repeat: the
+    machine's speed drifts between repeats (the trainer alone moved by up to 25%), and a ratio of two
+    medians taken from different repeats carries that drift."""
+    return statistics.median(value / baseline for value, baseline in zip(values, baselines, strict=True))
+
+
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(h) for h in header]] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]

@@ -1,12 +1,12 @@
 """6. The default deployment's cost: `eventbus run`'s daemons against the trainer alone, the bus alone
 and Composer with the same callbacks in process, at two step sizes; worker CPU per message beside floors.
 
-Steps/s are medians over alternating repeats (this machine is noisy). A worker's CPU per step is its
-user+system CPU while the trainer is in ``fit`` divided by the steps, printed beside the training
-process's own CPU per step (all its threads, the bus thread included, during ``fit``) and their total;
-its CPU per message is the same CPU divided by the messages it received. What a worker spends after
-``fit`` (applying the last window, final commits, closing its files, exiting) is its own column: a
-cost per run, not per step.
+Steps/s are medians over alternating repeats, ratios the median of each repeat's own (this machine is
+noisy). A worker's CPU per step is its user+system CPU while the trainer is in ``fit`` divided by the
+steps, printed beside the training process's own CPU per step (all its threads, the bus thread
+included, during ``fit``) and their total; its CPU per message is the same CPU divided by the messages
+it received. What a worker spends after ``fit`` (applying the last window, final commits, closing its
+files, exiting) is its own column: a cost per run, not per step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from bench.common import emit, median, python_env, table
+from bench.common import emit, median, paired_ratio, python_env, table
 from bench.models import classifier, loader
 from eventbus import Trainer
 from eventbus.bus.wire import WINDOW_TOPIC, subscription, topic_index
@@ -237,8 +237,8 @@ def run(quick: bool) -> dict:
                 if composer is not None:
                     times["composer"].append(composer)
             steps = {k: median(v) for k, v in times.items() if v}
-            alone = steps["alone"]
-            rows = [(k, steps[k], steps[k] / alone, steps[k] / steps["plain"],
+            to_alone = {k: paired_ratio(v, times["alone"]) for k, v in times.items() if v}
+            rows = [(k, steps[k], to_alone[k], paired_ratio(times[k], times["plain"]),
                      (1 / steps[k] - 1 / steps["plain"]) * 1e3) for k in steps]
             table(f"6. daemons, {label} steps ({batches} batches; steps/s, ratios)",
                   ["", "steps/s", "x trainer alone", "x plain loop", "ms/batch over plain"], rows)
@@ -252,7 +252,7 @@ def run(quick: bool) -> dict:
                    "daemons after fit (s)"],
                   [[cpu_ms["alone"], cpu_ms["bus"], cpu_ms["daemons"], *(cpu_ms[n] for n in DAEMONS), total,
                     sum(ends.values())]])
-            results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": steps["daemons"] / alone,
+            results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": to_alone["daemons"],
                               "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
                               "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()},
                               "cpu_ms_per_step": dict(cpu_ms, total=total), "daemons_cpu_after_fit_s": ends}
