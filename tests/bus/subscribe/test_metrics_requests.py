@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -77,18 +77,10 @@ def _log_in_one_turn(tmp_path, log_all, expected_requests: int) -> tuple[int, li
             logging.start()
             logging.join(30)  # blocks the loop: nothing logged can leave before it is all logged
             assert not logging.is_alive()
-            deadline = time.monotonic() + 20
-            while publisher.stats().control_messages < expected_requests:
-                assert time.monotonic() < deadline, f"requests received: {publisher.stats().control_messages}"
-                await asyncio.sleep(0.01)
+            await _requests_received(publisher, expected_requests)
             await asyncio.sleep(0.2)  # time for any further request to arrive and be counted
 
-    try:
-        asyncio.run(main())
-        requests = publisher.stats().control_messages
-    finally:
-        publisher.close()
-    return requests, [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
+    return _run_and_read(publisher, main)
 
 
 class Logs(Callback):
@@ -130,12 +122,7 @@ def test_a_worker_lanes_callbacks_send_one_message_per_step_for_each_burst(tmp_p
             await _requests_received(publisher, 2)
             await asyncio.sleep(0.2)  # time for any further request to arrive and be counted
 
-    try:
-        asyncio.run(main())
-        requests = publisher.stats().control_messages
-    finally:
-        publisher.close()
-    logged = [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
+    requests, logged = _run_and_read(publisher, main)
     assert requests == 2
     assert [(m["step"], m["source"], m["metrics"]) for m in logged] == [
         (step, "Logs#0+Logs#1+Logs#2", {"a": float(step), "b": float(step), "c": float(step)})
@@ -147,3 +134,13 @@ async def _requests_received(publisher: Publisher, count: int) -> None:
     while publisher.stats().control_messages < count:
         assert time.monotonic() < deadline, f"requests received: {publisher.stats().control_messages}"
         await asyncio.sleep(0.01)
+
+
+def _run_and_read(publisher: Publisher, main: Callable[[], Awaitable[None]]) -> tuple[int, list]:
+    """Run ``main()``, then close the publisher: the requests it got and the metrics payloads it journaled."""
+    try:
+        asyncio.run(main())
+        requests = publisher.stats().control_messages
+    finally:
+        publisher.close()
+    return requests, [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
