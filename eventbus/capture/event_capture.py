@@ -107,8 +107,7 @@ class EventCapture(EventSink):
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
         # The checkpoint lease's save interval: (interval, its rule, its scheduler), built once per interval.
         self._save_interval: Optional[tuple[str, Callable[[Any, Event], bool], Callable[[Any, Event], bool]]] = None
-        self._flops_model: Any = None  # the model _flops was looked up on
-        self._flops: Any = None
+        self._flops_of: tuple[Any, Any] = (None, None)  # a model, and its flops_per_batch or None
         # Last values captured, compared by identity (cheap).
         self._last_loss: Any = None
         self._last_total_losses: Any = None
@@ -257,11 +256,11 @@ class EventCapture(EventSink):
         return changes, None
 
     def _flops_per_batch(self, model: Any) -> Any:
-        """``model.flops_per_batch`` (Composer's name) or None, looked up once per model: for a model
-        without it, an ``nn.Module`` raises and formats an AttributeError on every lookup (~1-3 us a batch)."""
-        if model is not self._flops_model:
-            self._flops_model, self._flops = model, getattr(model, "flops_per_batch", None)
-        return self._flops
+        """``model.flops_per_batch`` (Composer's name), looked up once per model: where it is missing an
+        ``nn.Module`` raises and formats an AttributeError at each lookup (~1-3 us a batch)."""
+        if self._flops_of[0] is not model:
+            self._flops_of = (model, getattr(model, "flops_per_batch", None))
+        return self._flops_of[1]
 
     # ------------------------------------------------------------------ weights
 
@@ -371,9 +370,8 @@ class EventCapture(EventSink):
         return self._save_rules()[1](state, event)
 
     def _save_rules(self) -> tuple[Callable[[Any, Event], bool], Callable[[Any, Event], bool]]:
-        """The save interval's rule (asked ahead, counting nothing) and its scheduler (at the event:
-        it remembers the final batch). Validated by the request service before it reached the leases:
-        building them cannot raise."""
+        """The save interval's rule (asked ahead, counting nothing) and scheduler (at the event: it remembers
+        the final batch); checked by the request service before it reached the leases: they cannot raise."""
         wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
         if self._save_interval is None or self._save_interval[0] != wanted:
             events = {"batch_event": Event.BATCH_CHECKPOINT, "epoch_event": Event.EPOCH_CHECKPOINT}

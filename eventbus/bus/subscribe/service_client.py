@@ -10,18 +10,18 @@ a proxy routes on it, and a rank refuses another's requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import zmq
 import zmq.asyncio
 
 from eventbus.bus import wire
-from eventbus.bus.protocol import MAX_METRICS_MORE, MAX_SOURCE_CHARS, Op, request_limit
+from eventbus.bus.protocol import MAX_METRICS_MORE, Op, request_limit
 from eventbus.bus.security import ClientKeys
+from eventbus.bus.subscribe.metrics_outbox import MetricsOutbox
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError, TransferError
 
@@ -65,10 +65,7 @@ class ServiceClient:
         self._dealer: Optional[zmq.asyncio.Socket] = None
         self._rank_dealers: dict[str, zmq.asyncio.Socket] = {}
         self._waiting = 0  # one-way messages waiting for room on their socket: later ones queue behind them
-        self._metrics: list[tuple[str, Optional[int], dict[str, Any]]] = []  # logged, not sent yet
-        self._metrics_lock = threading.Lock()
-        self._metrics_flush_due = False  # a flush of them is scheduled on the loop
-        self._held: dict[int, list[_Logged]] = {}  # by thread: logged inside metrics_held(), not released yet
+        self._metrics = MetricsOutbox(self._send_metrics)  # what callbacks logged, not sent yet
         self._turn = asyncio.Lock()
         self._refusals_logged: set[str] = set()  # errors answered to one-way messages, each logged once
 
@@ -76,13 +73,14 @@ class ServiceClient:
         """Open the request socket; from the event loop that will use it."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self._metrics.bind(self._loop)
         self._context = context
         self._dealer = self._new_dealer()
 
     def close(self) -> None:
-        if self._metrics and threading.get_ident() == self._loop_thread:
-            self._flush_metrics()  # what callbacks logged last, before the sockets go (their linger sends it)
-        self._closed = True
+        if self._metrics.pending and threading.get_ident() == self._loop_thread:
+            self._metrics.flush()  # what callbacks logged last, before the sockets go (their linger sends it)
+        self._closed = self._metrics.closed = True
         for sock in (self._dealer, *self._rank_dealers.values()):
             if sock is not None:
                 sock.close(linger=200)
@@ -153,67 +151,17 @@ class ServiceClient:
 
     def _send_in_order(self, rank: Optional[int], data: bytes) -> None:
         """On the loop thread: after the metrics logged before it (those not held)."""
-        if self._metrics:
-            self._flush_metrics()
+        if self._metrics.pending:
+            self._metrics.flush()
         self._send_now(rank, data)
 
-    def _queue_metrics(self, source: str, step: Optional[int], metrics: dict[str, Any]) -> None:
-        """Thread-safe. Metrics logged on a callback's thread until the event loop's next turn (or the
-        end of the thread's :meth:`metrics_held`) leave together: one request per source, each later step
-        in ``more`` (a window's worth of a callback's per-batch metrics is one request, not one per call),
-        each source's in the order logged. On the loop's own thread they leave at once (after any that wait)."""
-        assert self._loop is not None, "connect() first"
-        thread = threading.get_ident()
-        with self._metrics_lock:
-            held = self._held.get(thread)
-            if held is not None:
-                held.append((source, step, metrics))
-                return
-            self._metrics.append((source, step, metrics))
-            if self._metrics_flush_due:
-                return
-            self._metrics_flush_due = True
-        self._schedule_flush(thread)
-
-    def _schedule_flush(self, thread: int) -> None:
-        if thread == self._loop_thread:
-            self._flush_metrics()
-        elif self._loop is not None and not self._closed:
-            self._loop.call_soon_threadsafe(self._flush_metrics)
-
-    @contextlib.contextmanager
-    def metrics_held(self) -> Iterator[None]:
+    def metrics_held(self) -> ContextManager[None]:
         """Thread-safe. What this thread logs inside leaves when it ends: a worker's lane holds its
-        callbacks' metrics over a burst, so that what they log in turn for a step is one message
-        (:func:`_one_per_step`), not one per callback and step as when each log woke the loop. A
-        message sent meanwhile (a heartbeat) does not wait for them: what it reports must not count
-        on held metrics (a worker reports progress only through bursts whose hold ended)."""
-        thread = threading.get_ident()
-        with self._metrics_lock:
-            self._held[thread] = []
-        try:
-            yield
-        finally:
-            with self._metrics_lock:
-                self._metrics.extend(self._held.pop(thread))
-                due = bool(self._metrics) and not self._metrics_flush_due
-                self._metrics_flush_due = self._metrics_flush_due or due
-            if due:
-                self._schedule_flush(thread)
-
-    def _flush_metrics(self) -> None:
-        """On the loop thread: what was logged since, as few requests as the limits allow: one per source
-        (callbacks sharing a lane log in turn, batch after batch), each source's steps in the order logged."""
-        with self._metrics_lock:
-            logged, self._metrics, self._metrics_flush_due = self._metrics, [], False
-        by_source: dict[str, list[tuple[Optional[int], dict[str, Any]]]] = {}
-        for source, step, metrics in _one_per_step(logged):
-            by_source.setdefault(source, []).append((step, metrics))
-        for source, steps in by_source.items():
-            self._send_metrics(source, steps)
+        callbacks' metrics over a burst (see :class:`MetricsOutbox`)."""
+        return self._metrics.held()
 
     def _send_metrics(self, source: str, steps: list[tuple[Optional[int], dict[str, Any]]]) -> None:
-        """One request for ``steps`` (halved until each fits the request limits; one step that alone
+        """On the loop thread: one request for ``steps`` (halved until each fits the request limits; one step that alone
         does not fit goes as it is, and the trainer says why it refuses it)."""
         if len(steps) > 1 + MAX_METRICS_MORE:
             self._send_metrics(source, steps[:1 + MAX_METRICS_MORE])
@@ -266,7 +214,8 @@ class ServiceClient:
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: Optional[str] = None) -> None:
         plain = {k if k.__class__ is str else str(k): v if v.__class__ is float else _plain_number(v)
                  for k, v in metrics.items()}  # most are text keys and floats: kept without a call
-        self._queue_metrics(source or self.identity, step, plain)
+        assert self._loop is not None, "connect() first"
+        self._metrics.put(source or self.identity, step, plain)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any], source: Optional[str] = None) -> None:
         self.send(Op.HYPERPARAMETERS, hyperparameters={str(k): _plain_data(v) for k, v in hyperparameters.items()},
@@ -394,29 +343,3 @@ def _plain_data(value: Any, depth: int = 4) -> Any:
     if depth > 1 and isinstance(value, (list, tuple)):
         return [_plain_data(v, depth - 1) for v in value]
     return str(value)
-
-
-_Logged = tuple[str, Optional[int], dict[str, Any]]  # source, step, metrics
-
-
-def _one_per_step(logged: list[_Logged]) -> list[_Logged]:
-    """What several callbacks logged for the same step, as one entry named by all of them ("SpeedMonitor+
-    LRMonitor"): a worker's lane applies a burst to each callback in turn, and each entry becomes a message
-    the trainer publishes and every metrics reader decodes (the timing daemon's three per batch were most of
-    the trainer's work for the daemons). A key logged again at a step, no step, or names too long to join
-    keep entries of their own."""
-    merged: list[list[Any]] = []
-    at_step: dict[int, list[Any]] = {}
-    for source, step, metrics in logged:
-        held = at_step.get(step) if step is not None else None
-        if held is not None and held[2].keys().isdisjoint(metrics):
-            names = held[0] if source in held[0].split("+") else f"{held[0]}+{source}"
-            if len(names) <= MAX_SOURCE_CHARS:
-                held[0] = names
-                held[2].update(metrics)
-                continue
-        entry = [source, step, dict(metrics)]
-        merged.append(entry)
-        if step is not None:
-            at_step[step] = entry
-    return [(source, step, metrics) for source, step, metrics in merged]
