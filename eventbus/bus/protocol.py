@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional, Union
+
+import msgspec
 
 from eventbus.bus import wire
 from eventbus.core.interval import interval_scheduler
@@ -115,7 +117,7 @@ class Request:
     fields: dict[str, Any]
     id: Optional[int] = None
     rank: Optional[int] = None
-    source: Optional[str] = None
+    source: Optional[Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_CHARS)]] = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
@@ -296,6 +298,15 @@ def parse_request(data: bytes, max_bytes: int = wire.MAX_MESSAGE_BYTES) -> Reque
     (:class:`RequestTooLarge` when the request is over its operation's limit)."""
     if len(data) > max_bytes:
         raise RequestTooLarge(f"request: {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    if len(data) <= _METRICS_LIMIT:
+        metrics = _typed_metrics(data)
+        if metrics is not None:
+            return metrics
+    return _parse_map(data, max_bytes)
+
+
+def _parse_map(data: bytes, max_bytes: int) -> Request:
+    """Any request, decoded as a map and checked field by field against its operation's schema."""
     raw = wire.decode_request(data, max_bytes)
     try:
         op = Op(raw["op"])
@@ -323,3 +334,46 @@ def parse_request(data: bytes, max_bytes: int = wire.MAX_MESSAGE_BYTES) -> Reque
             raise ProtocolError(f"{op.value} request: missing {name!r}")
     return Request(op, fields, id=fields.pop("id", None), rank=fields.pop("rank", None),
                    source=fields.pop("source", None))
+
+
+# ---------------------------------------------------------------- metrics requests, typed
+# Workers send metrics every burst (the timing daemon, every step's): the most frequent request by far.
+# Decoded into a typed struct, checked in C as it is read (0.9 us a step's metrics, against 3.3 through
+# the map and the checks above). It accepts exactly what SCHEMAS[Op.METRICS] accepts; anything it
+# refuses, or another operation, goes the general way, which names what is wrong.
+
+_MetricKey = Annotated[str, msgspec.Meta(max_length=MAX_METRIC_KEY_CHARS)]
+_MetricValue = Union[None, bool, int, float, Annotated[str, msgspec.Meta(max_length=1_000)]]
+_Metrics = Annotated[dict[_MetricKey, _MetricValue], msgspec.Meta(max_length=MAX_METRICS)]
+_Step = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+
+
+class _MetricsRequest(msgspec.Struct, tag_field="op", tag=Op.METRICS.value, forbid_unknown_fields=True):
+    v: int
+    metrics: _Metrics
+    step: Optional[_Step] = None
+    more: Union[Annotated[list[tuple[Optional[_Step], _Metrics]], msgspec.Meta(max_length=MAX_METRICS_MORE)],
+                msgspec.UnsetType] = msgspec.UNSET
+    id: Optional[Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]] = None
+    rank: Optional[Annotated[int, msgspec.Meta(ge=0, le=65_535)]] = None
+    source: Optional[Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_CHARS)]] = None
+
+
+_decode_metrics = msgspec.msgpack.Decoder(_MetricsRequest).decode
+_METRICS_LIMIT = request_limit(Op.METRICS)
+
+
+def _typed_metrics(data: bytes) -> Optional[Request]:
+    """A valid metrics request as its :class:`Request`; None for anything else."""
+    try:
+        request = _decode_metrics(data)
+    except (msgspec.DecodeError, ValueError, RecursionError):  # ValidationError is a DecodeError
+        return None
+    if request.v != wire.PROTOCOL_VERSION:
+        return None
+    fields: dict[str, Any] = {"metrics": request.metrics}
+    if request.step is not None:
+        fields["step"] = request.step
+    if request.more is not msgspec.UNSET:
+        fields["more"] = request.more
+    return Request(Op.METRICS, fields, id=request.id, rank=request.rank, source=request.source)

@@ -10,9 +10,19 @@ import pytest
 import zmq
 
 from eventbus import BusConfig, Trainer
-from eventbus.bus import wire
+from eventbus.bus import protocol, wire
 from eventbus.bus.journal import read_messages
-from eventbus.bus.protocol import LARGEST_REQUEST_BYTES, SCHEMAS, Op, parse_request, request_limit
+from eventbus.bus.protocol import (
+    LARGEST_REQUEST_BYTES,
+    MAX_METRIC_KEY_CHARS,
+    MAX_METRICS,
+    MAX_METRICS_MORE,
+    MAX_SOURCE_CHARS,
+    SCHEMAS,
+    Op,
+    parse_request,
+    request_limit,
+)
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.errors import ProtocolError
 from tests.support import bus_address, make_loader, make_model
@@ -70,6 +80,53 @@ def test_wrong_types_sizes_and_nesting_are_refused_for_every_field(op):
             value = parsed.fields.get(name, getattr(parsed, name, None))
             assert value == wrong or (wrong is None and value is None), (op, name, wrong)
     assert refused >= len(SCHEMAS[op])  # each field refuses something
+
+
+def _metrics_bodies() -> list[bytes]:
+    """Metrics requests at and past every bound the schema sets, and a few malformed ones."""
+    key, text = "k" * MAX_METRIC_KEY_CHARS, "t" * 1_000
+    good = {"loss": 0.5, "n": 3, "flag": True, "none": None, "note": text, key: float("nan")}
+    fields = [
+        {"metrics": good, "step": 0}, {"metrics": {}, "step": None}, {"metrics": good, "step": 1 << 62},
+        {"metrics": good, "more": []}, {"metrics": good, "more": [[None, {"x": 1.0}]] * MAX_METRICS_MORE},
+        {"metrics": {f"m{i}": i for i in range(MAX_METRICS)}, "id": 7},
+        # Past a bound, or of a wrong type: each must be refused, by both ways of parsing.
+        {"metrics": {key + "k": 1.0}}, {"metrics": {"note": text + "t"}}, {"metrics": {"x": b"\x00"}},
+        {"metrics": {f"m{i}": i for i in range(MAX_METRICS + 1)}}, {"metrics": good, "step": -1},
+        {"metrics": good, "step": (1 << 62) + 1}, {"metrics": good, "step": True}, {"metrics": good, "step": 2.0},
+        {"metrics": good, "more": None}, {"metrics": good, "more": [[1, good, 2]]}, {"metrics": good, "more": [[1]]},
+        {"metrics": good, "more": [[None, {"x": 1.0}]] * (MAX_METRICS_MORE + 1)}, {"metrics": good, "more": [["1", {}]]},
+        {"metrics": {"x": [1.0]}}, {"metrics": None}, {"step": 3}, {"metrics": good, "extra": 1},
+        {"metrics": good, "source": "s" * (MAX_SOURCE_CHARS + 1)}, {"metrics": good, "rank": 70_000},
+        {"metrics": good, "id": -1},
+    ]
+    bodies = [wire.encode_request(Op.METRICS.value, **{"source": "tester", "rank": 0, **f}) for f in fields]
+    bodies.append(msgpack.packb({"v": 2, "op": "metrics", "metrics": good}))  # another protocol version
+    bodies.append(msgpack.packb({"op": "metrics", "v": 1, "metrics": good}))  # the same fields, another order
+    return bodies
+
+
+def test_the_typed_metrics_parse_accepts_exactly_what_the_schema_accepts():
+    """Metrics requests are parsed typed, in C (the most frequent request); whatever that accepts, the
+    field-by-field schema accepts to the same Request, and what it refuses the schema explains."""
+    accepted = 0
+    for body in _metrics_bodies():
+        typed = protocol._typed_metrics(body)
+        try:
+            general = protocol._parse_map(body, LARGEST_REQUEST_BYTES)
+        except ProtocolError:
+            assert typed is None, body[:80]
+            with pytest.raises(ProtocolError, match="metrics request|protocol version"):
+                parse_request(body)
+            continue
+        assert typed is not None, body[:80]
+        assert as_msgpack(typed) == as_msgpack(general)  # NaN != NaN: compared as sent (pairs as arrays)
+        accepted += 1
+    assert accepted == 7
+
+
+def as_msgpack(request) -> bytes:
+    return msgpack.packb([request.op.value, request.fields, request.id, request.rank, request.source])
 
 
 def test_unknown_ops_fields_and_missing_fields_are_refused():
