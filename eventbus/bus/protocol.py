@@ -117,7 +117,7 @@ class Request:
     fields: dict[str, Any]
     id: Optional[int] = None
     rank: Optional[int] = None
-    source: Optional[Annotated[str, msgspec.Meta(max_length=MAX_SOURCE_CHARS)]] = None
+    source: Optional[str] = None
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
