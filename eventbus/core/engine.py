@@ -15,7 +15,7 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
 
-from eventbus.core.callback import event_calls
+from eventbus.core.callback import event_calls, handlers
 from eventbus.core.events import Event
 from eventbus.core.state import TrainingStateView
 
@@ -88,8 +88,9 @@ class Engine:
                 if algorithm.match(event, state):
                     algorithm.apply(event, state, logger)
         for callback in self._ordered_callbacks(event):
-            for method, args in event_calls(callback, event, state, logger):  # as a worker's host calls them
-                method(*args)
+            if handlers(type(callback), event):  # most handle a few events: no call list built for the others
+                for method, args in event_calls(callback, event, state, logger):  # as a worker's host calls them
+                    method(*args)
         for sink in self.sinks:
             sink.publish(event, state)
 
