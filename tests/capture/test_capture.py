@@ -183,3 +183,26 @@ def test_the_published_run_carries_the_states_values(tmp_path):
     assert state.timestamp.batch.value == 2 and state.timestamp.sample.value == 32
     assert state.loss == pytest.approx(source.loss.item())
     assert state.learning_rates == {"SGD": [0.1]}  # still in every snapshot
+
+
+def test_captured_values_resolve_to_plain_values_the_same_way_at_every_value_of_their_class():
+    from eventbus.bus.publish.payload import resolve
+
+    class Waiting:  # a value staged on the training thread, read on the bus thread
+        def __init__(self, value: Any):
+            self.value = value
+
+        def resolve(self) -> Any:
+            return self.value
+
+    class Settings(dict):  # a dict of the user's own class: keys made strings, values resolved
+        pass
+
+    for _ in range(2):  # the first value of each class teaches resolve how; the second uses that
+        assert resolve(torch.tensor(2.5)) == 2.5 and resolve(torch.tensor([3.0])) == 3.0
+        assert resolve(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+        assert resolve(torch.nn.Parameter(torch.tensor(1.5))) == 1.5
+        assert resolve(Waiting({"lr": 0.1})) == {"lr": 0.1}
+        assert resolve(Settings({1: torch.tensor(0.5)})) == {"1": 0.5}
+        assert resolve({"loss": torch.tensor(0.25), 3: [torch.tensor(1.0)]}) == {"loss": 0.25, "3": [1.0]}
+        assert resolve(Event.FIT_START) == Event.FIT_START and resolve(None) is None

@@ -3,6 +3,7 @@ import datetime
 import pytest
 
 from eventbus import ConfigError, Time, Timestamp, TimeUnit
+from eventbus.bus.schema import compact_timestamp
 from eventbus.core.time import ensure_time
 
 pytestmark = pytest.mark.fast
@@ -68,6 +69,16 @@ def test_timestamp_has_every_composer_field():
         getattr(ts, field)
     assert ts >= Time(7, "ba") and ts < Time(3, "ep")
     assert Timestamp.from_state_dict(ts.state_dict()) == ts
+
+
+def test_a_timestamps_fields_are_its_state_dict_in_wire_order_eager_or_lazy():
+    ts = Timestamp(iteration=1, epoch=2, batch=7, sample=28, token=90, epoch_in_iteration=2, token_in_iteration=40,
+                   batch_in_epoch=3, sample_in_epoch=12, token_in_epoch=30, total_wct=datetime.timedelta(seconds=3.5),
+                   iteration_wct=datetime.timedelta(seconds=2.25), epoch_wct=datetime.timedelta(seconds=1.5),
+                   batch_wct=datetime.timedelta(milliseconds=125))
+    expected = [1, 2, 7, 28, 90, 2, 40, 3, 12, 30, 3.5, 2.25, 1.5, 0.125]
+    assert ts.fields() == compact_timestamp(ts.state_dict()) == expected
+    assert Timestamp.from_state_dict(ts.state_dict(), lazy=True).fields() == expected
 
 
 def test_a_timestamp_from_a_state_dict_reads_the_same_lazily_and_a_checkpoints_bad_value_fails_at_load():

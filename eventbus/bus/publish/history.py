@@ -133,6 +133,21 @@ class History:
         times.append(mono - self._mono)
         self._refs.append(index)
 
+    def append_again(self, event: str, wall: float, mono: float, payload: dict[str, Any]) -> bool:
+        """Number an event message carrying ``payload`` again, the window's latest event snapshot (an
+        event that changed nothing: most of a batch's), with a few appends; False when ``payload`` is
+        not that snapshot of the open window, or the window is full: then :meth:`append` it."""
+        base, topics = self._base, self._topics
+        if base is None or base[1] is not payload or len(topics) >= wire.MAX_WINDOW_MESSAGES:
+            return False
+        self.seq += 1
+        topics.append(_TOPIC_INDEX[event])  # no staged checkpoint: a snapshot carried again holds none
+        times = self._times
+        times.append(wall - self._wall)
+        times.append(mono - self._mono)
+        self._refs.append(base[0])
+        return True
+
     def _store(self, kind: str, payload: dict[str, Any]) -> int:
         """Pack a payload not in the open window yet (closing the window first if it would not fit)."""
         packed = self._pack(kind, payload)

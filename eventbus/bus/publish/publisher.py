@@ -363,6 +363,7 @@ class _BusThread(threading.Thread):
         metrics and microbatch size) become one message: nothing was published between them, so every
         reader sees them at the same point of the run, with one decode and one logger call."""
         event_payload, append, event_kind = self._payloads.event_payload, self._history.append, Kind.EVENT
+        repeated, again = self._payloads.repeated, self._history.append_again
         metrics: Optional[MetricsRecord] = None  # held until a record that cannot join it
         for record in records:
             if metrics is not None:
@@ -373,7 +374,9 @@ class _BusThread(threading.Thread):
                 metrics = None
             try:
                 if type(record) is EventRecord:  # nearly every record: checked first, by class
-                    append(event_kind, record.event, record.wall_time, record.mono_time, event_payload(record))
+                    same = repeated(record)  # most events of a batch: numbered with a few appends
+                    if same is None or not again(record.event, record.wall_time, record.mono_time, same):
+                        append(event_kind, record.event, record.wall_time, record.mono_time, event_payload(record))
                 elif isinstance(record, MetricsRecord):
                     metrics = record
                 elif isinstance(record, HyperparametersRecord):
