@@ -23,6 +23,7 @@ from eventbus.bus.protocol import (
     parse_request,
     request_limit,
 )
+from eventbus.bus.publish import publisher as publisher_module
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.errors import ProtocolError
 from tests.support import bus_address, make_loader, make_model
@@ -354,3 +355,39 @@ def test_metrics_logged_one_after_another_for_one_step_are_one_message(tmp_path)
     assert [(m["step"], m["metrics"], m["source"]) for m in metrics] == [
         (1, {"loss": 1.0, "acc": 0.5, "n": 16}, "trainer"), (1, {"loss": 0.9}, "trainer"),
         (2, {"loss": 0.8}, "trainer"), (2, {"lr": 0.1, "acc": 0.6}, "scheduler")]
+
+
+def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_path, monkeypatch):
+    """With nothing queued the bus thread sleeps with no timer (here its once-a-second look around is
+    made an hour): a request wakes it and is answered, and so does a record the trainer puts, which is
+    journaled. Each time it waits until the bus thread is asleep first."""
+    monkeypatch.setattr(publisher_module, "_IDLE_SECONDS", 3600.0)
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
+    publisher.start({"run_name": "asleep"})
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(publisher.service_address)
+
+    def asleep() -> None:
+        deadline = time.monotonic() + 20
+        while not publisher._doorbell.armed:
+            assert time.monotonic() < deadline, "the bus thread never went to sleep"
+            time.sleep(0.01)
+
+    try:
+        asleep()
+        dealer.send(wire.encode_request("ping", id=1))
+        assert dealer.poll(20_000), "a sleeping bus thread did not answer a request"
+        asleep()
+        publisher.log_metrics({"loss": 1.5}, step=3)
+        deadline = time.monotonic() + 20
+        while not any(m.kind == "metrics" for m in read_messages(publisher.journal_path)):
+            assert time.monotonic() < deadline, "a record did not wake the sleeping bus thread"
+            time.sleep(0.01)
+    finally:
+        dealer.close()
+        context.term()
+        publisher.close()
+    assert [m.payload["metrics"] for m in read_messages(publisher.journal_path) if m.kind == "metrics"] == [
+        {"loss": 1.5}]
