@@ -42,7 +42,7 @@ import asyncio
 import eventbus
 from eventbus import Event, Subscriber, Snapshot, ProtocolError, Time
 from eventbus.bus import config, journal, protocol, proxy, schema, security, wire
-from eventbus.bus.publish import history, leases, payload, publisher, records, service
+from eventbus.bus.publish import bus_thread, doorbell, history, leases, payload, publisher, records, service
 from eventbus.bus.subscribe import journal_stream, messages, ranks, recovery, snapshot, stats, subscriber
 from eventbus.bus.subscribe.journal_stream import journal_messages
 

@@ -352,9 +352,7 @@ class Timestamp:
         values.update({k: int(v) if k in _COUNTER_UNITS else v for k, v in changes.items()})
         return Timestamp(**values)
 
-    def to_next_batch(
-        self, samples: int = 0, tokens: int = 0, duration: datetime.timedelta = _ZERO
-    ) -> "Timestamp":
+    def to_next_batch(self, samples: int = 0, tokens: int = 0, duration: datetime.timedelta = _ZERO) -> "Timestamp":
         """One batch later: counters advance, ``batch_wct`` becomes ``duration``."""
         samples, tokens = int(samples), int(tokens)
         return Timestamp._of(
@@ -362,8 +360,7 @@ class Timestamp:
             self._token + tokens, self._epoch_in_iteration, self._token_in_iteration + tokens,
             self._batch_in_epoch + 1, self._sample_in_epoch + samples, self._token_in_epoch + tokens,
             self._total_wct + duration, self._iteration_wct + duration,
-            self._epoch_wct + duration, duration,
-        )
+            self._epoch_wct + duration, duration)
 
     def to_next_epoch(self, duration: datetime.timedelta = _ZERO) -> "Timestamp":
         """One epoch later: the in-epoch counters and ``epoch_wct`` restart at zero."""
@@ -371,28 +368,22 @@ class Timestamp:
             epoch=self._epoch + 1, epoch_in_iteration=self._epoch_in_iteration + 1,
             batch_in_epoch=0, sample_in_epoch=0, token_in_epoch=0,
             total_wct=self._total_wct + duration, iteration_wct=self._iteration_wct + duration,
-            epoch_wct=_ZERO, batch_wct=_ZERO,
-        )
+            epoch_wct=_ZERO, batch_wct=_ZERO)
 
     def to_next_iteration(self, duration: datetime.timedelta = _ZERO) -> "Timestamp":
         return self.copy(
             iteration=self._iteration + 1, epoch_in_iteration=0, token_in_iteration=0,
             batch_in_epoch=0, sample_in_epoch=0, token_in_epoch=0,
-            total_wct=self._total_wct + duration, iteration_wct=_ZERO, epoch_wct=_ZERO, batch_wct=_ZERO,
-        )
+            total_wct=self._total_wct + duration, iteration_wct=_ZERO, epoch_wct=_ZERO, batch_wct=_ZERO)
 
     def state_dict(self) -> dict[str, Union[int, float]]:
         """Plain ints and float seconds: safe for msgpack and ``torch.load(weights_only=True)``."""
-        out: dict[str, Union[int, float]] = {f: getattr(self, "_" + f) for f in _COUNTERS}
-        out.update({f: getattr(self, "_" + f).total_seconds() for f in _CLOCKS})
-        return out
+        return dict(zip(_COUNTERS + _CLOCKS, self.fields()))
 
     def fields(self) -> list[Union[int, float]]:
-        """``state_dict()``'s values in field order, read in one call: how a timestamp travels on the bus
-        (:data:`~eventbus.bus.schema.TIMESTAMP_FIELDS`), built once a batch on the bus thread."""
+        """``state_dict()``'s values in field order, read in one call: how a timestamp travels on the bus."""
         *counters, total, iteration, epoch, batch = _READ_FIELDS(self)
-        return [*counters, total.total_seconds(), iteration.total_seconds(), epoch.total_seconds(),
-                batch.total_seconds()]
+        return [*counters, *(clock.total_seconds() for clock in (total, iteration, epoch, batch))]
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Union[int, float]], *, lazy: bool = False) -> "Timestamp":

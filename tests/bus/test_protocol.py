@@ -23,7 +23,7 @@ from eventbus.bus.protocol import (
     parse_request,
     request_limit,
 )
-from eventbus.bus.publish import publisher as publisher_module
+from eventbus.bus.publish import bus_thread
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.errors import ProtocolError
 from tests.support import bus_address, make_loader, make_model
@@ -361,7 +361,7 @@ def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_p
     """With nothing queued the bus thread sleeps with no timer (here its once-a-second look around is
     made an hour): a request wakes it and is answered, and so does a record the trainer puts, which is
     journaled. Each time it waits until the bus thread is asleep first."""
-    monkeypatch.setattr(publisher_module, "_IDLE_SECONDS", 3600.0)
+    monkeypatch.setattr(bus_thread, "_IDLE_SECONDS", 3600.0)
     publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
     publisher.start({"run_name": "asleep"})
     context = zmq.Context()
