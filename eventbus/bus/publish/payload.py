@@ -39,8 +39,9 @@ def resolve(value: Any) -> Any:
                 for k, v in value.items()}
     deferred = getattr(value, "resolve", None)
     if deferred is not None:
-        if callable(getattr(kind, "resolve", None)):  # a staged value's class: the same for all of them
-            _learn(kind, kind.resolve)
+        method = getattr(kind, "resolve", None)
+        if method is not None and getattr(deferred, "__func__", None) is method:  # the class's, not its own
+            _learn(kind, method)
         return deferred()
     if hasattr(value, "tolist") and hasattr(value, "numel"):  # a host tensor captured by reference
         _learn(kind, host_value)
