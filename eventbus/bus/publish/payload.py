@@ -22,6 +22,7 @@ _PLAIN = frozenset({type(None), str, int, float, bool})
 # values captured every batch) skip the checks below (~1.5 us a tensor instead of ~0.6).
 _RESOLVERS: dict[type, Callable[[Any], Any]] = {}
 _MAX_RESOLVERS = 64
+_ABSENT = object()
 
 
 def resolve(value: Any) -> Any:
@@ -39,9 +40,8 @@ def resolve(value: Any) -> Any:
                 for k, v in value.items()}
     deferred = getattr(value, "resolve", None)
     if deferred is not None:
-        method = getattr(kind, "resolve", None)
-        if method is not None and getattr(deferred, "__func__", None) is method:  # the class's, not its own
-            _learn(kind, method)
+        if getattr(deferred, "__func__", None) is getattr(kind, "resolve", _ABSENT):  # the class's, not its own
+            _learn(kind, kind.resolve)
         return deferred()
     if hasattr(value, "tolist") and hasattr(value, "numel"):  # a host tensor captured by reference
         _learn(kind, host_value)
