@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -251,25 +253,32 @@ def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(
     assert headers[-1]["hyperparameters"]["max_duration"] == "1ep"  # the run's own stay
 
 
-def test_a_metrics_request_with_later_steps_publishes_each_step_in_order(tmp_path):
-    """A worker sends a window's metrics in one request (``more``): the trainer journals and publishes
-    each step's metrics as its own message, in the order logged, under the sender's name; a malformed
-    entry refuses the whole request (nothing of it published)."""
+
+@contextlib.contextmanager
+def served(tmp_path, run_name: str) -> Iterator[tuple[Publisher, zmq.Socket]]:
+    """A started publisher and a DEALER connected to its request service; closed after (the run ended)."""
     publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
-    publisher.start({"run_name": "more"})
+    publisher.start({"run_name": run_name})
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(publisher.service_address)
     try:
-        dealer.send(request(Op.METRICS, metrics={"a": 1.0}, step=4, more=[[5, {"a": 2.0}], [6, {"a": 3.0, "b": 1}]]))
-        dealer.send(request(Op.METRICS, metrics={"a": 9.0}, step=7, more=[[8, {"a": [1]}]]))
-        dealer.send(wire.encode_request("ping", id=1))
-        assert dealer.poll(20_000), "the request service did not answer"
+        yield publisher, dealer
     finally:
         dealer.close()
         context.term()
         publisher.close()
+
+def test_a_metrics_request_with_later_steps_publishes_each_step_in_order(tmp_path):
+    """A worker sends a window's metrics in one request (``more``): the trainer journals and publishes
+    each step's metrics as its own message, in the order logged, under the sender's name; a malformed
+    entry refuses the whole request (nothing of it published)."""
+    with served(tmp_path, "more") as (publisher, dealer):
+        dealer.send(request(Op.METRICS, metrics={"a": 1.0}, step=4, more=[[5, {"a": 2.0}], [6, {"a": 3.0, "b": 1}]]))
+        dealer.send(request(Op.METRICS, metrics={"a": 9.0}, step=7, more=[[8, {"a": [1]}]]))
+        dealer.send(wire.encode_request("ping", id=1))
+        assert dealer.poll(20_000), "the request service did not answer"
     metrics = [m.payload for m in read_messages(publisher.journal_path) if m.kind == "metrics"]
     assert [(m["step"], m["metrics"], m["source"]) for m in metrics] == [
         (4, {"a": 1.0}, "tester"), (5, {"a": 2.0}, "tester"), (6, {"a": 3.0, "b": 1}, "tester")]
@@ -362,20 +371,14 @@ def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_p
     made an hour): a request wakes it and is answered, and so does a record the trainer puts, which is
     journaled. Each time it waits until the bus thread is asleep first."""
     monkeypatch.setattr(bus_thread, "_IDLE_SECONDS", 3600.0)
-    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
-    publisher.start({"run_name": "asleep"})
-    context = zmq.Context()
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(publisher.service_address)
+    with served(tmp_path, "asleep") as (publisher, dealer):
 
-    def asleep() -> None:
-        deadline = time.monotonic() + 20
-        while not publisher._doorbell.armed:
-            assert time.monotonic() < deadline, "the bus thread never went to sleep"
-            time.sleep(0.01)
+        def asleep() -> None:
+            deadline = time.monotonic() + 20
+            while not publisher._doorbell.armed:
+                assert time.monotonic() < deadline, "the bus thread never went to sleep"
+                time.sleep(0.01)
 
-    try:
         asleep()
         dealer.send(wire.encode_request("ping", id=1))
         assert dealer.poll(20_000), "a sleeping bus thread did not answer a request"
@@ -385,9 +388,5 @@ def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_p
         while not any(m.kind == "metrics" for m in read_messages(publisher.journal_path)):
             assert time.monotonic() < deadline, "a record did not wake the sleeping bus thread"
             time.sleep(0.01)
-    finally:
-        dealer.close()
-        context.term()
-        publisher.close()
     assert [m.payload["metrics"] for m in read_messages(publisher.journal_path) if m.kind == "metrics"] == [
         {"loss": 1.5}]
