@@ -1,6 +1,7 @@
 """1. Publish cost on the training thread, beside a raw pyzmq send of the same bytes and a bare call;
-then, per thread, what the bus costs a ~1 ms step: the training thread's CPU with and without the bus,
-and the bus thread's (numbering, snapshots, windows, journal), beside the steps/s ratio."""
+then, per thread, what the bus costs a ~1 ms step: the training thread's CPU alone, with capture only
+(every record dropped before the queue: the bus thread asleep) and with the bus, and the bus thread's
+(numbering, snapshots, windows, journal), beside the steps/s ratios."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import zmq
 from bench.common import emit, event_capture, median, percentile, table
 from bench.models import classifier, loader
 from eventbus import Event, Trainer
+from eventbus.bus.config import BusConfig
 from eventbus.bus import wire
 
 
@@ -74,7 +76,7 @@ def _thread_cpu(thread: threading.Thread) -> float:
         return int(stat.read().split()[0]) / 1e9
 
 
-def _fit(folder: str, name: str, bus: Union[bool, str], batches: int) -> dict[str, float]:
+def _fit(folder: str, name: str, bus: Union[bool, str, BusConfig], batches: int) -> dict[str, float]:
     """One ~1 ms-step fit: steps/s, and the training and bus threads' CPU per step (µs)."""
     before = set(threading.enumerate())
     trainer = Trainer(classifier(64, 2), loader(batches, 16), max_duration=f"{batches}ba", device="cpu",
@@ -95,25 +97,36 @@ def _fit(folder: str, name: str, bus: Union[bool, str], batches: int) -> dict[st
 
 
 def _per_step(quick: bool) -> dict[str, float]:
-    """The trainer alone and with a bus nobody subscribes to, alternated (noise hits both alike)."""
+    """The trainer alone, with capture only and with a bus nobody subscribes to, alternated (noise hits
+    them alike). Capture only is a bus whose queue holds nothing (``queue_size=0``): every record is
+    captured, then dropped and counted, and the bus thread sleeps."""
     if not os.path.exists("/proc/self/task"):
         return {}
     batches, repeats = (100, 1) if quick else (600, 5)
-    runs: dict[str, list[dict[str, float]]] = {"alone": [], "bus": []}
+    runs: dict[str, list[dict[str, float]]] = {"alone": [], "capture": [], "bus": []}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as bench daemons: the ~1 ms step on one core, the other free for the bus thread
     with tempfile.TemporaryDirectory() as folder:
         _fit(folder, "warm-up", False, 50)  # first-call costs (allocator, imports) counted in neither
         for r in range(repeats):
             runs["alone"].append(_fit(folder, f"a{r}", False, batches))
+            runs["capture"].append(_fit(folder, f"c{r}", BusConfig(address=f"ipc://{folder}/c{r}.bus", queue_size=0),
+                                        batches))
             runs["bus"].append(_fit(folder, f"b{r}", f"ipc://{folder}/b{r}.bus", batches))
     torch.set_num_threads(threads)
-    alone, bus = ({key: median([run[key] for run in got]) for key in got[0]} for got in runs.values())
-    out = {"steps_ratio": median([b["steps_per_sec"] / a["steps_per_sec"] for a, b in zip(*runs.values())]),
-           "training_thread_us_alone": alone["training_thread_us"], "training_thread_us_bus": bus["training_thread_us"],
+    alone, capture, bus = ({key: median([run[key] for run in got]) for key in got[0]} for got in runs.values())
+
+    def ratio(setup: str) -> float:
+        return median([s["steps_per_sec"] / a["steps_per_sec"] for a, s in zip(runs["alone"], runs[setup])])
+
+    out = {"steps_ratio": ratio("bus"), "steps_ratio_capture": ratio("capture"),
+           "training_thread_us_alone": alone["training_thread_us"],
+           "training_thread_us_capture": capture["training_thread_us"],
+           "training_thread_us_bus": bus["training_thread_us"],
            "bus_thread_us": bus["bus_thread_us"], "journal_bytes_per_step": bus["journal_bytes"]}
     table("1. the bus's cost per ~1 ms step, per thread (CPU µs per step; medians of alternated runs)",
-          ["training thread alone", "training thread + bus", "bus thread", "steps/s x alone", "journal B/step"],
-          [[out["training_thread_us_alone"], out["training_thread_us_bus"], out["bus_thread_us"],
-            out["steps_ratio"], out["journal_bytes_per_step"]]])
+          ["training thread alone", "+ capture only", "+ bus", "bus thread", "steps/s x alone: capture",
+           "bus", "journal B/step"],
+          [[out["training_thread_us_alone"], out["training_thread_us_capture"], out["training_thread_us_bus"],
+            out["bus_thread_us"], out["steps_ratio_capture"], out["steps_ratio"], out["journal_bytes_per_step"]]])
     return out
