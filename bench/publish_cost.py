@@ -17,8 +17,8 @@ import zmq
 from bench.common import emit, event_capture, median, percentile, table
 from bench.models import classifier, loader
 from eventbus import Event, Trainer
-from eventbus.bus.config import BusConfig
 from eventbus.bus import wire
+from eventbus.bus.config import BusConfig
 
 
 def run(quick: bool) -> dict:

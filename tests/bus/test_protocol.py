@@ -21,12 +21,15 @@ from eventbus.bus.protocol import (
     MAX_METRICS_MORE,
     MAX_SOURCE_CHARS,
     SCHEMAS,
+    STOPS_LEASE,
     Op,
     parse_request,
     request_limit,
 )
 from eventbus.bus.publish import bus_thread
 from eventbus.bus.publish.publisher import Publisher
+from eventbus.bus.publish.records import EventRecord
+from eventbus.core.time import Timestamp
 from eventbus.errors import ProtocolError
 from tests.support import bus_address, make_loader, make_model
 
@@ -255,9 +258,10 @@ def test_hyperparameters_from_subscribers_are_journaled_once_and_bounded_in_all(
 
 
 @contextlib.contextmanager
-def served(tmp_path, run_name: str) -> Iterator[tuple[Publisher, zmq.Socket]]:
+def served(tmp_path, run_name: str, **config) -> Iterator[tuple[Publisher, zmq.Socket]]:
     """A started publisher and a DEALER connected to its request service; closed after (the run ended)."""
-    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1), tmp_path / "run")
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1, **config),
+                          tmp_path / "run")
     publisher.start({"run_name": run_name})
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -390,3 +394,31 @@ def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_p
             time.sleep(0.01)
     assert [m.payload["metrics"] for m in read_messages(publisher.journal_path) if m.kind == "metrics"] == [
         {"loss": 1.5}]
+
+
+def test_a_stopper_sleeps_the_bus_thread_through_a_slow_batch_and_its_batch_end_wakes_it(tmp_path):
+    """While a subscriber that may stop training holds ``stops``, a window ends at each BATCH_END, which
+    rings the bus thread awake: it sleeps through a slow batch (a few waits a batch, not one per
+    millisecond) and journals the batch's end at once, though the window could last five seconds."""
+    with served(tmp_path, "stopper", coalesce_seconds=5.0) as (publisher, dealer):
+        dealer.send(request(Op.CAPTURE, what=[STOPS_LEASE], ttl=60.0))
+        deadline = time.monotonic() + 20
+        while not publisher.leases.holds(STOPS_LEASE):
+            assert time.monotonic() < deadline, "the stops lease was not granted"
+            time.sleep(0.01)
+        waits = publisher.stats().wakeups
+        timestamp = Timestamp()
+        for batch in range(1, 4):
+            publisher.put(_event("before_forward", timestamp))
+            time.sleep(0.3)  # the batch runs
+            publisher.put(_event("batch_end", timestamp))
+            put = time.monotonic()
+            while sum(m.event == "batch_end" for m in read_messages(publisher.journal_path)) < batch:
+                assert time.monotonic() - put < 4.0, f"batch {batch}'s end waited for the window to close"
+                time.sleep(0.01)
+        assert publisher.stats().wakeups - waits <= 12, "the bus thread woke through the batches"
+
+
+def _event(name: str, timestamp: Timestamp) -> EventRecord:
+    now = time.time(), time.monotonic()
+    return EventRecord(name, *now, timestamp, None, "train", 10.0, 4, 0)

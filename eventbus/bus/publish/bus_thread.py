@@ -58,6 +58,11 @@ _IDLE_SECONDS = 1.0
 
 
 
+def _ends_window(record: Record) -> bool:
+    """What ends a window while a stopper holds ``stops``: a batch's end, or the run's."""
+    return is_batch_end(record) or isinstance(record, EndRecord)
+
+
 class BusThread(threading.Thread):
     """Owns the sockets, the journal and the request service; see the module docstring."""
 
@@ -162,10 +167,12 @@ class BusThread(threading.Thread):
         idle = zmq.Poller()  # what wakes it when no record is queued: a request, or the doorbell
         idle.register(self._router, zmq.POLLIN)
         idle.register(self.publisher._doorbell.fd, zmq.POLLIN)
+        self._bell_only = zmq.Poller()  # a stopper's window once the turn's requests are spent: BATCH_END only
+        self._bell_only.register(self.publisher._doorbell.fd, zmq.POLLIN)
         ending = False
         while not ending:
             first = self._next_record(idle)
-            records = [] if first is None else [first, *self._gather_window(poller, first)]
+            records = [] if first is None else [first, *self._gather_window(poller, idle, first)]
             while len(records) < TURN_RECORDS:
                 try:
                     records.append(self._queue.get_nowait())
@@ -185,38 +192,50 @@ class BusThread(threading.Thread):
         what requests published is due out (then None: the caller serves and sends as after any turn)."""
         waited = self._history.unsent_for()
         timeout = self.config.coalesce_seconds * MAX_WINDOW_FACTOR - waited if waited else _IDLE_SECONDS
-        return self.publisher._doorbell.take_or_sleep(self._queue, idle, timeout)
+        doorbell = self.publisher._doorbell
+        slept = doorbell.sleeps
+        record = doorbell.take_or_sleep(self._queue, idle, timeout)
+        self._stats.wakeups += doorbell.sleeps - slept
+        return record
 
-    def _gather_window(self, poller: zmq.Poller, first: Record) -> list[Record]:
+    def _gather_window(self, poller: zmq.Poller, idle: zmq.Poller, first: Record) -> list[Record]:
         """Let events accumulate: one wake-up, journal flush and GIL hand-off per window, not per event
         (measured: a 1 ms window cost ~1.7 ms per 6 ms step; 10 ms, ~0). Requests arriving meanwhile are
         answered at once, so a stop request reaches the training thread before its next BATCH_END.
 
         While a subscriber that may stop training holds the ``stops`` lease, the window ends at
         BATCH_END: the stopper sees each batch's end at once, so its stop lands about one batch late
-        (in process, at the same batch). That costs a wake-up per millisecond of the window, only then."""
+        (in process, at the same batch). The BATCH_END itself wakes the bus thread (its doorbell),
+        so a slow batch costs no wake-ups while it runs."""
         deadline = self._window_end()
         budget = self.config.requests_per_turn
-        fast = self.publisher.leases.holds(STOPS_LEASE)
         taken: list[Record] = []
-        if fast and is_batch_end(first):
+        if self.publisher.leases.holds(STOPS_LEASE):
+            if not _ends_window(first):
+                self._gather_through_batch_end(poller, idle, taken, deadline, budget)
             return taken
         while (left := deadline - time.monotonic()) > 0:
-            slice_s = min(left, 0.001) if fast else left
+            self._stats.wakeups += 1
             if budget <= 0:  # a flood of requests waits for the next turn; training and publishing go on
-                time.sleep(slice_s)
-            elif poller.poll(max(1, round(slice_s * 1000))):
+                time.sleep(left)
+            elif poller.poll(max(1, round(left * 1000))):
                 # What requests publish (workers' metrics) joins the turn's window: one frame a turn.
                 budget -= self._serve_waiting(poller, 0, budget, send=False)
-            if fast:
-                while len(taken) < 4096:
-                    try:
-                        taken.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-                    if is_batch_end(taken[-1]) or isinstance(taken[-1], EndRecord):
-                        return taken
         return taken
+
+    def _gather_through_batch_end(self, poller: zmq.Poller, idle: zmq.Poller, taken: list[Record], deadline: float,
+                                  budget: int) -> None:
+        """The window of a run with a stopper: records up to the next BATCH_END (or the end of the run),
+        sleeping until it is put, a request comes (while the turn's budget lasts) or the window is over."""
+        doorbell = self.publisher._doorbell
+        slept = doorbell.sleeps
+        while not doorbell.take_through_batch_end(self._queue, taken, idle if budget > 0 else self._bell_only,
+                                                   deadline - time.monotonic(), _ends_window, TURN_RECORDS):
+            if deadline <= time.monotonic() or len(taken) >= TURN_RECORDS:
+                break
+            if budget > 0:
+                budget -= self._serve_waiting(poller, 0, budget, send=False)
+        self._stats.wakeups += doorbell.sleeps - slept
 
     def _window_end(self) -> float:
         """When the window opening now closes (see ``MAX_WINDOW_FACTOR``); now after a full turn. Requests

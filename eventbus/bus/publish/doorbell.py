@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -14,13 +14,19 @@ __all__ = ["Doorbell"]
 class Doorbell:
     """How a record wakes an idle bus thread with no timer: a pipe it polls beside its ROUTER socket, written
     only while it sleeps there (``armed``): one write per idle spell, no syscall per record. A bus thread
-    that woke every 5 ms to look at the queue spent ~30 ms of CPU a second doing nothing (2-core VM)."""
+    that woke every 5 ms to look at the queue spent ~30 ms of CPU a second doing nothing (2-core VM).
+
+    ``armed`` is what rings it: ``ANY`` record (asleep with nothing queued), or only a ``BATCH_END`` (a
+    window that ends at the batch's end, while a subscriber that may stop training holds ``stops``)."""
+
+    ANY, BATCH_END = 1, 2
 
     def __init__(self) -> None:
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
-        self.armed = False  # set by the bus thread while it sleeps; under the GIL, seen by put at once
+        self.armed = 0  # set by the bus thread while it sleeps; under the GIL, seen by put at once
+        self.sleeps = 0  # how often the bus thread slept here (counted in PublisherStats.wakeups)
 
     def take_or_sleep(self, records: "queue.SimpleQueue[Any]", poller: zmq.Poller, timeout: float) -> Optional[Any]:
         """The next of ``records`` (bus thread); with none queued, sleep armed for at most ``timeout``
@@ -30,24 +36,51 @@ class Doorbell:
             return records.get_nowait()
         except queue.Empty:
             pass
-        self.armed = True
+        self.armed = Doorbell.ANY
         try:
             try:  # a record put before the doorbell was armed did not ring it
                 return records.get_nowait()
             except queue.Empty:
                 pass
-            if dict(poller.poll(max(1, round(timeout * 1000)))).get(self.fd):
-                self.clear()
+            self._sleep(poller, timeout)
             try:
                 return records.get_nowait()
             except queue.Empty:
                 return None
         finally:
-            self.armed = False
+            self.armed = 0
+
+    def take_through_batch_end(self, records: "queue.SimpleQueue[Any]", taken: list[Any], poller: zmq.Poller,
+                               timeout: float, is_end: Callable[[Any], bool], most: int) -> bool:
+        """Move ``records`` onto ``taken`` up to the first that ``is_end`` (True then) or ``most`` in all;
+        with none of them queued, sleep armed for a BATCH_END for at most ``timeout`` seconds on ``poller``
+        (this doorbell's :attr:`fd` beside the request socket) and return False: the caller serves what
+        woke it, or ends the window."""
+        self.armed = Doorbell.BATCH_END
+        try:
+            while len(taken) < most:  # what was put before the doorbell was armed did not ring it
+                try:
+                    record = records.get_nowait()
+                except queue.Empty:
+                    break
+                taken.append(record)
+                if is_end(record):
+                    return True
+            if len(taken) >= most or timeout <= 0:
+                return False
+            self._sleep(poller, timeout)
+            return False
+        finally:
+            self.armed = 0
+
+    def _sleep(self, poller: zmq.Poller, timeout: float) -> None:
+        self.sleeps += 1
+        if dict(poller.poll(max(1, round(timeout * 1000)))).get(self.fd):
+            self.clear()
 
     def ring(self) -> None:
-        """Wake the sleeping bus thread (training thread, after a put that found it ``armed``)."""
-        self.armed = False
+        """Wake the sleeping bus thread (training thread, after a put that found it ``armed`` for it)."""
+        self.armed = 0
         try:
             os.write(self._write_fd, b"\0")
         except BlockingIOError:  # full: it is awake or waking already

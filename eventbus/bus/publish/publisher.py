@@ -31,7 +31,7 @@ from eventbus.bus.journal import JOURNAL_NAME
 from eventbus.bus.publish.bus_thread import BusThread
 from eventbus.bus.publish.doorbell import Doorbell
 from eventbus.bus.publish.leases import Leases, StopRequests
-from eventbus.bus.publish.records import EndRecord, HyperparametersRecord, MetricsRecord, Record
+from eventbus.bus.publish.records import EndRecord, HyperparametersRecord, MetricsRecord, Record, is_batch_end
 from eventbus.bus.publish.service import PublisherStats, StagingArea, SubscriberTable
 from eventbus.bus.security import ServerKeys
 from eventbus.errors import ConfigError
@@ -102,7 +102,8 @@ class Publisher:
             return
         self._stats.captured += 1
         self._queue.put(record)
-        if self._doorbell.armed:  # the bus thread sleeps until a record or a request comes: ring once
+        armed = self._doorbell.armed  # the bus thread sleeps until a record (or a BATCH_END) comes: ring once
+        if armed and (armed == Doorbell.ANY or is_batch_end(record)):
             self._doorbell.ring()
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:

@@ -82,6 +82,7 @@ class PublisherStats:
     replay_cache_bytes: int = 0  # held in memory for replay (BusConfig.replay_cache_bytes bounds it)
     refused: dict[str, int] = dataclasses.field(default_factory=dict)  # requests refused, by reason
     disconnects: int = 0  # clients gone: they left, or ZeroMQ dropped them for a frame over the size limit
+    wakeups: int = 0  # the bus thread's waits (for records, requests or a window's end) it woke from
 
 
 class StagingArea(Protocol):
