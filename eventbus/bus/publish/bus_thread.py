@@ -167,8 +167,6 @@ class BusThread(threading.Thread):
         idle = zmq.Poller()  # what wakes it when no record is queued: a request, or the doorbell
         idle.register(self._router, zmq.POLLIN)
         idle.register(self.publisher._doorbell.fd, zmq.POLLIN)
-        self._bell_only = zmq.Poller()  # a stopper's window once the turn's requests are spent: BATCH_END only
-        self._bell_only.register(self.publisher._doorbell.fd, zmq.POLLIN)
         ending = False
         while not ending:
             first = self._next_record(idle)
@@ -192,21 +190,15 @@ class BusThread(threading.Thread):
         what requests published is due out (then None: the caller serves and sends as after any turn)."""
         waited = self._history.unsent_for()
         timeout = self.config.coalesce_seconds * MAX_WINDOW_FACTOR - waited if waited else _IDLE_SECONDS
-        doorbell = self.publisher._doorbell
-        slept = doorbell.sleeps
-        record = doorbell.take_or_sleep(self._queue, idle, timeout)
-        self._stats.wakeups += doorbell.sleeps - slept
-        return record
+        return self.publisher._doorbell.take_or_sleep(self._queue, idle, timeout)
 
     def _gather_window(self, poller: zmq.Poller, idle: zmq.Poller, first: Record) -> list[Record]:
-        """Let events accumulate: one wake-up, journal flush and GIL hand-off per window, not per event
-        (measured: a 1 ms window cost ~1.7 ms per 6 ms step; 10 ms, ~0). Requests arriving meanwhile are
-        answered at once, so a stop request reaches the training thread before its next BATCH_END.
+        """Let events accumulate: one wake-up, journal flush and GIL hand-off per window, not per event (a
+        1 ms window cost ~1.7 ms per 6 ms step; 10 ms, ~0). Requests are answered meanwhile, at once.
 
-        While a subscriber that may stop training holds the ``stops`` lease, the window ends at
-        BATCH_END: the stopper sees each batch's end at once, so its stop lands about one batch late
-        (in process, at the same batch). The BATCH_END itself wakes the bus thread (its doorbell),
-        so a slow batch costs no wake-ups while it runs."""
+        While a subscriber that may stop training holds ``stops``, the window ends at BATCH_END, which
+        rings the doorbell: the stopper sees each batch's end at once (its stop lands about one batch
+        late; in process, at the same batch), and a slow batch costs no wake-ups while it runs."""
         deadline = self._window_end()
         budget = self.config.requests_per_turn
         taken: list[Record] = []
@@ -225,17 +217,14 @@ class BusThread(threading.Thread):
 
     def _gather_through_batch_end(self, poller: zmq.Poller, idle: zmq.Poller, taken: list[Record], deadline: float,
                                   budget: int) -> None:
-        """The window of a run with a stopper: records up to the next BATCH_END (or the end of the run),
-        sleeping until it is put, a request comes (while the turn's budget lasts) or the window is over."""
-        doorbell = self.publisher._doorbell
-        slept = doorbell.sleeps
-        while not doorbell.take_through_batch_end(self._queue, taken, idle if budget > 0 else self._bell_only,
-                                                   deadline - time.monotonic(), _ends_window, TURN_RECORDS):
+        """A stopper's window: records through the next BATCH_END (or END), asleep till then, a request or the end."""
+        while not self.publisher._doorbell.take_through_batch_end(
+                self._queue, taken, idle if budget > 0 else self.publisher._doorbell.alone, deadline - time.monotonic(),
+                _ends_window, TURN_RECORDS):
             if deadline <= time.monotonic() or len(taken) >= TURN_RECORDS:
-                break
+                return
             if budget > 0:
                 budget -= self._serve_waiting(poller, 0, budget, send=False)
-        self._stats.wakeups += doorbell.sleeps - slept
 
     def _window_end(self) -> float:
         """When the window opening now closes (see ``MAX_WINDOW_FACTOR``); now after a full turn. Requests

@@ -21,12 +21,15 @@ class Doorbell:
 
     ANY, BATCH_END = 1, 2
 
-    def __init__(self) -> None:
+    def __init__(self, stats: Any) -> None:
+        """``stats.wakeups`` counts the bus thread's sleeps here (a PublisherStats)."""
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
         self.armed = 0  # set by the bus thread while it sleeps; under the GIL, seen by put at once
-        self.sleeps = 0  # how often the bus thread slept here (counted in PublisherStats.wakeups)
+        self._stats = stats
+        self.alone = zmq.Poller()  # this doorbell only: a stopper's window once the turn's requests are spent
+        self.alone.register(self.fd, zmq.POLLIN)
 
     def take_or_sleep(self, records: "queue.SimpleQueue[Any]", poller: zmq.Poller, timeout: float) -> Optional[Any]:
         """The next of ``records`` (bus thread); with none queued, sleep armed for at most ``timeout``
@@ -53,9 +56,9 @@ class Doorbell:
     def take_through_batch_end(self, records: "queue.SimpleQueue[Any]", taken: list[Any], poller: zmq.Poller,
                                timeout: float, is_end: Callable[[Any], bool], most: int) -> bool:
         """Move ``records`` onto ``taken`` up to the first that ``is_end`` (True then) or ``most`` in all;
-        with none of them queued, sleep armed for a BATCH_END for at most ``timeout`` seconds on ``poller``
-        (this doorbell's :attr:`fd` beside the request socket) and return False: the caller serves what
-        woke it, or ends the window."""
+        with no end queued, sleep armed for a BATCH_END for at most ``timeout`` seconds on ``poller`` (this
+        doorbell's :attr:`fd`, and the request socket while the turn serves requests) and return False: the
+        caller serves what woke it, or ends the window."""
         self.armed = Doorbell.BATCH_END
         try:
             while len(taken) < most:  # what was put before the doorbell was armed did not ring it
@@ -74,7 +77,7 @@ class Doorbell:
             self.armed = 0
 
     def _sleep(self, poller: zmq.Poller, timeout: float) -> None:
-        self.sleeps += 1
+        self._stats.wakeups += 1
         if dict(poller.poll(max(1, round(timeout * 1000)))).get(self.fd):
             self.clear()
 

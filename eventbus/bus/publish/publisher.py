@@ -60,7 +60,7 @@ class Publisher:
         self._stats = PublisherStats()
         self._subscribers = SubscriberTable()
         self._queue: "queue.SimpleQueue[Record]" = queue.SimpleQueue()
-        self._doorbell = Doorbell()
+        self._doorbell = Doorbell(self._stats)
         self._thread: Optional[BusThread] = None
         self._closed = False
 
