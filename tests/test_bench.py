@@ -30,6 +30,8 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
                                 "daemons")
     assert set(by_name) == {"publish_cost", "slow_callbacks", "throughput", "checkpoint_stall", "daemons", "gpu"}
     assert {"median_us", "p99_us", "raw_send_us", "bare_call_us"} <= set(by_name["publish_cost"])
+    assert {"steps_ratio", "steps_ratio_capture", "training_thread_us_capture", "bus_thread_us"} <= set(
+        by_name["publish_cost"]["per_step"])  # the trainer alone, with capture only and with the bus
     assert {"b_over_a", "c_over_a", "d_over_a", "trainer_bus_ms_per_batch"} <= set(by_name["slow_callbacks"])
     assert by_name["slow_callbacks"]["every_event_delivered_in_c"] is True
     assert by_name["throughput"]["subscribers_4"]["complete"] is True
