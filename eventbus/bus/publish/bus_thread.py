@@ -57,7 +57,6 @@ TURN_RECORDS = 4096
 _IDLE_SECONDS = 1.0
 
 
-
 def _ends_window(record: Record) -> bool:
     """What ends a window while a stopper holds ``stops``: a batch's end, or the run's."""
     return is_batch_end(record) or isinstance(record, EndRecord)

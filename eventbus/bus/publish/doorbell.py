@@ -8,6 +8,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from eventbus.bus.publish.service import PublisherStats
+
 __all__ = ["Doorbell"]
 
 
@@ -21,8 +23,8 @@ class Doorbell:
 
     ANY, BATCH_END = 1, 2
 
-    def __init__(self, stats: Any) -> None:
-        """``stats.wakeups`` counts the bus thread's sleeps here (a PublisherStats)."""
+    def __init__(self, stats: PublisherStats) -> None:
+        """``stats.wakeups`` counts the bus thread's sleeps here."""
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
