@@ -92,7 +92,10 @@ def test_a_workers_stop_ends_the_composer_run_within_a_few_batches(tmp_path, spa
                    "--callback", 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}')
     worker.wait_for("following")
     fired = FiredEvents()
-    trainer = job("40ba", [fired, UserLogging(0.03), EventBusCallback(bus=address)], [], "composer-stop")
+    # 10 batches an epoch: a stop within the bound below lands inside the first epoch (Composer's order
+    # after a stop at an epoch's last batch has that epoch's evaluation and end as well).
+    trainer = job("40ba", [fired, UserLogging(0.03), EventBusCallback(bus=address)], [], "composer-stop",
+                  train_samples=80)
     trainer.fit()
     trainer.close()
     assert worker.finish() == 0, "\n".join(worker.stderr[-20:])
