@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-__all__ = ["Kind", "Key", "PER_BATCH_KEYS", "TIMESTAMP_KEYS", "TIMESTAMP_FIELDS", "compact_timestamp",
-           "WIRE_NAMES", "KEY_NAMES"]
+__all__ = ["Kind", "Key", "Wire", "PER_BATCH_KEYS", "TIMESTAMP_KEYS", "TIMESTAMP_FIELDS", "compact_timestamp",
+           "WIRE_NAMES", "KEY_NAMES", "WIRE_TIMESTAMP_KEYS"]
 
 
 class Kind:
@@ -71,16 +71,41 @@ TIMESTAMP_FIELDS: Final = (
 )
 
 
-#: Each payload key's name on the wire: one character instead of up to sixteen, in every
-#: snapshot and metrics payload. The decoder gives back the names above; other keys pass as they are.
-WIRE_NAMES: Final = {
-    Key.TIMESTAMP: "t", Key.PREVIOUS_TIMESTAMP: "p", Key.EVAL_TIMESTAMP: "e", Key.LABEL: "l",
-    Key.DATALOADER_LEN: "n", Key.SAMPLES: "s", Key.TOKENS: "k", Key.LOSS: "L", Key.TOTAL_LOSSES: "T",
-    Key.LEARNING_RATES: "r", Key.OPTIMIZERS: "o", Key.SCHEDULERS: "S", Key.TRAIN_METRICS: "m",
-    Key.EVAL_METRICS: "E", Key.MAX_DURATION: "D", Key.STOP_REASON: "x", Key.GRAD_NORMS: "g", Key.MEMORY: "M",
-    Key.BATCH_FLOPS: "f", Key.CHECKPOINT: "c", Key.WEIGHTS: "w", Key.METRICS: "v", Key.STEP: "i", Key.SOURCE: "u",
-}
+class Wire:
+    """Each payload key's name on the wire: one character instead of up to sixteen, in every snapshot
+    and metrics payload. A decoded payload's ``fields`` (what a snapshot reads) keep these names;
+    ``Envelope.payload`` gives back the :class:`Key` names. Other keys pass as they are."""
+
+    TIMESTAMP: Final = "t"
+    PREVIOUS_TIMESTAMP: Final = "p"
+    EVAL_TIMESTAMP: Final = "e"
+    LABEL: Final = "l"
+    DATALOADER_LEN: Final = "n"
+    SAMPLES: Final = "s"
+    TOKENS: Final = "k"
+    LOSS: Final = "L"
+    TOTAL_LOSSES: Final = "T"
+    LEARNING_RATES: Final = "r"
+    OPTIMIZERS: Final = "o"
+    SCHEDULERS: Final = "S"
+    TRAIN_METRICS: Final = "m"
+    EVAL_METRICS: Final = "E"
+    MAX_DURATION: Final = "D"
+    STOP_REASON: Final = "x"
+    GRAD_NORMS: Final = "g"
+    MEMORY: Final = "M"
+    BATCH_FLOPS: Final = "f"
+    CHECKPOINT: Final = "c"
+    WEIGHTS: Final = "w"
+    METRICS: Final = "v"
+    STEP: Final = "i"
+    SOURCE: Final = "u"
+
+
+#: :class:`Key` name -> :class:`Wire` name, and back.
+WIRE_NAMES: Final = {getattr(Key, name): short for name, short in vars(Wire).items() if name.isupper()}
 KEY_NAMES: Final = {short: key for key, short in WIRE_NAMES.items()}
+WIRE_TIMESTAMP_KEYS: Final = (Wire.TIMESTAMP, Wire.PREVIOUS_TIMESTAMP, Wire.EVAL_TIMESTAMP)
 
 
 def compact_timestamp(state: dict[str, Any]) -> list[Any]:

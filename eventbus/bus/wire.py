@@ -34,8 +34,9 @@ Kinds: ``header`` (run metadata), ``event`` (an Event and a state snapshot), ``m
 Seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is pickled. Control requests are
 msgpack maps with an ``op``. Decoding is bounded in bytes, container sizes, nesting depth and types;
 anything else raises :class:`ProtocolError`.
-Windows are encoded and their columns decoded by msgspec (typed, in C); payload maps are read
-by msgpack's bounded unpacker (string keys, no extension types).
+Windows are encoded and decoded by msgspec (typed, in C): their columns, and each payload as a
+map with string keys and no extension types, its containers bounded by its bytes. Control requests
+are read by msgpack's bounded unpacker.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Annotated, Any, Optional, Sequence, Union
 import msgpack
 import msgspec
 
-from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, TIMESTAMP_KEYS, WIRE_NAMES, Key, Kind
+from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, TIMESTAMP_KEYS, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind
 from eventbus.bus.topics import (
     GROUP_TOPIC,
     LINKS_BYTES,
@@ -135,6 +136,8 @@ class Envelope:
                  ref: int = 0, check: bool = False):
         self.kind, self.run_id, self.rank, self.seq, self.event = kind, run_id, rank, seq, event
         self.wall_time, self.mono_time = wall_time, mono_time
+        if payload is not None:  # made from a map (tests, tools): held as decoded payloads are, under wire names
+            payload = {WIRE_NAMES.get(key, key): value for key, value in payload.items()}
         self._payload, self._payloads, self._ref, self._check = payload, payloads, ref, check
         self._maps: Optional[dict[str, Any]] = None
         self.recovered = False
@@ -145,15 +148,17 @@ class Envelope:
         the seq) if it is malformed. Read it, never change it."""
         maps = self._maps
         if maps is None:
-            maps = self._maps = timestamp_maps(self.fields)
+            names = KEY_NAMES
+            maps = self._maps = timestamp_maps({names.get(key, key): value for key, value in self.fields.items()})
         return maps
 
     @property
     def fields(self) -> dict[str, Any]:
-        """The payload as decoded, each timestamp still the array it travels as (``TIMESTAMP_FIELDS``
-        order; a map where the envelope was made from one): what a snapshot reads, converting only the
-        timestamps a callback reads (~0.5 us each). The messages of a window that share a payload share
-        this map: read it, never change it."""
+        """The payload as it travels: its keys by their wire names (:class:`~eventbus.bus.schema.Wire`),
+        each timestamp the array of ``TIMESTAMP_FIELDS`` (a map where the envelope was made from one).
+        What a snapshot and a metrics message read, without renaming a key (converting only the
+        timestamps a callback reads, ~0.5 us each). The messages of a window that share a payload
+        share this map: read it, never change it."""
         payload = self._payload
         if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
             assert self._payloads is not None, "an envelope holds its payload or the window's payloads"
@@ -269,19 +274,23 @@ def _payload_of(payloads: list[Any], ref: int, seq: int, check: bool) -> dict[st
 
 
 def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
+    """One packed payload, its keys kept by their wire names (a payload is bounded by its window's bytes)."""
     global payload_decodes
     payload_decodes += 1
-    payload = _unpack(packed, f"message {seq} payload")
-    if not isinstance(payload, dict):
-        raise ProtocolError(f"message {seq}: payload must be a map")
+    try:
+        payload = _decode_payload(packed)
+    except ProtocolError:
+        raise
+    except msgspec.ValidationError as err:
+        raise ProtocolError(f"message {seq}: payload must be a map with string keys ({err})") from None
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as err:  # TypeError: an unhashable key
+        raise ProtocolError(f"message {seq} payload: not valid msgpack ({type(err).__name__}: {err})") from None
     if check:
         _check_plain(payload, 1, f"message {seq} payload")
-    names = KEY_NAMES
-    payload = {names.get(key, key): value for key, value in payload.items()}
-    for key in TIMESTAMP_KEYS:  # sent as arrays, and kept so until read (timestamp_maps)
+    for key in WIRE_TIMESTAMP_KEYS:  # sent as arrays, and kept so until read (timestamp_maps)
         stamp = payload.get(key)
         if stamp.__class__ is list and len(stamp) != len(TIMESTAMP_FIELDS):  # type: ignore[arg-type]
-            raise ProtocolError(f"message {seq}: {key} must hold {len(TIMESTAMP_FIELDS)} numbers")
+            raise ProtocolError(f"message {seq}: {KEY_NAMES[key]} must hold {len(TIMESTAMP_FIELDS)} numbers")
     return payload
 
 
@@ -298,8 +307,11 @@ def timestamp_maps(payload: dict[str, Any]) -> dict[str, Any]:
     return dict(payload, **{key: timestamp_map(payload[key]) for key in arrays})
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
+def _refuse_ext(code: int, data: Any) -> Any:
     raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+_decode_payload = msgspec.msgpack.Decoder(dict[str, Any], ext_hook=_refuse_ext).decode
 
 
 def _unpack(data: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:

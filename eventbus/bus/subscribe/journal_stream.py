@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable, Iterator, Optional, Union
 
 from eventbus.bus import wire
 from eventbus.bus.journal import JournalReader, Position
-from eventbus.bus.schema import Kind
+from eventbus.bus.schema import Kind, Wire
 from eventbus.bus.subscribe.messages import Message, RunView
 from eventbus.bus.subscribe.stats import SubscriberStats
 from eventbus.errors import ProtocolError
@@ -42,12 +42,13 @@ def unexportable(envelope: wire.Envelope) -> Optional[str]:
     message (a map of text keys, an integer step), which the journal stores as it was sent."""
     if envelope.kind != Kind.METRICS:
         return None
-    metrics, step = envelope.payload.get("metrics"), envelope.payload.get("step")
+    payload = envelope.fields
+    metrics, step = payload.get(Wire.METRICS), payload.get(Wire.STEP)
     if not isinstance(metrics, dict):
         return f"metrics must be a map, not {type(metrics).__name__}"
     if step is not None and (type(step) is not int or step < 0):
         return f"step must be an integer >= 0, not {str(step)[:20]!r}"
-    source = envelope.payload.get("source")
+    source = payload.get(Wire.SOURCE)
     if source is not None and not isinstance(source, str):
         return f"source must be text, not {type(source).__name__}"
     return None

@@ -17,7 +17,7 @@ import msgspec
 
 from eventbus.bus import wire
 from eventbus.bus.protocol import Op
-from eventbus.bus.schema import Kind
+from eventbus.bus.schema import Kind, Wire
 from eventbus.bus.subscribe.sequencer import Decoded
 from eventbus.bus.subscribe.snapshot import Snapshot
 from eventbus.bus.subscribe.stats import SubscriberStats
@@ -178,10 +178,10 @@ class RunView:
                 if message is not None:
                     append(message)
             elif kind == metrics_kind:
-                payload = envelope.payload
+                payload = envelope.fields  # its wire names: no map renamed per message
                 append(Message(kind, None, self._current, envelope.seq, envelope.run_id, envelope.rank,
-                               payload.get("metrics"), payload.get("step"), payload.get("source"), envelope.recovered,
-                               envelope))
+                               payload.get(Wire.METRICS), payload.get(Wire.STEP), payload.get(Wire.SOURCE),
+                               envelope.recovered, envelope))
             else:
                 if kind == Kind.HEADER:
                     self.header = envelope.payload  # re-published mid-run: what follows sees its hyperparameters

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Union
 
 from eventbus.bus import wire
 from eventbus.bus.protocol import WEIGHTS_EVENTS, WEIGHTS_LEASE, Op
-from eventbus.bus.schema import Key
+from eventbus.bus.schema import Key, Wire
 from eventbus.bus.subscribe.views import (
     DeviceView,
     EvaluatorView,
@@ -141,50 +141,50 @@ class Snapshot:
     def timestamp(self) -> Timestamp:
         timestamp = self._cache.get("timestamp")  # read several times per event by most callbacks
         if timestamp is None:
-            ts = self._payload.get(Key.TIMESTAMP)
+            ts = self._payload.get(Wire.TIMESTAMP)
             timestamp = self._cache["timestamp"] = _timestamp(ts) if ts else Timestamp()
         return timestamp  # type: ignore[no-any-return]
 
     @property
     def eval_timestamp(self) -> Timestamp:
-        ts = self._payload.get(Key.EVAL_TIMESTAMP)
+        ts = self._payload.get(Wire.EVAL_TIMESTAMP)
         return self._cached("eval_timestamp", lambda: _timestamp(ts) if ts else Timestamp())
 
     @property
     def previous_timestamp(self) -> Optional[Timestamp]:
-        ts = self._payload.get(Key.PREVIOUS_TIMESTAMP)
+        ts = self._payload.get(Wire.PREVIOUS_TIMESTAMP)
         return self._cached("previous_timestamp", lambda: _timestamp(ts) if ts else None)
 
     @property
     def max_duration(self) -> Optional[Time]:
         return self._cached("max_duration",
-                            lambda: _time(self._payload.get(Key.MAX_DURATION) or self.header.get("max_duration")))
+                            lambda: _time(self._payload.get(Wire.MAX_DURATION) or self.header.get("max_duration")))
 
     @property
     def dataloader_len(self) -> Optional[Time]:
-        length = self._payload.get(Key.DATALOADER_LEN)
+        length = self._payload.get(Wire.DATALOADER_LEN)
         return Time(length, TimeUnit.BATCH) if length is not None else None
 
     @property
     def checkpoint(self) -> Optional[StagedCheckpoint]:
         """A checkpoint the trainer staged at this event, for the checkpoint worker to write."""
-        staged = self._payload.get(Key.CHECKPOINT)
+        staged = self._payload.get(Wire.CHECKPOINT)
         return StagedCheckpoint(staged, self._control, self._fetch) if isinstance(staged, dict) else None
 
-    dataloader_label = property(lambda self: self._payload.get(Key.LABEL))
+    dataloader_label = property(lambda self: self._payload.get(Wire.LABEL))
     # A float with the tensor methods callbacks call on a loss (``.item()``, ``.detach()``...).
-    loss = property(lambda self: _scalar(self._payload.get(Key.LOSS)))
-    learning_rates = property(lambda self: self._payload.get(Key.LEARNING_RATES) or {})
-    train_metric_values = property(lambda self: self._payload.get(Key.TRAIN_METRICS) or {})
-    eval_metric_values = property(lambda self: self._payload.get(Key.EVAL_METRICS) or {})
-    batch_num_samples = property(lambda self: self._payload.get(Key.SAMPLES, 0))
-    batch_num_tokens = property(lambda self: self._payload.get(Key.TOKENS, 0))
-    stop_reason = property(lambda self: self._payload.get(Key.STOP_REASON))
+    loss = property(lambda self: _scalar(self._payload.get(Wire.LOSS)))
+    learning_rates = property(lambda self: self._payload.get(Wire.LEARNING_RATES) or {})
+    train_metric_values = property(lambda self: self._payload.get(Wire.TRAIN_METRICS) or {})
+    eval_metric_values = property(lambda self: self._payload.get(Wire.EVAL_METRICS) or {})
+    batch_num_samples = property(lambda self: self._payload.get(Wire.SAMPLES, 0))
+    batch_num_tokens = property(lambda self: self._payload.get(Wire.TOKENS, 0))
+    stop_reason = property(lambda self: self._payload.get(Wire.STOP_REASON))
     # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
     # capture to the end of that batch; otherwise None.
-    grad_norms = property(lambda self: self._payload.get(Key.GRAD_NORMS))
-    memory = property(lambda self: self._payload.get(Key.MEMORY))
-    batch_flops = property(lambda self: self._payload.get(Key.BATCH_FLOPS))
+    grad_norms = property(lambda self: self._payload.get(Wire.GRAD_NORMS))
+    memory = property(lambda self: self._payload.get(Wire.MEMORY))
+    batch_flops = property(lambda self: self._payload.get(Wire.BATCH_FLOPS))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
@@ -203,7 +203,7 @@ class Snapshot:
     @property
     def total_loss_dict(self) -> dict[str, Any]:
         """The batch's losses averaged over ranks (Composer's names); ``loss`` is this rank's."""
-        return {key: _scalar(value) for key, value in (self._payload.get(Key.TOTAL_LOSSES) or {}).items()}
+        return {key: _scalar(value) for key, value in (self._payload.get(Wire.TOTAL_LOSSES) or {}).items()}
 
     # Composer's live objects, as read-only views of what the trainer captured.
 
@@ -219,14 +219,14 @@ class Snapshot:
     def staged_weights(self) -> Optional[dict[str, Any]]:
         """The descriptor of the weights staged at this very event (its event and batch checked against
         this snapshot's), else None. What a worker releases once it applied this event."""
-        staged = self._payload.get(Key.WEIGHTS)
+        staged = self._payload.get(Wire.WEIGHTS)
         if isinstance(staged, dict) and isinstance(staged.get("buffer"), str) and isinstance(staged.get("stage"), int) \
                 and staged.get("event") == self.event and staged.get("batch") == self.timestamp.batch.value:
             return staged
         return None
 
     def _load_weights(self) -> dict[str, Any]:
-        staged = self._payload.get(Key.WEIGHTS)
+        staged = self._payload.get(Wire.WEIGHTS)
         where = f"{(self.event or 'this event').upper()} of batch {int(self.timestamp.batch)}"
         if not isinstance(staged, dict):
             wanted = weights_wanted.get()
@@ -259,12 +259,12 @@ class Snapshot:
     def optimizers(self) -> list[OptimizerView]:
         """Each optimizer's param groups (hyperparameters, no params) as of its last LR event."""
         return self._cached("optimizers", lambda: [
-            named_view(OptimizerView, name)(groups) for name, groups in self._payload.get(Key.OPTIMIZERS) or ()])
+            named_view(OptimizerView, name)(groups) for name, groups in self._payload.get(Wire.OPTIMIZERS) or ()])
 
     @property
     def schedulers(self) -> list[SchedulerView]:
         return self._cached("schedulers", lambda: [
-            named_view(SchedulerView, name)(last_lr) for name, last_lr in self._payload.get(Key.SCHEDULERS) or ()])
+            named_view(SchedulerView, name)(last_lr) for name, last_lr in self._payload.get(Wire.SCHEDULERS) or ()])
 
     @property
     def evaluators(self) -> list[EvaluatorView]:
