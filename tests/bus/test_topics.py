@@ -16,6 +16,7 @@ from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
 from eventbus.bus import wire
 from eventbus.bus.journal import read_messages
 from eventbus.bus.publish.publisher import Publisher
+from eventbus.bus.schema import TIMESTAMP_FIELDS
 from eventbus.runtime.declarations import subscription
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
 
@@ -293,3 +294,36 @@ def test_a_subscriber_is_sent_only_the_windows_holding_its_topics_and_misses_no_
     assert all(a[1] + 1 == b[0] for a, b in zip(covered, covered[1:]))  # contiguous: no seq unaccounted
     journaled = list(read_messages(trainer.publisher.journal_path))
     assert covered[-1][1] == journaled[-1].seq and len(journaled) > 100
+
+
+def test_a_reader_of_batch_end_alone_decodes_one_snapshot_a_batch():
+    """A BATCH_END's snapshot travels as its change since the previous BATCH_END's, so a worker that
+    handles BATCH_END only (health, timing, stoppers) decodes one payload per batch to read it: not
+    also the batch's other snapshot (the one with its loss) that it would otherwise be a change of."""
+    from eventbus.bus.publish.history import History
+
+    history = History("ab" * 16, 0, None, 10_000)
+    stamp = [0] * len(TIMESTAMP_FIELDS)
+    snapshot = {"ts": stamp, "loss": None, "label": "train"}
+    history.append("event", "fit_start", 0.0, 0.0, snapshot)
+    expected = []
+    for batch in range(1, 21):
+        history.append_again("batch_start", 0.0, 0.0, snapshot)
+        snapshot = dict(snapshot, loss=1.0 / batch)  # after the forward pass: the batch's loss
+        history.append("event", "after_loss", 0.0, 0.0, snapshot)
+        history.append_again("after_backward", 0.0, 0.0, snapshot)
+        stamp = [batch if field in ("batch", "batch_in_epoch") else value
+                 for field, value in zip(TIMESTAMP_FIELDS, stamp)]
+        snapshot = dict(snapshot, ts=stamp, total_losses={"loss/train/total": 1.0 / batch})
+        history.append("event", "batch_end", 0.0, 0.0, snapshot)
+        expected.append(dict(snapshot, ts=dict(zip(TIMESTAMP_FIELDS, stamp))))  # read back as a map
+    [frame] = history.messages(1, history.seq)
+    wanted = bytes(topic == wire.TOPICS.index("batch_end") for topic in range(len(wire.TOPICS)))
+    window = wire.decode_window(frame, check_payload=False, lazy=True, wanted=wanted)
+    costs, read = [], []
+    for envelope in window.messages:
+        before = wire.payload_decodes
+        read.append(envelope.payload)
+        costs.append(wire.payload_decodes - before)
+    assert read == expected  # every field, each delta applied to the right base
+    assert costs[1:] == [1] * 19  # after the window's first: one decode a batch

@@ -36,6 +36,8 @@ from eventbus.bus.schema import Key, Kind
 
 __all__ = ["History", "WINDOW_BYTES", "MAX_GROUPS"]
 
+_BATCH_END = "batch_end"
+
 #: A window is closed before its payloads would pass this size (a larger payload gets a window of
 #: its own), or an eighth of the replay cache if that is less (the cache holds whole windows):
 #: frames stay far below what a subscriber accepts, and replay replies small.
@@ -105,6 +107,7 @@ class History:
         self._payload_index: dict[int, int] = {}  # id(payload) -> its index (_kept keeps it alive)
         self._kept: list[dict[str, Any]] = []
         self._base: Optional[tuple[int, dict[str, Any]]] = None  # the window's latest event payload
+        self._batch_end_base: Optional[tuple[int, dict[str, Any]]] = None  # and its latest BATCH_END's
         self._window_bytes = 0
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
@@ -119,7 +122,7 @@ class History:
             topics = self._topics
         index = self._payload_index.get(id(payload))
         if index is None:
-            index = self._store(kind, payload)
+            index = self._store(kind, event, payload)
             topics = self._topics  # a new window if the payload did not fit the open one
         if not topics:
             self._wall, self._mono = wall, mono
@@ -148,18 +151,20 @@ class History:
         self._refs.append(base[0])
         return True
 
-    def _store(self, kind: str, payload: dict[str, Any]) -> int:
+    def _store(self, kind: str, event: Optional[str], payload: dict[str, Any]) -> int:
         """Pack a payload not in the open window yet (closing the window first if it would not fit)."""
-        packed = self._pack(kind, payload)
+        packed = self._pack(kind, event, payload)
         if self._topics and self._window_bytes + len(packed) > self._window_max:
             self._close_window()
-            packed = self._pack(kind, payload)  # whole: the first of its window
+            packed = self._pack(kind, event, payload)  # whole: the first of its window
         index = self._payload_index[id(payload)] = len(self._payloads)
         self._payloads.append(packed)
         self._kept.append(payload)
         self._window_bytes += len(packed)
         if kind == Kind.EVENT:
             self._base = (index, payload)
+            if event == _BATCH_END:
+                self._batch_end_base = self._base
         return index
 
     def _note_latest(self) -> None:
@@ -178,14 +183,18 @@ class History:
             latest[topic] = (seq, wall + times[2 * n], mono + times[2 * n + 1], kept[refs[n]])
         self._noted = len(topics)
 
-    def _pack(self, kind: str, payload: dict[str, Any]) -> bytes:
+    def _pack(self, kind: str, event: Optional[str], payload: dict[str, Any]) -> bytes:
         """An event's payload as the keys that changed since the window's previous event payload
-        (most events of a batch change a few fields of the snapshot); anything else whole."""
+        (most events of a batch change a few fields of the snapshot); anything else whole.
+
+        A BATCH_END's is the change since the previous BATCH_END's (a key or two more than since the
+        batch's loss): a reader of BATCH_END alone (health, timing, stoppers) decodes one payload a
+        batch, not also the batch's other snapshot that its delta would otherwise build on."""
         if kind != Kind.EVENT:
             return wire.pack_payload(payload)
         if self._base is None:  # a window's first snapshot, whole: its empty fields read as absent ones
             return wire.pack_payload({key: value for key, value in payload.items() if value is not None})
-        below, old = self._base
+        below, old = self._batch_end_base if event == _BATCH_END and self._batch_end_base else self._base
         delta: dict[str, Any] = {wire.DELTA_BASE: below}
         for key, value in payload.items():
             was = old.get(key, _ABSENT)
