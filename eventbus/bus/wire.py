@@ -49,7 +49,7 @@ from typing import Annotated, Any, Optional, Sequence, Union
 import msgpack
 import msgspec
 
-from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, TIMESTAMP_KEYS, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind
+from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind
 from eventbus.bus.topics import (
     GROUP_TOPIC,
     LINKS_BYTES,
@@ -148,8 +148,9 @@ class Envelope:
         the seq) if it is malformed. Read it, never change it."""
         maps = self._maps
         if maps is None:
-            names = KEY_NAMES
-            maps = self._maps = timestamp_maps({names.get(key, key): value for key, value in self.fields.items()})
+            names, stamps = KEY_NAMES, WIRE_TIMESTAMP_KEYS
+            maps = self._maps = {names.get(key, key): timestamp_map(value) if key in stamps else value
+                                 for key, value in self.fields.items()}
         return maps
 
     @property
@@ -278,16 +279,14 @@ def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
     global payload_decodes
     payload_decodes += 1
     try:
-        payload = _decode_payload(packed)
-    except ProtocolError:
-        raise
+        payload = _decode_payload(packed)  # an extension type raises ProtocolError (_refuse_ext)
     except msgspec.ValidationError as err:
         raise ProtocolError(f"message {seq}: payload must be a map with string keys ({err})") from None
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as err:  # TypeError: an unhashable key
         raise ProtocolError(f"message {seq} payload: not valid msgpack ({type(err).__name__}: {err})") from None
     if check:
         _check_plain(payload, 1, f"message {seq} payload")
-    for key in WIRE_TIMESTAMP_KEYS:  # sent as arrays, and kept so until read (timestamp_maps)
+    for key in WIRE_TIMESTAMP_KEYS:  # sent as arrays, and kept so until read (timestamp_map)
         stamp = payload.get(key)
         if stamp.__class__ is list and len(stamp) != len(TIMESTAMP_FIELDS):  # type: ignore[arg-type]
             raise ProtocolError(f"message {seq}: {KEY_NAMES[key]} must hold {len(TIMESTAMP_FIELDS)} numbers")
@@ -297,14 +296,6 @@ def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
 def timestamp_map(stamp: Any) -> Any:
     """A timestamp of a decoded payload as a ``Timestamp.state_dict()`` map (it travels as an array)."""
     return dict(zip(TIMESTAMP_FIELDS, stamp)) if stamp.__class__ is list else stamp
-
-
-def timestamp_maps(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` with each timestamp a map: a copy where one was an array, else the same map."""
-    arrays = [key for key in TIMESTAMP_KEYS if payload.get(key).__class__ is list]
-    if not arrays:
-        return payload
-    return dict(payload, **{key: timestamp_map(payload[key]) for key in arrays})
 
 
 def _refuse_ext(code: int, data: Any) -> Any:

@@ -299,7 +299,9 @@ def test_a_subscriber_is_sent_only_the_windows_holding_its_topics_and_misses_no_
 def test_a_reader_of_batch_end_alone_decodes_one_snapshot_a_batch():
     """A BATCH_END's snapshot travels as its change since the previous BATCH_END's, so a worker that
     handles BATCH_END only (health, timing, stoppers) decodes one payload per batch to read it: not
-    also the batch's other snapshot (the one with its loss) that it would otherwise be a change of."""
+    also the batch's other snapshot (the one with its loss) that it would otherwise be a change of.
+    A batch whose snapshots changed more than the loss (a capture, and its reset at the next batch's
+    start) keeps the change since the latest snapshot: the capture is not sent twice."""
     from eventbus.bus.publish.history import History
 
     history = History("ab" * 16, 0, None, 10_000)
@@ -308,8 +310,14 @@ def test_a_reader_of_batch_end_alone_decodes_one_snapshot_a_batch():
     history.append("event", "fit_start", 0.0, 0.0, snapshot)
     expected = []
     for batch in range(1, 21):
-        history.append_again("batch_start", 0.0, 0.0, snapshot)
+        if batch == 11:  # the capture of batch 10 is reset at the start of the next batch
+            snapshot = dict(snapshot, grad_norms=None)
+            history.append("event", "batch_start", 0.0, 0.0, snapshot)
+        else:
+            history.append_again("batch_start", 0.0, 0.0, snapshot)
         snapshot = dict(snapshot, loss=1.0 / batch)  # after the forward pass: the batch's loss
+        if batch == 10:
+            snapshot["grad_norms"] = {"global": 0.5, "layer.weight": 0.25}
         history.append("event", "after_loss", 0.0, 0.0, snapshot)
         history.append_again("after_backward", 0.0, 0.0, snapshot)
         stamp = [batch if field in ("batch", "batch_in_epoch") else value
@@ -326,4 +334,5 @@ def test_a_reader_of_batch_end_alone_decodes_one_snapshot_a_batch():
         read.append(envelope.payload)
         costs.append(wire.payload_decodes - before)
     assert read == expected  # every field, each delta applied to the right base
-    assert costs[1:] == [1] * 19  # after the window's first: one decode a batch
+    # After the window's first: one decode a batch; batches 10 and 11 build on their loss snapshots.
+    assert costs[1:] == [1] * 8 + [2, 3] + [1] * 9

@@ -38,6 +38,9 @@ from eventbus.bus.schema import Key, Kind
 __all__ = ["History", "WINDOW_BYTES", "MAX_GROUPS"]
 
 _BATCH_END = "batch_end"
+# What a batch's other snapshots may have changed (besides the delta marker) for its BATCH_END to be sent
+# as a change of the previous BATCH_END's: the loss, a float more. A capture (gradient norms) would repeat.
+_CHEAP_CHANGES = frozenset({wire.DELTA_BASE, Key.LOSS})
 
 #: A window is closed before its payloads would pass this size (a larger payload gets a window of
 #: its own), or an eighth of the replay cache if that is less (the cache holds whole windows):
@@ -109,6 +112,7 @@ class History:
         self._kept: list[dict[str, Any]] = []
         self._base: Optional[tuple[int, dict[str, Any]]] = None  # the window's latest event payload
         self._batch_end_base: Optional[tuple[int, dict[str, Any]]] = None  # and its latest BATCH_END's
+        self._changed_since_batch_end: set[str] = set()  # keys the event payloads since that one changed
         self._window_bytes = 0
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
@@ -166,6 +170,7 @@ class History:
             self._base = (index, payload)
             if event == _BATCH_END:
                 self._batch_end_base = self._base
+                self._changed_since_batch_end.clear()
         return index
 
     def _note_latest(self) -> None:
@@ -188,14 +193,16 @@ class History:
         """An event's payload as the keys that changed since the window's previous event payload
         (most events of a batch change a few fields of the snapshot); anything else whole.
 
-        A BATCH_END's is the change since the previous BATCH_END's (a key or two more than since the
-        batch's loss): a reader of BATCH_END alone (health, timing, stoppers) decodes one payload a
-        batch, not also the batch's other snapshot that its delta would otherwise build on."""
+        A BATCH_END's is the change since the previous BATCH_END's when the batch changed nothing else
+        but its loss (a float more): a reader of BATCH_END alone (health, timing, stoppers) decodes one
+        payload a batch, not also the batch's loss snapshot that its delta would otherwise build on."""
         if kind != Kind.EVENT:
             return wire.pack_payload(payload)
         if self._base is None:  # a window's first snapshot, whole: its empty fields read as absent ones
             return wire.pack_payload({key: value for key, value in payload.items() if value is not None})
-        below, old = self._batch_end_base if event == _BATCH_END and self._batch_end_base else self._base
+        since_batch_end = self._changed_since_batch_end
+        below, old = self._batch_end_base if event == _BATCH_END and self._batch_end_base is not None \
+            and since_batch_end <= _CHEAP_CHANGES else self._base
         delta: dict[str, Any] = {wire.DELTA_BASE: below}
         for key, value in payload.items():
             was = old.get(key, _ABSENT)
@@ -204,6 +211,7 @@ class History:
         for key in old:
             if key not in payload:
                 delta[key] = None
+        since_batch_end.update(delta)
         return wire.pack_payload(delta)
 
     def _close_window(self) -> None:
