@@ -4,8 +4,8 @@ Every message gets the next seq and joins the open *window* (see :mod:`eventbus.
 its topic, times and a reference to its payload go into columns. A payload several messages
 share (the events of a batch carry one snapshot) is stored once, and an event's snapshot is
 stored as what changed since the window's previous one (a ``BATCH_END``'s, since the previous
-``BATCH_END``'s). At the end of the bus thread's turn the window becomes one frame and one
-journal record.
+``BATCH_END``'s when its batch changed only the loss). At the end of the bus thread's turn the
+window becomes one frame and one journal record.
 
 Sending: the XPUB socket passes up each *subscription group* (the subscribers of one set of
 topics, :func:`~eventbus.bus.wire.subscription`) when it appears and when it goes. Each group
