@@ -21,9 +21,10 @@ each payload stored once::
   names, :data:`~eventbus.bus.schema.WIRE_NAMES`). An event's payload is usually sent as
   the keys that changed since an earlier payload of the same window (``"~"``: that payload's
   index; a key set to nil was removed); the first event payload of a window is whole, so any
-  window decodes alone. Timestamps travel as arrays (:data:`~eventbus.bus.schema.TIMESTAMP_FIELDS`)
-  and are read back as maps (:attr:`Envelope.payload`; a snapshot converts only the ones a callback
-  reads). A payload is decoded when first read, once for every message that shares it.
+  window decodes alone. A metrics payload whose source logged the same names earlier in the window
+  is ``"~"``, its step and its values as an array, named by that payload's map. Timestamps travel as
+  arrays (:data:`~eventbus.bus.schema.TIMESTAMP_FIELDS`), read back as maps (:attr:`Envelope.payload`;
+  a snapshot converts only those a callback reads). A payload is decoded when first read, once.
 
 On the PUB socket a window is two frames, ``[topic, window]``: a subscriber subscribes to
 :func:`subscription` of its topics (its group's windows) and to :data:`WINDOW_TOPIC` (windows
@@ -31,12 +32,10 @@ for every subscriber); see :mod:`eventbus.bus.topics`. A single message (a snaps
 header and latest message of each topic) is a window of one (:func:`encode`, :func:`decode`).
 
 Kinds: ``header`` (run metadata), ``event`` (an Event and a state snapshot), ``metrics``, ``end``.
-Seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is pickled. Control requests are
-msgpack maps with an ``op``. Decoding is bounded in bytes, container sizes, nesting depth and types;
-anything else raises :class:`ProtocolError`.
-Windows are encoded and decoded by msgspec (typed, in C): their columns, and each payload as a
-map with string keys and no extension types, its containers bounded by its bytes. Control requests
-are read by msgpack's bounded unpacker.
+Seqs count 1, 2, 3, ... per (run_id, rank) with no gaps. Nothing is pickled. Windows are coded by
+msgspec (typed, in C; a payload a map with string keys, no extension types); control requests, msgpack
+maps with an ``op``, by msgpack's bounded unpacker. Anything out of bounds (bytes, sizes, depth, types)
+raises :class:`ProtocolError`.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from typing import Annotated, Any, Optional, Sequence, Union
 import msgpack
 import msgspec
 
-from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind
+from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind, Wire
 from eventbus.bus.topics import (
     GROUP_TOPIC,
     LINKS_BYTES,
@@ -194,21 +193,15 @@ class Window:
         return self.last - self.first + 1
 
 
-_NATIVE_LITTLE = sys.byteorder == "little"
+def _native(typecode: str, data: bytes) -> "array.array[Any]":
+    values = array.array(typecode, data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
 
 
 def _little(values: "array.array[Any]") -> bytes:
-    if not _NATIVE_LITTLE:
-        values = array.array(values.typecode, values)
-        values.byteswap()
-    return values.tobytes()
-
-
-def _native(typecode: str, data: bytes) -> "array.array[Any]":
-    values = array.array(typecode, data)
-    if not _NATIVE_LITTLE:
-        values.byteswap()
-    return values
+    return values.tobytes() if sys.byteorder == "little" else _native(values.typecode, values.tobytes()).tobytes()
 
 
 def encode_window(run_id: str, rank: int, first: int, last: int, wall: float, mono: float, topics: bytes,
@@ -234,10 +227,10 @@ def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wa
                          array.array("f", (0.0, 0.0)), (0,), [packed])
 
 
-def pack_payload(payload: dict[str, Any]) -> bytes:
-    """A payload map as it travels: its schema keys by their short wire names."""
+def pack_payload(payload: dict[str, Any], wire_names: bool = False) -> bytes:
+    """A payload map as it travels: its schema keys by their short wire names (``wire_names``: named so)."""
     names = WIRE_NAMES
-    return _encode({names.get(key, key): value for key, value in payload.items()})
+    return _encode(payload if wire_names else {names.get(key, key): value for key, value in payload.items()})
 
 
 #: How many packed payloads were decoded in this process (lazily, on first read): what a
@@ -269,6 +262,12 @@ def _payload_of(payloads: list[Any], ref: int, seq: int, check: bool) -> dict[st
             raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r}")
         index = below
     for index, part in reversed(chain):
+        values = part.get(Wire.METRICS)
+        if values.__class__ is list:  # a metrics payload's values, named by its base's metrics map
+            names: Any = base.get(Wire.METRICS) if base is not None else None
+            if names.__class__ is not dict or len(names) != len(values):
+                raise ProtocolError(f"message {seq}: metrics values must follow a metrics map of as many names")
+            part[Wire.METRICS] = dict(zip(names, values))
         base = payloads[index] = part if base is None else {**base, **part}
     assert base is not None
     return base

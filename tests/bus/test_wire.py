@@ -146,6 +146,46 @@ def test_a_payload_sent_as_a_change_reads_as_the_whole_snapshot():
 
 
 @pytest.mark.fast
+def test_metrics_logged_again_under_the_same_names_travel_as_their_values_and_read_back_whole():
+    """A source that logs the same names as earlier in the window (a trainer's every step) sends its
+    step and values only; names in another order, another source, or a new window send the map."""
+    from eventbus.bus.publish.history import History
+
+    history = History("ab" * 16, 0, None, 10_000, cache_bytes=8 * 700)  # windows of ~700 bytes
+    times = {"time/batch": 1, "time/sample": 16, "time/batch_in_epoch": 1}
+    logged = [
+        {"metrics": times, "step": 1, "source": "trainer"},
+        {"metrics": {"time/train": 0.5, "lr": 0.1}, "step": 1, "source": "timing"},
+        {"metrics": {"time/batch": 2, "time/sample": 32, "time/batch_in_epoch": 2}, "step": 2, "source": "trainer"},
+        {"metrics": {"time/sample": 48, "time/batch": 3, "time/batch_in_epoch": 3}, "step": 3, "source": "trainer"},
+        {"metrics": {"time/train": 0.75, "lr": {"group0": 0.05}}, "step": None, "source": "timing"},
+        {"metrics": dict(times, lr="cosine"), "step": 4, "source": "trainer"},
+    ]
+    logged += [{"metrics": {"time/train": 0.5 + step, "lr": 0.1}, "step": step, "source": "timing"}
+               for step in range(5, 40)]
+    for payload in logged:
+        history.append("metrics", None, 0.0, 0.0, payload)
+    frames = history.messages(1, history.seq)
+    assert len(frames) > 1  # the run went on in a new window
+    read = [m.payload for frame in frames for m in wire.decode_window(frame).messages]
+    assert read == logged and [list(p["metrics"]) for p in read] == [list(p["metrics"]) for p in logged]
+    first, second = (msgpack.unpackb(frame)[-1] for frame in frames[:2])
+    assert [b"time/batch" in packed for packed in first[:6]] == [True, False, False, True, False, True]
+    assert b"time/train" not in first[4] and b"timing" not in first[4]  # values and step only
+    assert b"time/train" in second[0]  # a window decodes alone
+
+
+@pytest.mark.fast
+def test_metrics_values_without_a_map_of_as_many_names_are_refused():
+    values = wire.pack_payload({wire.DELTA_BASE: 0, "step": 2, "metrics": [1.0, 2.0]})
+    for base in ({"metrics": {"a": 1.0}, "step": 1}, {"loss": 0.5}):
+        with pytest.raises(ProtocolError, match="metrics values must follow a metrics map of as many names"):
+            wire.decode_window(window(payloads=[wire.pack_payload(base), values], refs=[0, 0, 1, 1]))
+    with pytest.raises(ProtocolError, match="metrics values must follow"):
+        wire.decode_window(window(payloads=[wire.pack_payload({"metrics": [1.0]})], refs=[0, 0, 0, 0]))
+
+
+@pytest.mark.fast
 def test_a_group_window_holds_its_topics_and_covers_every_seq_since_its_last():
     """Seqs 30..43 covered, 40 and 42 held: its reader knows none of 30..43 else is of its topics."""
     topics = bytes(wire.TOPICS.index(n) for n in ("header", "batch_end"))

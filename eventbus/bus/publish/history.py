@@ -4,7 +4,8 @@ Every message gets the next seq and joins the open *window* (see :mod:`eventbus.
 its topic, times and a reference to its payload go into columns. A payload several messages
 share (the events of a batch carry one snapshot) is stored once, and an event's snapshot is
 stored as what changed since the window's previous one (a ``BATCH_END``'s, since the previous
-``BATCH_END``'s when its batch changed only the loss). At the end of the bus thread's turn the
+``BATCH_END``'s when its batch changed only the loss), a metrics payload as its values when its
+source logged the same names earlier in the window. At the end of the bus thread's turn the
 window becomes one frame and one journal record.
 
 Sending: the XPUB socket passes up each *subscription group* (the subscribers of one set of
@@ -33,7 +34,7 @@ import zmq
 
 from eventbus.bus import wire
 from eventbus.bus.journal import JournalWriter
-from eventbus.bus.schema import Key, Kind
+from eventbus.bus.schema import Key, Kind, Wire
 
 __all__ = ["History", "WINDOW_BYTES", "MAX_GROUPS"]
 
@@ -113,6 +114,7 @@ class History:
         self._base: Optional[tuple[int, dict[str, Any]]] = None  # the window's latest event payload
         self._batch_end_base: Optional[tuple[int, dict[str, Any]]] = None  # and its latest BATCH_END's
         self._changed_since_batch_end: set[str] = set()  # keys the event payloads since that one changed
+        self._metrics_bases: dict[tuple[Any, ...], int] = {}  # (source, *names) -> its whole metrics payload
         self._window_bytes = 0
 
     def append(self, kind: str, event: Optional[str], wall: float, mono: float, payload: dict[str, Any]) -> None:
@@ -197,7 +199,7 @@ class History:
         but its loss (a float more): a reader of BATCH_END alone (health, timing, stoppers) decodes one
         payload a batch, not also the batch's loss snapshot that its delta would otherwise build on."""
         if kind != Kind.EVENT:
-            return wire.pack_payload(payload)
+            return self._pack_metrics(payload) if kind == Kind.METRICS else wire.pack_payload(payload)
         if self._base is None:  # a window's first snapshot, whole: its empty fields read as absent ones
             return wire.pack_payload({key: value for key, value in payload.items() if value is not None})
         since_batch_end = self._changed_since_batch_end
@@ -213,6 +215,23 @@ class History:
                 delta[key] = None
         since_batch_end.update(delta)
         return wire.pack_payload(delta)
+
+    def _pack_metrics(self, payload: dict[str, Any]) -> bytes:
+        """A metrics payload as its step and values when its source logged the same names, in the same order,
+        earlier in the window (a trainer or a worker logs the same names every step: they were ~40% of a
+        run's journal), named by that payload's map, sent whole. A window closed by ``_store`` meanwhile starts
+        a table of its own, where the payload is packed again, whole."""
+        metrics = payload.get(Key.METRICS)
+        if metrics.__class__ is not dict or len(payload) != 3 or not metrics:
+            return wire.pack_payload(payload)
+        names = (payload.get(Key.SOURCE), *metrics)
+        base = self._metrics_bases.get(names)
+        if base is None:  # whole: the base of those that follow, at the index _store gives it next
+            packed = wire.pack_payload(payload)
+            self._metrics_bases[names] = len(self._payloads)
+            return packed
+        return wire.pack_payload({wire.DELTA_BASE: base, Wire.STEP: payload.get(Key.STEP),
+                                  Wire.METRICS: list(metrics.values())}, wire_names=True)
 
     def _close_window(self) -> None:
         """The open window becomes a frame: journaled and cached now, sent by the next flush."""
