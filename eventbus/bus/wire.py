@@ -262,13 +262,14 @@ def _payload_of(payloads: list[Any], ref: int, seq: int, check: bool) -> dict[st
             raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r}")
         index = below
     for index, part in reversed(chain):
-        values = part.get(Wire.METRICS)
-        if values.__class__ is list:  # a metrics payload's values, named by its base's metrics map
-            names: Any = base.get(Wire.METRICS) if base is not None else None
-            if names.__class__ is not dict or len(names) != len(values):
-                raise ProtocolError(f"message {seq}: metrics values must follow a metrics map of as many names")
-            part[Wire.METRICS] = dict(zip(names, values))
-        base = payloads[index] = part if base is None else {**base, **part}
+        if base is not None:
+            if (values := part.get(Wire.METRICS)).__class__ is list:  # metrics values, named by the base's map
+                names = base.get(Wire.METRICS)
+                if names.__class__ is not dict or len(names) != len(values):
+                    raise ProtocolError(f"message {seq}: metrics values must follow a metrics map of as many names")
+                part[Wire.METRICS] = dict(zip(names, values))
+            part = {**base, **part}
+        base = payloads[index] = part
     assert base is not None
     return base
 
