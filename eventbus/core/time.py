@@ -335,14 +335,11 @@ class Timestamp:
 
     def get(self, unit: Union[TimeUnit, str]) -> Time:
         """The total count in ``unit`` (iterations, epochs, batches, samples or tokens)."""
-        unit = TimeUnit(unit)
-        field = {
-            TimeUnit.ITERATION: "iteration", TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch",
-            TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
-        }.get(unit)
-        if field is None:
+        unit = unit if unit.__class__ is TimeUnit else TimeUnit(unit)
+        slot = _COUNT_SLOTS.get(unit)  # type: ignore[call-overload]
+        if slot is None:
             raise ValueError(f"a Timestamp has no {unit.value!r} count; use State.get_elapsed_duration()")
-        return Time(getattr(self, "_" + field), unit)
+        return Time(getattr(self, slot), unit)
 
     def copy(self, **changes: Any) -> "Timestamp":
         values = {f: getattr(self, "_" + f) for f in _COUNTERS + _CLOCKS}
@@ -435,6 +432,8 @@ class Timestamp:
         return f"Timestamp({fields}, total_wct={self._total_wct})"
 
 
+_COUNT_SLOTS = {TimeUnit.ITERATION: "_iteration", TimeUnit.EPOCH: "_epoch", TimeUnit.BATCH: "_batch",
+                TimeUnit.SAMPLE: "_sample", TimeUnit.TOKEN: "_token"}  # what Timestamp.get reads
 _READ_FIELDS = operator.attrgetter(*_FIELD_SLOTS)  # every field, in order, in one call (lazy ones too)
 _SETTERS = tuple(Timestamp.__dict__[name].__set__ for name in _FIELD_SLOTS)  # past __setattr__, which refuses
 

@@ -12,6 +12,7 @@ import logging
 import pathlib
 from typing import Any, Optional
 
+from eventbus.bus.subscribe.snapshot import LiveState
 from eventbus.core.logger import Logger
 
 __all__ = ["SubscriberLogger"]
@@ -31,6 +32,8 @@ class SubscriberLogger(Logger):
         self._send_hyperparameters = send_hyperparameters
         self._journal: Optional[str] = None  # the run whose folder ``artifacts_folder`` is in
         self._shown = False  # the host showed it a message: ``state`` has something to read
+        self._batch_of: Any = object()  # the message whose batch ``_batch`` is (none yet: not even None)
+        self._batch = 0
 
     @property
     def state(self) -> Any:
@@ -50,7 +53,10 @@ class SubscriberLogger(Logger):
 
     def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
         if step is None and self._shown:
-            step = self._state.timestamp.batch.value
+            message = LiveState.shown(self._state)
+            if message is not self._batch_of:  # read once a message: the timing daemon logs three times a batch
+                self._batch_of, self._batch = message, self._state.timestamp.batch.value
+            step = self._batch
         self._send(dict(metrics), step, self._source)
 
     def log_hyperparameters(self, hyperparameters: Any) -> None:

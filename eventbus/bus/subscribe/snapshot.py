@@ -326,6 +326,11 @@ class LiveState:
         snapshot's."""
         object.__setattr__(self, "_message", message)
 
+    @staticmethod
+    def shown(live: Any) -> Any:
+        """The message ``live`` reads as now (None before the first); called on the class, as ``show``."""
+        return _message_of(live)
+
     def __getattribute__(self, name: str) -> Any:
         # Every read goes to the snapshot: no failed lookup on this object (and its AttributeError) first.
         if name[:2] == "__":  # its own class, repr...: it is a LiveState (a snapshot's others too)
