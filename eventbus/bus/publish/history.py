@@ -217,10 +217,10 @@ class History:
         return wire.pack_payload(delta)
 
     def _pack_metrics(self, payload: dict[str, Any]) -> bytes:
-        """A metrics payload as its step and values when its source logged the same names, in the same order,
-        earlier in the window (a trainer or a worker logs the same names every step: they were ~40% of a
-        run's journal), named by that payload's map, sent whole. A window closed by ``_store`` meanwhile starts
-        a table of its own, where the payload is packed again, whole."""
+        """A metrics payload whose source logged the same names, in the same order, earlier in the window: its
+        step and values only, named by that earlier payload's map (a trainer or a worker logs the same names
+        every step: names were ~40% of a run's journal). Any other is sent whole and named so for those that
+        follow. A window closed by ``_store`` meanwhile has a table of its own: the payload is packed again."""
         metrics = payload.get(Key.METRICS)
         if metrics.__class__ is not dict or len(payload) != 3 or not metrics:
             return wire.pack_payload(payload)
