@@ -199,7 +199,8 @@ class History:
         but its loss (a float more): a reader of BATCH_END alone (health, timing, stoppers) decodes one
         payload a batch, not also the batch's loss snapshot that its delta would otherwise build on."""
         if kind != Kind.EVENT:
-            return self._pack_metrics(payload) if kind == Kind.METRICS else wire.pack_payload(payload)
+            return (_pack_metrics(payload, self._metrics_bases, len(self._payloads)) if kind == Kind.METRICS
+                    else wire.pack_payload(payload))
         if self._base is None:  # a window's first snapshot, whole: its empty fields read as absent ones
             return wire.pack_payload({key: value for key, value in payload.items() if value is not None})
         since_batch_end = self._changed_since_batch_end
@@ -215,23 +216,6 @@ class History:
                 delta[key] = None
         since_batch_end.update(delta)
         return wire.pack_payload(delta)
-
-    def _pack_metrics(self, payload: dict[str, Any]) -> bytes:
-        """A metrics payload whose source logged the same names, in the same order, earlier in the window: its
-        step and values only, named by that earlier payload's map (a trainer or a worker logs the same names
-        every step: names were ~40% of a run's journal). Any other is sent whole and named so for those that
-        follow. A window closed by ``_store`` meanwhile has a table of its own: the payload is packed again."""
-        metrics = payload.get(Key.METRICS)
-        if metrics.__class__ is not dict or len(payload) != 3 or not metrics:
-            return wire.pack_payload(payload)
-        names = (payload.get(Key.SOURCE), *metrics)
-        base = self._metrics_bases.get(names)
-        if base is None:  # whole: the base of those that follow, at the index _store gives it next
-            packed = wire.pack_payload(payload)
-            self._metrics_bases[names] = len(self._payloads)
-            return packed
-        return wire.pack_payload({wire.DELTA_BASE: base, Wire.STEP: payload.get(Key.STEP),
-                                  Wire.METRICS: list(metrics.values())}, wire_names=True)
 
     def _close_window(self) -> None:
         """The open window becomes a frame: journaled and cached now, sent by the next flush."""
@@ -392,6 +376,25 @@ class History:
         if self.journal is None:
             return []
         return self.journal.read_range(first, last, max_bytes)  # older than the cache: the journal's sparse index
+
+
+def _pack_metrics(payload: dict[str, Any], bases: dict[tuple[Any, ...], int], index: int) -> bytes:
+    """A metrics payload whose source logged the same names, in the same order, earlier in the window
+    (``bases``: ``(source, *names)`` -> that payload's index): its step and values only, named by that
+    payload's map (a trainer or a worker logs the same names every step: metrics were 44% of a run's
+    journal, most of it their names). Any other is sent whole and noted in ``bases`` at ``index``, where
+    the window holds it (a window closed meanwhile has a table of its own: the payload is packed again)."""
+    metrics = payload.get(Key.METRICS)
+    if metrics.__class__ is not dict or len(payload) != 3 or not metrics:
+        return wire.pack_payload(payload)
+    names = (payload.get(Key.SOURCE), *metrics)
+    base = bases.get(names)
+    if base is None:
+        packed = wire.pack_payload(payload)
+        bases[names] = index
+        return packed
+    return wire.pack_payload({wire.DELTA_BASE: base, Wire.STEP: payload.get(Key.STEP),
+                              Wire.METRICS: list(metrics.values())}, wire_names=True)
 
 
 def _equal(old: Any, new: Any) -> bool:
