@@ -110,6 +110,28 @@ async def test_each_callback_gets_the_runs_events_in_order_and_only_those_it_han
     assert everything.closed
 
 
+class LogsTwice(Callback):
+    """Logs two metrics maps at each BATCH_END and one at EPOCH_END, none with a step."""
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        logger.log_metrics({"a": 1.0})
+        logger.log_metrics({"b": 2.0})
+
+    def epoch_end(self, state: Any, logger: Any) -> None:
+        logger.log_metrics({"epoch_done": 1.0})
+
+
+async def test_metrics_a_hosted_callback_logs_without_a_step_carry_the_batch_of_the_message_applied(journal):
+    """As in process: each call's step is the batch of the event being applied, however often it logs."""
+    sent: list[tuple[dict, int, str]] = []
+    host = CallbackHost([LogsTwice()], send_metrics=lambda metrics, step, source: sent.append((metrics, step, source)))
+    await host.run(journal_messages(journal))
+    batch_ends = [(key, batch) for batch in range(1, 9) for key in ("a", "b")]
+    assert [(next(iter(m)), step) for m, step, _ in sent if "epoch_done" not in m] == batch_ends
+    assert [step for m, step, _ in sent if "epoch_done" in m] == [4, 8]  # two epochs of four batches
+    assert {source for _, _, source in sent} == {"LogsTwice"}
+
+
 class Newest(Callback):
     """Needs only the newest BATCH_END of a burst; also handles EPOCH_END."""
 
