@@ -163,6 +163,7 @@ def test_metrics_logged_again_under_the_same_names_travel_as_their_values_and_re
     ]
     logged += [{"metrics": {"time/train": 0.5 + step, "lr": 0.1}, "step": step, "source": "timing"}
                for step in range(5, 40)]
+    logged += [{"metrics": {"x": 1.0}, "step": 40, "note": "a"}, {"metrics": {"x": 2.0}, "step": 41, "note": "b"}]
     for payload in logged:
         history.append("metrics", None, 0.0, 0.0, payload)
     frames = history.messages(1, history.seq)

@@ -42,6 +42,8 @@ _BATCH_END = "batch_end"
 # What a batch's other snapshots may have changed (besides the delta marker) for its BATCH_END to be sent
 # as a change of the previous BATCH_END's: the loss, a float more. A capture (gradient norms) would repeat.
 _CHEAP_CHANGES = frozenset({wire.DELTA_BASE, Key.LOSS})
+# A metrics payload sent as its values carries these; anything else it holds would come from its base.
+_METRICS_PAYLOAD_KEYS = frozenset({Key.METRICS, Key.STEP, Key.SOURCE})
 
 #: A window is closed before its payloads would pass this size (a larger payload gets a window of
 #: its own), or an eighth of the replay cache if that is less (the cache holds whole windows):
@@ -385,8 +387,8 @@ def _pack_metrics(payload: dict[str, Any], bases: dict[tuple[Any, ...], int], in
     journal, most of it their names). Any other is sent whole and noted in ``bases`` at ``index``, where
     the window holds it (a window closed meanwhile has a table of its own: the payload is packed again)."""
     metrics = payload.get(Key.METRICS)
-    if metrics.__class__ is not dict or len(payload) != 3 or not metrics:
-        return wire.pack_payload(payload)
+    if metrics.__class__ is not dict or not metrics or payload.keys() != _METRICS_PAYLOAD_KEYS:
+        return wire.pack_payload(payload)  # another key would be read back as its base's
     names = (payload.get(Key.SOURCE), *metrics)
     base = bases.get(names)
     if base is None:
