@@ -95,6 +95,7 @@ class CallbackHost:
         self._weights_at: frozenset[str] = frozenset()
         for slot in self.slots:
             slot.skip_through = cursor.seqs.get(slot.name, 0) if cursor is not None else 0
+            slot.skip_run = self._resumed_run
             if cursor is not None and cursor.states.get(slot.name):
                 slot.callback.load_state_dict(cursor.states[slot.name])
 

@@ -87,8 +87,10 @@ class Slot:
         self.takes_metrics = takes_metrics(callback)
         self.handles = handled_events(callback)  # None: every event (it overrides run_event)
         self.latest_only = latest_only_events(callback)
+        self.superseded: dict[int, list[Message]] = {}  # id(a message kept by latest()) -> those it stands for
         self.is_destination = is_logger_destination(callback)
-        self.skip_through = 0  # seqs at or below were applied before a restart
+        self.skip_through = 0  # seqs at or below, of the run skip_run, were applied before a restart
+        self.skip_run: Optional[str] = None
         self.seen_init = False
         self.hyperparameters: dict[str, Any] = {}
         self.errors = 0
@@ -120,7 +122,8 @@ class Slot:
         """What applying ``message`` to this callback means: the methods to call, in order (the list
         an event calls is shared by its messages: the caller must not change it)."""
         self.message = message
-        LiveState.show(self.live, message)  # its snapshot is built if the callback reads it, not before
+        # Its snapshot is built if the callback reads it, not before.
+        LiveState.show(self.live, message, self.superseded.pop(id(message), None) if self.superseded else None)
         header = message.header
         if header is not self.header:  # a new run, or its header re-published
             self.header = header
@@ -145,19 +148,26 @@ class Slot:
     def latest(self, burst: list[Any]) -> list[Any]:
         """``burst`` less the messages superseded for this callback: those of a ``latest_only`` event
         followed, before any other event it handles, by the same event from the same rank. Metrics
-        and headers are not events: they are all applied, in order, and supersede nothing."""
+        and headers are not events: they are all applied, in order, and supersede nothing. The
+        message that supersedes others is shown with them (``burst_values``), less any applied before
+        a restart."""
+        self.superseded = {}
         if not self.latest_only or len(burst) < 2:
             return burst
-        latest_only, handles = self.latest_only, self.handles
-        later: set[tuple[Event, int]] = set()
+        latest_only, handles, skip_through, skip_run = self.latest_only, self.handles, self.skip_through, self.skip_run
+        superseded = self.superseded
+        later: dict[tuple[Event, int], list[Message]] = {}  # the newest of each kept so far -> those it supersedes
         kept = []
         for message in reversed(burst):
             event = getattr(message, "event", None)  # END is not a message
             if event in latest_only:
                 key = (event, message.rank)
-                if key in later:
+                older = later.get(key)
+                if older is not None:
+                    if not skip_through or message.seq > skip_through or message.run_id != skip_run:
+                        older.append(message)
                     continue
-                later.add(key)
+                later[key] = superseded[id(message)] = []
             elif event is not None and (handles is None or event in handles):
                 later.clear()
             kept.append(message)

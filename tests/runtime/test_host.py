@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from eventbus import Callback, Event
+from eventbus import Callback, Event, burst_values
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.bus.subscribe.messages import Message
 from eventbus.runtime.cursor import Cursor
@@ -162,6 +162,61 @@ async def test_a_latest_only_callback_gets_the_newest_batch_end_before_each_othe
     assert host.applied_seq == messages[-1].seq
 
 
+
+class EveryLoss(Callback):
+    """Called once a burst of BATCH_ENDs, it reads each batch's loss and timestamp (``burst_values``)."""
+
+    latest_only = frozenset({Event.BATCH_END})
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], list[Any]]] = []
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.calls.append(([int(stamp.batch) for stamp in burst_values(state, "timestamp")],
+                           burst_values(state, "loss")))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": len(self.calls)}
+
+
+async def test_a_latest_only_callback_reads_every_superseded_batchs_values_in_its_one_call(journal, tmp_path):
+    messages = await messages_of(journal)
+    losses = {m.state.timestamp.batch.value: float(m.state.loss) for m in messages if m.event is Event.BATCH_END}
+
+    async def one_burst() -> AsyncIterator[list[Message]]:
+        yield messages
+
+    every = EveryLoss()
+    await CallbackHost([every]).run(one_burst())
+    # One call for the burst's eight batches (it handles no other event), seeing each, oldest first.
+    assert [batches for batches, _ in every.calls] == [list(range(1, 9))]
+    for batches, values in every.calls:
+        assert values == [losses[batch] for batch in batches] and all(isinstance(v, float) for v in values)
+
+    # Called once per message, or in process: the one value its state reads.
+    one_by_one = EveryLoss()
+    await CallbackHost([one_by_one]).run(journal_messages(journal))
+    for batches, values in one_by_one.calls:
+        assert len(batches) == len(values) and values == [losses[batch] for batch in batches]
+    assert sorted(batch for batches, _ in one_by_one.calls for batch in batches) == list(range(1, 9))
+    in_process = EveryLoss()
+    trainer = make_trainer(tmp_path, "1ep", callbacks=[in_process], bus=None)
+    trainer.fit()
+    trainer.close()
+    assert [batches for batches, _ in in_process.calls] == [[1], [2], [3], [4]]
+
+
+async def test_after_a_restart_a_burst_holds_only_the_batches_not_applied_before(journal, tmp_path):
+    messages = await messages_of(journal)
+    cut = next(i for i, m in enumerate(messages) if m.event is Event.BATCH_END and m.state.timestamp.batch.value == 6)
+    await CallbackHost([EveryLoss()], cursor=Cursor(tmp_path / "cursor.json")).run(first(journal, cut + 1))
+
+    async def one_burst() -> AsyncIterator[list[Message]]:
+        yield messages  # the whole run again, as a restarted worker reads it back from the journal
+
+    after = EveryLoss()
+    await CallbackHost([after], cursor=Cursor(tmp_path / "cursor.json")).run(one_burst())
+    assert [batches for batches, _ in after.calls] == [[7, 8]]  # 1-6 applied before the restart
 
 def test_latest_only_keeps_each_ranks_newest_batch_end_and_every_metric():
     def message(seq: int, event: Event | None, rank: int = 0) -> Message:

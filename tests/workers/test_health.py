@@ -15,9 +15,13 @@ import time
 import psutil
 import torch
 
-from eventbus import Callback, Trainer
+from eventbus import Callback, Event, Trainer
 from eventbus.bus.journal import read_messages
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.bus.subscribe.snapshot import LiveState
 from eventbus.core.logger import LoggerDestination
+from eventbus.runtime.host import CallbackHost
+from eventbus.runtime.subscriber_logger import SubscriberLogger
 from eventbus.workers.health import LossMonitor, SystemMonitor
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, make_loader, make_model
 
@@ -265,3 +269,55 @@ def test_cli_help_and_one_line_errors():
         result = run_cli(*bad)
         assert result.returncode == 2, (bad, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and "error" in result.stderr, (bad, result.stderr)
+
+
+class NanFrom(Callback):
+    """Sets the model's first weight to NaN after ``batch``: every later loss is NaN."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) == self.batch:
+            with torch.no_grad():
+                next(state.model.parameters()).fill_(math.nan)
+
+
+async def test_a_hosted_loss_monitor_finds_in_one_burst_what_it_finds_batch_by_batch(tmp_path, caplog):
+    """At fine steps a worker takes a window of BATCH_ENDs at once: the monitor, called once for them,
+    still checks each batch's loss and reports the same spikes and NaNs at the same batches."""
+    trainer = Trainer(make_model(), make_loader(), max_duration="30ba", device="cpu", seed=3,
+                      bus=bus_address(tmp_path), callbacks=[ScaleAt(12, -1e4), NanFrom(24)])
+    trainer.fit()
+    trainer.close()
+    messages = [m async for m in journal_messages(trainer.publisher.journal_path)]
+
+    by_batch: list[tuple[dict, int]] = []
+    live, monitor = LiveState(), LossMonitor(window=20, warmup=5)
+    logger = SubscriberLogger(lambda metrics, step, source: by_batch.append((metrics, step)), "LossMonitor", None,
+                              live)
+    for message in messages:
+        if message.event is Event.BATCH_END:
+            LiveState.show(live, message)
+            monitor.batch_end(live, logger)
+
+    in_one_burst: list[tuple[dict, int]] = []
+
+    async def one_burst():
+        yield messages
+
+    class Counted(LossMonitor):
+        calls = 0
+
+        def batch_end(self, state, logger):
+            self.calls += 1
+            super().batch_end(state, logger)
+
+    hosted = Counted(window=20, warmup=5)
+    await CallbackHost([hosted], send_metrics=lambda metrics, step, source: in_one_burst.append((metrics, step))).run(
+        one_burst())
+    assert hosted.calls == 1
+    assert in_one_burst == by_batch
+    assert ({"health/loss_spike": by_batch[0][0]["health/loss_spike"]}, 13) == by_batch[0]
+    assert [step for metrics, step in by_batch if "health/nonfinite_loss" in metrics] == list(range(25, 31))
+    assert caplog.text.count("loss is nan at batch 25 (in epoch") == 2  # once by each monitor

@@ -6,9 +6,9 @@ import bisect
 import collections
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from eventbus import Callback
+from eventbus import Callback, Event, burst_values
 from eventbus.core.logger import Logger, to_number
 from eventbus.runtime.daemon import check_positive
 
@@ -17,19 +17,21 @@ __all__ = ["LossMonitor"]
 log = logging.getLogger("eventbus.workers.health")  # one logger name for the whole worker (not "__main__" under -m)
 
 
-def _loss(state: Any) -> Optional[float]:
-    """The batch's loss as a float; None when there is none or it is not one number (a dict of losses)."""
-    loss = state.loss
-    if loss is None:
+def _number(value: Any) -> Optional[float]:
+    """A batch's loss as a float; None when there is none or it is not one number (a dict of losses)."""
+    if value is None:
         return None
+    if isinstance(value, float):  # as a hosted callback reads it: no tensor to convert
+        return float(value)
     try:
-        return float(to_number(loss))
+        return float(to_number(value))
     except (TypeError, ValueError):
         return None
 
 
 class LossMonitor(Callback):
-    """NaN/Inf and spikes in the training loss, checked at every BATCH_END.
+    """NaN/Inf and spikes in the training loss, checked at every BATCH_END (hosted by a worker, every
+    batch's loss of a burst in one call: ``latest_only`` with ``burst_values``).
 
     A non-finite loss: an ERROR at the first such batch (and a WARNING once it is finite again),
     ``health/nonfinite_loss`` (1) at each, and with ``stop_on_nan`` the run stops. A spike: a finite
@@ -37,6 +39,8 @@ class LossMonitor(Callback):
     of them are known (and their median is positive): a WARNING, ``health/loss_spike`` (the ratio),
     and with ``stop_on_spike`` the run stops. ``spike_factor`` 0 turns spike detection off.
     """
+
+    latest_only = frozenset({Event.BATCH_END})
 
     def __init__(self, window: int = 50, spike_factor: float = 5.0, warmup: int = 10, stop_on_nan: bool = False,
                  stop_on_spike: bool = False):
@@ -78,20 +82,33 @@ class LossMonitor(Callback):
         bisect.insort(ordered, loss)
 
     def batch_end(self, state: Any, logger: Logger) -> None:
-        loss = _loss(state)
-        if loss is None:
-            return
+        # Every batch's loss, though a worker calls this once for a burst of them (latest_only).
+        losses = burst_values(state, "loss")
+        stamps: list[Any] = []
+
+        def timestamp(index: int) -> Any:
+            """Batch ``index``'s timestamp: read for an alarm only (a snapshot built per batch of the burst)."""
+            if not stamps:
+                stamps.extend(burst_values(state, "timestamp"))
+            return stamps[index]
+
+        for index, value in enumerate(losses):
+            loss = _number(value)
+            if loss is not None:
+                self._check(state, logger, loss, index, timestamp)
+
+    def _check(self, state: Any, logger: Logger, loss: float, index: int, timestamp: Callable[[int], Any]) -> None:
         if not math.isfinite(loss):
-            self._nonfinite(state, logger, loss, int(state.timestamp.batch))
+            self._nonfinite(state, logger, loss, timestamp(index))
             return
         if self._bad_since is not None:
             log.warning("loss is finite again at batch %d (%.6g), non-finite since batch %d",
-                        int(state.timestamp.batch), loss, self._bad_since)
+                        int(timestamp(index).batch), loss, self._bad_since)
             self._bad_since = None
         median = self._median() if len(self._losses) >= self.warmup else 0.0
         self._keep(loss)
         if self.spike_factor and median > 0 and loss > self.spike_factor * median:
-            batch = int(state.timestamp.batch)  # read for an alarm only: a Time built per read
+            batch = int(timestamp(index).batch)
             log.warning("loss spike at batch %d: %.6g is %.1f x the median %.6g of the last %d batches", batch,
                         loss, loss / median, median, len(self._losses) - 1)
             logger.log_metrics({"health/loss_spike": loss / median}, step=batch)
@@ -99,10 +116,11 @@ class LossMonitor(Callback):
                 self._stop(state, f"loss spike at batch {batch}: {loss:.6g} is {loss / median:.1f} x the median "
                                   f"{median:.6g} (health --stop-on-spike)")
 
-    def _nonfinite(self, state: Any, logger: Logger, loss: float, batch: int) -> None:
+    def _nonfinite(self, state: Any, logger: Logger, loss: float, timestamp: Any) -> None:
+        batch = int(timestamp.batch)
         if self._bad_since is None:
             self._bad_since = batch
-            log.error("loss is %s at batch %d (in epoch %d)%s", loss, batch, int(state.timestamp.epoch) + 1,
+            log.error("loss is %s at batch %d (in epoch %d)%s", loss, batch, int(timestamp.epoch) + 1,
                       "; stopping the run" if self.stop_on_nan else "")
         logger.log_metrics({"health/nonfinite_loss": 1.0}, step=batch)
         if self.stop_on_nan:

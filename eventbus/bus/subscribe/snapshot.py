@@ -32,7 +32,7 @@ from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit, elapsed_duration
 from eventbus.errors import EventBusError, WeightsNotCaptured
 
-__all__ = ["Snapshot", "LiveState", "calling_callback", "weights_wanted"]
+__all__ = ["Snapshot", "LiveState", "burst_values", "calling_callback", "weights_wanted"]
 
 #: The name of the hosted callback now being applied, set by the worker's CallbackHost on the thread
 #: or task that calls it: Composer's stoppers call ``stop_training()`` without a reason, and the
@@ -64,6 +64,31 @@ def _metrics(names: Any, values: dict[str, Any]) -> dict[str, MetricView]:
     """Composer's ``{metric name: metric}``: every name the trainer has, valued as last computed."""
     names = list(names or ()) + [name for name in values if name not in (names or ())]
     return {name: named_view(MetricView, name)(name, values.get(name)) for name in names}
+
+
+# The fields a snapshot reads straight from its payload, each read from the payload's map: what its
+# properties return, and what ``burst_values`` reads from a message without building its snapshot.
+_PAYLOAD_READERS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "dataloader_label": lambda payload: payload.get(Wire.LABEL),
+    # A float with the tensor methods callbacks call on a loss (``.item()``, ``.detach()``...).
+    "loss": lambda payload: _scalar(payload.get(Wire.LOSS)),
+    "learning_rates": lambda payload: payload.get(Wire.LEARNING_RATES) or {},
+    "train_metric_values": lambda payload: payload.get(Wire.TRAIN_METRICS) or {},
+    "eval_metric_values": lambda payload: payload.get(Wire.EVAL_METRICS) or {},
+    "batch_num_samples": lambda payload: payload.get(Wire.SAMPLES, 0),
+    "batch_num_tokens": lambda payload: payload.get(Wire.TOKENS, 0),
+    "stop_reason": lambda payload: payload.get(Wire.STOP_REASON),
+    # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
+    # capture to the end of that batch; otherwise None.
+    "grad_norms": lambda payload: payload.get(Wire.GRAD_NORMS),
+    "memory": lambda payload: payload.get(Wire.MEMORY),
+    "batch_flops": lambda payload: payload.get(Wire.BATCH_FLOPS),
+}
+
+
+def _from_payload(name: str) -> Any:
+    read = _PAYLOAD_READERS[name]
+    return property(lambda self: read(self._payload))
 
 
 class Snapshot:
@@ -171,20 +196,17 @@ class Snapshot:
         staged = self._payload.get(Wire.CHECKPOINT)
         return StagedCheckpoint(staged, self._control, self._fetch) if isinstance(staged, dict) else None
 
-    dataloader_label = property(lambda self: self._payload.get(Wire.LABEL))
-    # A float with the tensor methods callbacks call on a loss (``.item()``, ``.detach()``...).
-    loss = property(lambda self: _scalar(self._payload.get(Wire.LOSS)))
-    learning_rates = property(lambda self: self._payload.get(Wire.LEARNING_RATES) or {})
-    train_metric_values = property(lambda self: self._payload.get(Wire.TRAIN_METRICS) or {})
-    eval_metric_values = property(lambda self: self._payload.get(Wire.EVAL_METRICS) or {})
-    batch_num_samples = property(lambda self: self._payload.get(Wire.SAMPLES, 0))
-    batch_num_tokens = property(lambda self: self._payload.get(Wire.TOKENS, 0))
-    stop_reason = property(lambda self: self._payload.get(Wire.STOP_REASON))
-    # Captured only while a subscriber asks (a Callback's ``captures``), and valid from the
-    # capture to the end of that batch; otherwise None.
-    grad_norms = property(lambda self: self._payload.get(Wire.GRAD_NORMS))
-    memory = property(lambda self: self._payload.get(Wire.MEMORY))
-    batch_flops = property(lambda self: self._payload.get(Wire.BATCH_FLOPS))
+    dataloader_label = _from_payload("dataloader_label")
+    loss = _from_payload("loss")
+    learning_rates = _from_payload("learning_rates")
+    train_metric_values = _from_payload("train_metric_values")
+    eval_metric_values = _from_payload("eval_metric_values")
+    batch_num_samples = _from_payload("batch_num_samples")
+    batch_num_tokens = _from_payload("batch_num_tokens")
+    stop_reason = _from_payload("stop_reason")
+    grad_norms = _from_payload("grad_norms")
+    memory = _from_payload("memory")
+    batch_flops = _from_payload("batch_flops")
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
@@ -315,16 +337,19 @@ class LiveState:
     with a ``state``) and builds that message's snapshot only when the callback reads it: a callback
     that reads nothing at some event costs no snapshot there."""
 
-    __slots__ = ("_message",)
+    __slots__ = ("_message", "_older")
 
     def __init__(self) -> None:
         object.__setattr__(self, "_message", None)
+        object.__setattr__(self, "_older", None)
 
-    def show(self, message: Any) -> None:
-        """The host, on the callback's thread, before each call: the message whose state this reads as.
-        Called on the class (``LiveState.show(live, message)``): every name read on the object is the
-        snapshot's."""
-        object.__setattr__(self, "_message", message)
+    def show(self, message: Any, older: Optional[list[Any]] = None) -> None:
+        """The host, on the callback's thread, before each call: the message whose state this reads as,
+        and ``older``, the messages of the same event this call stands for (a ``latest_only`` event's,
+        superseded in its burst), newest first. Called on the class (``LiveState.show(live, message)``):
+        every name read on the object is the snapshot's."""
+        _show_message(self, message)
+        _show_older(self, older)
 
     @staticmethod
     def shown(live: Any) -> Any:
@@ -351,7 +376,28 @@ class LiveState:
         return repr(message.state if message is not None else None)
 
 
-_message_of = LiveState._message.__get__  # type: ignore[attr-defined]  # the slot, read without __getattribute__
+def burst_values(state: Any, name: str) -> list[Any]:
+    """``state.<name>`` at each event this call stands for, oldest first. A hosted callback that
+    declares the event ``latest_only`` is called once for a burst of it: this reads the superseded
+    ones too (a loss check that sees every batch's loss in one call a window). Anywhere else, and for
+    an event not superseded, ``[getattr(state, name)]``. A field the snapshot reads straight from the
+    payload (``loss``, ``batch_num_samples``...) is read without building each message's snapshot."""
+    older = _older_of(state) if state.__class__ is LiveState else None
+    if not older:
+        return [getattr(state, name)]
+    messages = [*reversed(older), _message_of(state)]
+    read = _PAYLOAD_READERS.get(name)
+    if read is None:
+        return [getattr(message.state, name) for message in messages]
+    return [read(message.state._payload if message._envelope is None else message._envelope.fields)
+            for message in messages]
+
+
+# The slots, read and set without the class's __getattribute__ and read-only __setattr__.
+_message_of = LiveState._message.__get__  # type: ignore[attr-defined]
+_older_of = LiveState._older.__get__  # type: ignore[attr-defined]
+_show_message = LiveState._message.__set__  # type: ignore[attr-defined]
+_show_older = LiveState._older.__set__  # type: ignore[attr-defined]
 # Snapshot's slots, set past its read-only __setattr__ (in the constructor's order).
 _SETTERS = tuple(Snapshot.__dict__[name].__set__ for name in Snapshot.__slots__)
 _RUN_ID, _RANK, _SEQ, _EVENT, _WALL, _MONO, _HEADER, _SOURCE, _CONTROL, _FETCH, _CACHE = _SETTERS
