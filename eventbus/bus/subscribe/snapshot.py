@@ -337,11 +337,12 @@ class LiveState:
     with a ``state``) and builds that message's snapshot only when the callback reads it: a callback
     that reads nothing at some event costs no snapshot there."""
 
-    __slots__ = ("_message", "_older")
+    __slots__ = ("_message", "_older", "_snapshot")
 
     def __init__(self) -> None:
         object.__setattr__(self, "_message", None)
         object.__setattr__(self, "_older", None)
+        object.__setattr__(self, "_snapshot", None)
 
     def show(self, message: Any, older: Optional[list[Any]] = None) -> None:
         """The host, on the callback's thread, before each call: the message whose state this reads as,
@@ -350,6 +351,7 @@ class LiveState:
         every name read on the object is the snapshot's."""
         _show_message(self, message)
         _show_older(self, older)
+        _show_snapshot(self, None)  # the message's, once first read
 
     @staticmethod
     def shown(live: Any) -> Any:
@@ -358,15 +360,19 @@ class LiveState:
 
     def __getattribute__(self, name: str) -> Any:
         # Every read goes to the snapshot: no failed lookup on this object (and its AttributeError) first.
-        if name[:2] == "__":  # its own class, repr...: it is a LiveState (a snapshot's others too)
+        if name[0] == "_" and name[:2] == "__":  # its own class, repr...: it is a LiveState (a snapshot's others too)
             try:
                 return object.__getattribute__(self, name)
             except AttributeError:
                 pass
-        message = _message_of(self)
-        if message is None:
-            raise AttributeError(f"no message has reached this callback yet (reading {name!r})")
-        return getattr(message.state, name)
+        snapshot = _snapshot_of(self)
+        if snapshot is None:  # the first read since the host showed a message
+            message = _message_of(self)
+            if message is None:
+                raise AttributeError(f"no message has reached this callback yet (reading {name!r})")
+            snapshot = message.state
+            _show_snapshot(self, snapshot)
+        return getattr(snapshot, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"the state snapshot is read-only (cannot set {name!r})")
@@ -398,6 +404,8 @@ _message_of = LiveState._message.__get__  # type: ignore[attr-defined]
 _older_of = LiveState._older.__get__  # type: ignore[attr-defined]
 _show_message = LiveState._message.__set__  # type: ignore[attr-defined]
 _show_older = LiveState._older.__set__  # type: ignore[attr-defined]
+_snapshot_of = LiveState._snapshot.__get__  # type: ignore[attr-defined]
+_show_snapshot = LiveState._snapshot.__set__  # type: ignore[attr-defined]
 # Snapshot's slots, set past its read-only __setattr__ (in the constructor's order).
 _SETTERS = tuple(Snapshot.__dict__[name].__set__ for name in Snapshot.__slots__)
 _RUN_ID, _RANK, _SEQ, _EVENT, _WALL, _MONO, _HEADER, _SOURCE, _CONTROL, _FETCH, _CACHE = _SETTERS
