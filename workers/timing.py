@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from eventbus import Callback
 from eventbus.core.logger import Logger
+from eventbus.core.time import TimeUnit
 from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
 
 __all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
@@ -97,8 +98,9 @@ class SpeedMonitor(Callback):
                 if not unknown:  # only when every batch in the window reported its flops
                     rates["flops_per_sec"] = flops / seconds
                 for name, value in rates.items():
-                    metrics[f"throughput/{name}"] = value
-                    metrics[f"throughput/device/{name}"] = value / world
+                    key, device_key = _RATE_KEYS[name]
+                    metrics[key] = value
+                    metrics[device_key] = value / world
                 if "flops_per_sec" in rates and self.gpu_flops_available:
                     metrics["throughput/device/mfu"] = rates["flops_per_sec"] / world / self.gpu_flops_available
         train = ts.total_wct.total_seconds()
@@ -125,6 +127,10 @@ class SpeedMonitor(Callback):
         return sums
 
 
+_RATE_KEYS = {name: (f"throughput/{name}", f"throughput/device/{name}")  # not formatted again at every batch
+              for name in ("batches_per_sec", "samples_per_sec", "tokens_per_sec", "flops_per_sec")}
+
+
 def _count(sums: list[Any], batch: tuple[int, int, float, Optional[float]], sign: int) -> None:
     samples, tokens, seconds, flops = batch
     sums[0] += sign * samples
@@ -136,15 +142,18 @@ def _count(sums: list[Any], batch: tuple[int, int, float, Optional[float]], sign
         sums[3] += sign * flops
 
 
-def _fraction_done(state: Any) -> Optional[float]:
-    """Elapsed fraction of max_duration, at batch resolution when the epoch length is known."""
+def _fraction_done(state: Any, ts: Any) -> Optional[float]:
+    """Elapsed fraction of max_duration (``ts``: the state's timestamp), at batch resolution when the
+    epoch length is known."""
     max_duration = state.max_duration
     if max_duration is None:
         return None
-    ts = state.timestamp
-    if max_duration.unit.value == "ep" and state.dataloader_len is not None and int(state.dataloader_len):
-        per_epoch = int(state.dataloader_len)
-        return min(1.0, (int(ts.epoch) * per_epoch + int(ts.batch_in_epoch)) / (max_duration.value * per_epoch))
+    unit = max_duration.unit
+    if unit is TimeUnit.EPOCH or (unit.__class__ is not TimeUnit and TimeUnit.EPOCH == unit):  # Composer's too
+        length = state.dataloader_len
+        per_epoch = int(length) if length is not None else 0
+        if per_epoch:
+            return min(1.0, (int(ts.epoch) * per_epoch + int(ts.batch_in_epoch)) / (max_duration.value * per_epoch))
     elapsed = state.get_elapsed_duration()
     return None if elapsed is None else float(elapsed.value)
 
@@ -173,11 +182,12 @@ class RuntimeEstimator(Callback):
         self._eval_started = None
 
     def batch_end(self, state: Any, logger: Logger) -> None:
-        fraction = _fraction_done(state)
+        ts = state.timestamp
+        fraction = _fraction_done(state, ts)
         if fraction is None:
             return
-        seconds = state.timestamp.total_wct.total_seconds()
-        if int(state.timestamp.batch) < self.skip_batches:
+        seconds = ts.total_wct.total_seconds()
+        if int(ts.batch) < self.skip_batches:
             return
         if self._start is None:
             self._start = (seconds, fraction)
@@ -195,9 +205,18 @@ class RuntimeEstimator(Callback):
 class LRMonitor(Callback):
     """``lr-<OptimizerClass>/group<i>`` at every batch."""
 
+    def __init__(self) -> None:
+        self._keys: dict[tuple[str, int], str] = {}  # each name formatted once, not at every batch
+
     def batch_end(self, state: Any, logger: Logger) -> None:
-        logger.log_metrics({f"lr-{name}/group{i}": float(lr)
-                            for name, lrs in state.learning_rates.items() for i, lr in enumerate(lrs)})
+        keys, metrics = self._keys, {}
+        for name, lrs in state.learning_rates.items():
+            for i, lr in enumerate(lrs):
+                key = keys.get((name, i))
+                if key is None:
+                    key = keys[name, i] = f"lr-{name}/group{i}"
+                metrics[key] = float(lr)
+        logger.log_metrics(metrics)
 
 
 class OptimizerMonitor(Callback):
