@@ -219,28 +219,20 @@ def ensure_time(value: Union[Time, str, int], default_unit: TimeUnit, *, name: s
             return Time.from_timestring(value)
         except ConfigError as err:
             raise ConfigError(f"{name}: {err}") from None
-    raise ConfigError(
-        f"{name}: expected a Time, a string like '2ep' or an int, got {type(value).__name__} {value!r}"
-    )
+    raise ConfigError(f"{name}: expected a Time, a string like '2ep' or an int, got {type(value).__name__} {value!r}")
 
 
 _ZERO = datetime.timedelta(0)
 
-_COUNTERS = (
-    "iteration", "epoch", "batch", "sample", "token",
-    "epoch_in_iteration", "token_in_iteration",
-    "batch_in_epoch", "sample_in_epoch", "token_in_epoch",
-)
+_COUNTERS = ("iteration", "epoch", "batch", "sample", "token", "epoch_in_iteration", "token_in_iteration",
+             "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
 _CLOCKS = ("total_wct", "iteration_wct", "epoch_wct", "batch_wct")
 _FIELD_SET = frozenset(_COUNTERS + _CLOCKS)
 _FIELD_SLOTS = tuple("_" + f for f in _COUNTERS + _CLOCKS)
-_COUNTER_UNITS = {
-    "iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH,
-    "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN,
-    "epoch_in_iteration": TimeUnit.EPOCH, "token_in_iteration": TimeUnit.TOKEN,
-    "batch_in_epoch": TimeUnit.BATCH, "sample_in_epoch": TimeUnit.SAMPLE,
-    "token_in_epoch": TimeUnit.TOKEN,
-}
+_COUNTER_UNITS = {"iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH,
+                  "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN, "epoch_in_iteration": TimeUnit.EPOCH,
+                  "token_in_iteration": TimeUnit.TOKEN, "batch_in_epoch": TimeUnit.BATCH,
+                  "sample_in_epoch": TimeUnit.SAMPLE, "token_in_epoch": TimeUnit.TOKEN}
 
 
 class Timestamp:
@@ -440,8 +432,7 @@ _TIME_VALUE, _TIME_UNIT = Time.__dict__["_value"].__set__, Time.__dict__["_unit"
 
 
 def _counted(value: int, unit: TimeUnit) -> Time:
-    """A Time of a Timestamp's count, valid already: built without ``__init__``'s checks (~0.2 us
-    against ~0.5; a callback reads several a batch)."""
+    """A Timestamp's count as a Time, valid already: without ``__init__``'s checks (0.31 us, not 0.41-0.50)."""
     time = object.__new__(Time)
     _TIME_VALUE(time, value)
     _TIME_UNIT(time, unit)
