@@ -75,6 +75,12 @@ class Message(msgspec.Struct, eq=False):
         return state  # type: ignore[no-any-return]
 
     @property
+    def fields(self) -> Optional[dict[str, Any]]:
+        """Its payload as it travels (wire names), without building its snapshot; None for a message
+        made without an envelope."""
+        return self._envelope.fields if self._envelope is not None else None
+
+    @property
     def header(self) -> dict[str, Any]:
         """The run header as of this message, without building its snapshot."""
         return self._state.header  # type: ignore[no-any-return]  # a _State or the Snapshot it built

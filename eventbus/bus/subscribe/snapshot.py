@@ -395,7 +395,7 @@ def burst_values(state: Any, name: str) -> list[Any]:
     read = _PAYLOAD_READERS.get(name)
     if read is None:
         return [getattr(message.state, name) for message in messages]
-    return [read(message.state._payload if message._envelope is None else message._envelope.fields)
+    return [getattr(message.state, name) if (fields := message.fields) is None else read(fields)
             for message in messages]
 
 
