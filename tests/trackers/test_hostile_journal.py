@@ -85,7 +85,7 @@ HOSTILE = {
     "a bytes key": (with_raw_payload(lambda e: msgpack.packb(
         {"metrics": {b"\xff\xfe": 1.0}, "step": e.payload["step"]}, use_bin_type=True)), "keys must be strings"),
     "a key that is not UTF-8": (with_raw_payload(lambda e: b"\x82\xa7metrics\x81\xa2\xff\xfe" + msgpack.packb(1.0)
-                                                 + b"\xa4step" + msgpack.packb(e.payload["step"])), "UnicodeDecodeError"),
+                                                 + b"\xa4step" + msgpack.packb(e.payload["step"])), "utf-8"),  # worded by msgspec, differently by version
     "a record over the size limit": (with_payload(padding="x" * (wire.MAX_MESSAGE_BYTES + 1)), "exceeds"),
 }
 
@@ -101,7 +101,7 @@ def test_a_record_that_cannot_be_exported_is_skipped_counted_and_named_and_resum
     assert first.returncode == 3, first.stderr
     assert "Traceback" not in first.stderr
     last = first.stderr.strip().splitlines()[-1]
-    assert f"1 unreadable record(s) skipped (seq {seq}: " in last and reason in last, last
+    assert f"1 unreadable record(s) skipped (seq {seq}: " in last and reason in last.lower(), last
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {line.pop("step"): line for line in lines} == expected  # every other step, each once
     assert (run / "metrics.csv").exists()
