@@ -162,7 +162,7 @@ def serve(prog: str, args: argparse.Namespace,
     except EventBusError as err:
         return _error(name, err)
     except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
+        say_line(f"{name}: interrupted")
         return 130
 
 
@@ -179,8 +179,15 @@ def event_loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
 
 
 def _error(prog: str, err: BaseException) -> int:
-    print(f"{prog}: error: {err}", file=sys.stderr)
+    say_line(f"{prog}: error: {err}")
     return 2
+
+
+def say_line(line: str) -> None:
+    """``line`` on stderr in one write. A job's daemons share its stderr, and ``print`` writes the newline
+    apart: unbuffered (``PYTHONUNBUFFERED``), another process's line could land between the two."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _callback_factory(build: Callable[[argparse.Namespace], Sequence[Callback]],
@@ -253,7 +260,7 @@ def wait_for_server(prog: str, address: str, timeout: Optional[float], block: bo
     if timeout is not None and timeout <= 0:
         raise EventBusError(message)
     if timeout is None:  # with a timeout, the one line is the error at its end
-        print(f"{prog}: waiting: {message}", file=sys.stderr, flush=True)
+        say_line(f"{prog}: waiting: {message}")
         if not block:
             return
     deadline = None if timeout is None else time.monotonic() + timeout

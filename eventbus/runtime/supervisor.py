@@ -24,6 +24,7 @@ import time
 from typing import IO, TYPE_CHECKING, Optional, Sequence, Union
 
 from eventbus.errors import ConfigError
+from eventbus.runtime.daemon import say_line
 
 if TYPE_CHECKING:
     from eventbus.bus.publish.publisher import Publisher
@@ -147,7 +148,7 @@ class DaemonSet:
         except BaseException:
             stop_daemons(children, timeout=0.0)
             raise
-        print(f"{who}: starting daemons: {', '.join(names)}", file=sys.stderr, flush=True)
+        say_line(f"{who}: starting daemons: {', '.join(names)}")  # in one write: the logger shares our stderr
         return cls(options, names, children, run_folder)
 
     def stop(self, timeout: float = 60.0) -> list[Optional[int]]:
@@ -204,8 +205,8 @@ def wait_for_subscribers(publisher: "Publisher", names: Sequence[str], timeout: 
             raise ConfigError("a daemon exited while starting; see its error above")
         time.sleep(0.1)
     if waiting:
-        print(f"{who}: {', '.join(sorted(waiting))} not connected after {timeout:.0f}s; "
-              "training anyway (they will catch up from the journal)", file=sys.stderr, flush=True)
+        say_line(f"{who}: {', '.join(sorted(waiting))} not connected after {timeout:.0f}s; "
+                 "training anyway (they will catch up from the journal)")
 
 
 def _exit_with_parent() -> None:

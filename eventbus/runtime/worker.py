@@ -25,6 +25,7 @@ from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.errors import EventBusError
 from eventbus.runtime.cursor import Cursor
+from eventbus.runtime.daemon import say_line
 from eventbus.runtime.declarations import capture_leases, staged_only_events, subscription
 from eventbus.runtime.host import CallbackHost
 
@@ -55,7 +56,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
 
     def say(line: str, routine: bool = False) -> None:
         if verbose or not routine:
-            print(f"{name}: {line}", file=sys.stderr, flush=True)
+            say_line(f"{name}: {line}")
 
     make = callbacks if callable(callbacks) else (lambda: callbacks)
     current = list(make())
