@@ -116,7 +116,8 @@ _EXPORTS = {
     "Time": "eventbus.core.time", "Timestamp": "eventbus.core.time", "TimeUnit": "eventbus.core.time",
     "Trainer": "eventbus.training.trainer",
     "BusConfig": "eventbus.bus.config",
-    "Snapshot": "eventbus.bus.subscribe.snapshot", "burst_values": "eventbus.bus.subscribe.snapshot",
+    "Snapshot": "eventbus.bus.subscribe.snapshot", "burst_states": "eventbus.bus.subscribe.snapshot",
+    "burst_values": "eventbus.bus.subscribe.snapshot",
     "Message": "eventbus.bus.subscribe.subscriber", "Subscriber": "eventbus.bus.subscribe.subscriber",
     "AllRanks": "eventbus.bus.subscribe.ranks",
     "WeightsNotCaptured": "eventbus.errors",
@@ -126,7 +127,7 @@ __all__ = ["Algorithm", "AllRanks", "BusConfig", "Callback", "ComposerClassifier
     "ConfigError", "ConsoleLogger", "CrossEntropy", "Engine", "Evaluator", "Event", "EventBusError",
     "GradientClipping", "InMemoryLogger", "Logger", "LoggerDestination", "Message", "Metric",
     "MulticlassAccuracy", "ProtocolError", "Snapshot", "State", "Subscriber", "Time", "TimeUnit", "Timestamp",
-    "Trainer", "WeightsNotCaptured", "burst_values"]
+    "Trainer", "WeightsNotCaptured", "burst_states", "burst_values"]
 
 
 def __getattr__(name: str) -> Any:
@@ -145,7 +146,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from eventbus.bus.config import BusConfig
     from eventbus.bus.subscribe.ranks import AllRanks
-    from eventbus.bus.subscribe.snapshot import Snapshot, burst_values
+    from eventbus.bus.subscribe.snapshot import Snapshot, burst_states, burst_values
     from eventbus.bus.subscribe.subscriber import Message, Subscriber
     from eventbus.core.callback import Callback
     from eventbus.core.engine import Engine

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from eventbus import Callback
+from eventbus import Callback, Event, burst_states
 from eventbus.core.logger import Logger
 from eventbus.core.time import TimeUnit
 from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
@@ -34,6 +34,16 @@ _DIVIDERS = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
 def _wall_time(state: Any) -> float:
     """When the trainer fired the event: the snapshot's publish time, or now when in process."""
     return getattr(state, "wall_time", None) or time.time()
+
+
+def _step(each: Any, state: Any) -> Optional[int]:
+    """The step to log batch ``each`` of a burst at: None (the logger's own) for the call's own state."""
+    return None if each is state else each.timestamp.batch.value
+
+
+# A worker calls the per-batch monitors once a burst of BATCH_ENDs; each batch of it is still counted
+# and logged at its own step (burst_states), and the host spares five calls a batch.
+_ONCE_A_BURST = frozenset({Event.BATCH_END})
 
 
 def _divider(time_unit: str) -> float:
@@ -54,6 +64,7 @@ class SpeedMonitor(Callback):
     """
 
     captures = frozenset({"flops"})
+    latest_only = _ONCE_A_BURST
 
     def __init__(self, window_size: int = 100, gpu_flops_available: Optional[float] = None,
                  time_unit: str = "hours"):
@@ -84,6 +95,10 @@ class SpeedMonitor(Callback):
         self._eval_started = None
 
     def batch_end(self, state: Any, logger: Logger) -> None:
+        for each in burst_states(state):
+            self._batch_end(each, logger, _step(each, state))
+
+    def _batch_end(self, state: Any, logger: Logger, step: Optional[int]) -> None:
         ts = state.timestamp
         samples, tokens, seconds, flops, unknown = self._add(
             (state.batch_num_samples, state.batch_num_tokens, ts.batch_wct.total_seconds(),
@@ -107,7 +122,7 @@ class SpeedMonitor(Callback):
         metrics["time/train"] = train / self.divider
         metrics["time/val"] = self._eval_seconds / self.divider
         metrics["time/total"] = (train + self._eval_seconds) / self.divider
-        logger.log_metrics(metrics)
+        logger.log_metrics(metrics, step)
 
 
     def _add(self, batch: tuple[int, int, float, Optional[float]]) -> list[Any]:
@@ -166,6 +181,8 @@ class RuntimeEstimator(Callback):
     added once per evaluation still to come at the same cadence.
     """
 
+    latest_only = _ONCE_A_BURST
+
     def __init__(self, skip_batches: int = 1, time_unit: str = "hours"):
         self.skip_batches = skip_batches
         self.divider = _divider(time_unit)
@@ -182,6 +199,10 @@ class RuntimeEstimator(Callback):
         self._eval_started = None
 
     def batch_end(self, state: Any, logger: Logger) -> None:
+        for each in burst_states(state):
+            self._batch_end(each, logger, state)
+
+    def _batch_end(self, state: Any, logger: Logger, called_with: Any) -> None:
         ts = state.timestamp
         fraction = _fraction_done(state, ts)
         if fraction is None:
@@ -199,24 +220,28 @@ class RuntimeEstimator(Callback):
         if self._eval_seconds and fraction > 0:
             evals_left = len(self._eval_seconds) / fraction * (1.0 - fraction)
             remaining += evals_left * sum(self._eval_seconds) / len(self._eval_seconds)
-        logger.log_metrics({"time/remaining_estimate": remaining / self.divider})
+        logger.log_metrics({"time/remaining_estimate": remaining / self.divider}, _step(state, called_with))
 
 
 class LRMonitor(Callback):
     """``lr-<OptimizerClass>/group<i>`` at every batch."""
 
+    latest_only = _ONCE_A_BURST
+
     def __init__(self) -> None:
         self._keys: dict[tuple[str, int], str] = {}  # each name formatted once, not at every batch
 
     def batch_end(self, state: Any, logger: Logger) -> None:
-        keys, metrics = self._keys, {}
-        for name, lrs in state.learning_rates.items():
-            for i, lr in enumerate(lrs):
-                key = keys.get((name, i))
-                if key is None:
-                    key = keys[name, i] = f"lr-{name}/group{i}"
-                metrics[key] = float(lr)
-        logger.log_metrics(metrics)
+        keys = self._keys
+        for each in burst_states(state):
+            metrics = {}
+            for name, lrs in each.learning_rates.items():
+                for i, lr in enumerate(lrs):
+                    key = keys.get((name, i))
+                    if key is None:
+                        key = keys[name, i] = f"lr-{name}/group{i}"
+                    metrics[key] = float(lr)
+            logger.log_metrics(metrics, _step(each, state))
 
 
 class OptimizerMonitor(Callback):
@@ -227,6 +252,7 @@ class OptimizerMonitor(Callback):
     """
 
     captures = frozenset({"grad_norms"})
+    latest_only = _ONCE_A_BURST
 
     def __init__(self, batch_log_interval: int = 10):
         if batch_log_interval < 1:
@@ -238,9 +264,11 @@ class OptimizerMonitor(Callback):
         return self.batch_log_interval
 
     def batch_end(self, state: Any, logger: Logger) -> None:
-        norms = getattr(state, "grad_norms", None)
-        if norms:
-            logger.log_metrics({f"l2_norm/grad/{name}": float(value) for name, value in norms.items()})
+        for each in burst_states(state):
+            norms = getattr(each, "grad_norms", None)
+            if norms:
+                logger.log_metrics({f"l2_norm/grad/{name}": float(value) for name, value in norms.items()},
+                                   _step(each, state))
 
 
 _MEMORY_KEYS = {
@@ -259,24 +287,26 @@ class MemoryMonitor(Callback):
     """CUDA allocator statistics as ``memory/*`` (GB, as Composer logs them); nothing on CPU runs."""
 
     captures = frozenset({"memory"})
+    latest_only = _ONCE_A_BURST
 
     def __init__(self) -> None:
         self._warned = False
 
     def batch_end(self, state: Any, logger: Logger) -> None:
-        stats = getattr(state, "memory", None)
-        if not stats:
-            if not self._warned and "cuda" not in str(getattr(state, "device", "")):
-                # Said only with --verbose: a CPU run has no allocator statistics, and nothing is wrong.
-                log.info("MemoryMonitor: the run is not on a CUDA device; no memory statistics")
-                self._warned = True
-            return
-        metrics = {}
-        for key, name in _MEMORY_KEYS.items():
-            if key in stats:
-                value = float(stats[key])
-                metrics[f"memory/{name}"] = value if name.endswith("retries") else value / 1e9
-        logger.log_metrics(metrics)
+        for each in burst_states(state):
+            stats = getattr(each, "memory", None)
+            if not stats:
+                if not self._warned and "cuda" not in str(getattr(each, "device", "")):
+                    # Said only with --verbose: a CPU run has no allocator statistics, and nothing is wrong.
+                    log.info("MemoryMonitor: the run is not on a CUDA device; no memory statistics")
+                    self._warned = True
+                continue
+            metrics = {}
+            for key, name in _MEMORY_KEYS.items():
+                if key in stats:
+                    value = float(stats[key])
+                    metrics[f"memory/{name}"] = value if name.endswith("retries") else value / 1e9
+            logger.log_metrics(metrics, _step(each, state))
 
 
 def build_parser() -> OneLineErrorParser:

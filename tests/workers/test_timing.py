@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from eventbus import Callback, Trainer
 from eventbus.bus.journal import read_messages
+from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.runtime.host import CallbackHost
 from eventbus.workers.stoppers import EarlyStopper, ThresholdStopper
+from eventbus.workers.timing import LRMonitor, MemoryMonitor, OptimizerMonitor, RuntimeEstimator, SpeedMonitor
 from tests.support import bus_address, make_loader, make_model
 
 
@@ -110,3 +114,53 @@ def test_stoppers_in_process_follow_composer_semantics():
                       bus=False)
     trainer.fit()
     assert trainer.state.timestamp.batch.value == 1  # the loss is below 10 from the first batch
+
+
+async def test_hosted_timing_monitors_log_in_one_burst_what_they_log_batch_by_batch(tmp_path):
+    """At fine steps a worker takes a window of BATCH_ENDs at once: its monitors, called once for them,
+    still count every batch and log it at its own step, evaluations falling where they happened. The
+    same real host, given the run a message at a time and then as one burst, sends the same metrics."""
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", seed=3,
+                      eval_dataloader=make_loader(16, 16), bus=bus_address(tmp_path))
+    trainer.publisher.leases.grant(["grad_norms"], ttl=600, interval=3)  # as a timing worker's heartbeat does
+    trainer.fit()
+    trainer.close()
+    messages = [m async for m in journal_messages(trainer.publisher.journal_path)]
+
+    async def hosted(bursts):
+        monitors = [Counted(SpeedMonitor)(window_size=3, time_unit="seconds"),
+                    Counted(RuntimeEstimator)(time_unit="seconds"), Counted(LRMonitor)(),
+                    Counted(MemoryMonitor)(), Counted(OptimizerMonitor)(batch_log_interval=3)]
+        sent: dict[str, list] = {}
+
+        async def deliver():
+            for burst in bursts:
+                yield burst
+                await asyncio.sleep(0)  # the host hands each to its callbacks' thread on its own
+
+        await CallbackHost(monitors, send_metrics=lambda metrics, step, source: sent.setdefault(
+            source, []).append((step, metrics))).run(deliver())
+        return sent, {type(monitor).__name__: monitor.calls for monitor in monitors}
+
+    by_batch, calls_by_batch = await hosted([[message] for message in messages])
+    in_bursts, calls_in_bursts = await hosted([messages])
+    assert in_bursts == by_batch
+    assert [step for step, _ in by_batch["SpeedMonitor"]] == list(range(1, 13))
+    assert [step for step, _ in by_batch["LRMonitor"]] == list(range(1, 13))
+    assert [step for step, _ in by_batch["OptimizerMonitor"]] == [1, 4, 7, 10]  # captured at batches 0, 3, 6, 9
+    speed = dict(by_batch["SpeedMonitor"])
+    assert "throughput/batches_per_sec" in speed[3] and "throughput/batches_per_sec" not in speed[2]
+    assert speed[4]["time/val"] == 0 < speed[5]["time/val"] < speed[9]["time/val"]  # an evaluation each epoch
+    assert calls_by_batch["LRMonitor"] == 12
+    # One call a burst: the evaluations (handled by SpeedMonitor and RuntimeEstimator) end theirs.
+    assert calls_in_bursts == {"SpeedMonitor": 3, "RuntimeEstimator": 3, "LRMonitor": 1, "MemoryMonitor": 1,
+                               "OptimizerMonitor": 1}
+
+
+def Counted(monitor_class):
+    """``monitor_class``, counting the calls of its ``batch_end`` (under the same class name)."""
+    def batch_end(self, state, logger):
+        self.calls += 1
+        monitor_class.batch_end(self, state, logger)
+
+    return type(monitor_class.__name__, (monitor_class,), {"calls": 0, "batch_end": batch_end})

@@ -32,7 +32,7 @@ from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.core.time import Time, Timestamp, TimeUnit, elapsed_duration
 from eventbus.errors import EventBusError, WeightsNotCaptured
 
-__all__ = ["Snapshot", "LiveState", "burst_values", "calling_callback", "weights_wanted"]
+__all__ = ["Snapshot", "LiveState", "burst_states", "burst_values", "calling_callback", "weights_wanted"]
 
 #: The name of the hosted callback now being applied, set by the worker's CallbackHost on the thread
 #: or task that calls it: Composer's stoppers call ``stop_training()`` without a reason, and the
@@ -380,6 +380,17 @@ class LiveState:
     def __repr__(self) -> str:
         message = _message_of(self)
         return repr(message.state if message is not None else None)
+
+
+def burst_states(state: Any) -> list[Any]:
+    """The state at each event this call stands for, oldest first: the snapshots of the events a
+    ``latest_only`` declaration folded into this call, then ``state`` itself. Anywhere else, and for an
+    event not superseded, ``[state]``. A monitor that reports every batch (a rate, a learning rate) runs
+    once a burst this way, each batch still seen as it was."""
+    older = _older_of(state) if state.__class__ is LiveState else None
+    if not older:
+        return [state]
+    return [*(message.state for message in reversed(older)), state]
 
 
 def burst_values(state: Any, name: str) -> list[Any]:
