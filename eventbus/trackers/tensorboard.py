@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import pathlib
 import socket
@@ -177,11 +178,39 @@ class _EventFile:
 
 
 def _scalars_event(step: int, values: list[tuple[str, float]]) -> bytes:
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.compat.proto.summary_pb2 import Summary
+    """An ``Event`` holding a ``Summary`` of ``simple_value``s, serialized by hand: the bytes protobuf
+    writes for it (its fields in number order), in ~2 µs a step against ~14 through the message classes."""
+    summary = bytearray()
+    for tag, value in values:
+        name = tag.encode()
+        item = b"\x0a" + _varint(len(name)) + name + b"\x15" + _float32(value)  # Value: tag = 1, simple_value = 2
+        summary += b"\x0a" + _varint(len(item)) + item  # Summary: value = 1, repeated
+    # Event: wall_time = 1 (double), step = 2 (int64), summary = 5.
+    step_field = b"\x10" + _varint(step & 0xFFFFFFFFFFFFFFFF) if step else b""  # 0, the default: left out
+    return b"".join((b"\x09", _DOUBLE.pack(time.time()), step_field, b"\x2a", _varint(len(summary)), summary))
 
-    summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values])
-    return Event(wall_time=time.time(), step=step, summary=summary).SerializeToString()
+
+_DOUBLE, _FLOAT = struct.Struct("<d"), struct.Struct("<f")
+
+
+def _varint(value: int) -> bytes:
+    """A protobuf varint (a negative int64 as its 64-bit two's complement, as protobuf writes it)."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _float32(value: float) -> bytes:
+    """``value`` as a protobuf float: rounded to single precision, infinite beyond its range."""
+    try:
+        return _FLOAT.pack(value)
+    except OverflowError:
+        return _FLOAT.pack(math.copysign(math.inf, value))
 
 
 def _text_event(tag: str, text: str) -> bytes:
