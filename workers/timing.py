@@ -200,9 +200,9 @@ class RuntimeEstimator(Callback):
 
     def batch_end(self, state: Any, logger: Logger) -> None:
         for each in burst_states(state):
-            self._batch_end(each, logger, state)
+            self._batch_end(each, logger, _step(each, state))
 
-    def _batch_end(self, state: Any, logger: Logger, called_with: Any) -> None:
+    def _batch_end(self, state: Any, logger: Logger, step: Optional[int]) -> None:
         ts = state.timestamp
         fraction = _fraction_done(state, ts)
         if fraction is None:
@@ -220,7 +220,7 @@ class RuntimeEstimator(Callback):
         if self._eval_seconds and fraction > 0:
             evals_left = len(self._eval_seconds) / fraction * (1.0 - fraction)
             remaining += evals_left * sum(self._eval_seconds) / len(self._eval_seconds)
-        logger.log_metrics({"time/remaining_estimate": remaining / self.divider}, _step(state, called_with))
+        logger.log_metrics({"time/remaining_estimate": remaining / self.divider}, step)
 
 
 class LRMonitor(Callback):
