@@ -179,7 +179,7 @@ class _EventFile:
 
 def _scalars_event(step: int, values: list[tuple[str, float]]) -> bytes:
     """An ``Event`` holding a ``Summary`` of ``simple_value``s, serialized by hand: the bytes protobuf
-    writes for it (its fields in number order), in ~2 µs a step against ~14 through the message classes."""
+    writes for it (its fields in number order), in ~3.4 µs a step against ~14 through the message classes."""
     summary = bytearray()
     for tag, value in values:
         name = tag.encode()
