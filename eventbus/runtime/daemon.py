@@ -19,10 +19,10 @@ import logging
 import math
 import os
 import pathlib
-import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from eventbus.errors import EventBusError
+from eventbus.runtime.console import say_line
 
 if TYPE_CHECKING:
     from eventbus.core.callback import Callback
@@ -181,13 +181,6 @@ def event_loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
 def _error(prog: str, err: BaseException) -> int:
     say_line(f"{prog}: error: {err}")
     return 2
-
-
-def say_line(line: str) -> None:
-    """``line`` on stderr in one write. A job's daemons share its stderr, and ``print`` writes the newline
-    apart: unbuffered (``PYTHONUNBUFFERED``), another process's line could land between the two."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def _callback_factory(build: Callable[[argparse.Namespace], Sequence[Callback]],

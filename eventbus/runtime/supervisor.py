@@ -24,7 +24,7 @@ import time
 from typing import IO, TYPE_CHECKING, Optional, Sequence, Union
 
 from eventbus.errors import ConfigError
-from eventbus.runtime.daemon import say_line
+from eventbus.runtime.console import say_line
 
 if TYPE_CHECKING:
     from eventbus.bus.publish.publisher import Publisher

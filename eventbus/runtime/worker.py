@@ -24,8 +24,8 @@ from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
 from eventbus.errors import EventBusError
+from eventbus.runtime.console import say_line
 from eventbus.runtime.cursor import Cursor
-from eventbus.runtime.daemon import say_line
 from eventbus.runtime.declarations import capture_leases, staged_only_events, subscription
 from eventbus.runtime.host import CallbackHost
 

@@ -13,7 +13,7 @@ from tests.support import REPO_ROOT
 
 SAYS = """
 import sys
-from eventbus.runtime.daemon import say_line
+from eventbus.runtime.console import say_line
 for i in range(2000):
     say_line(f"{sys.argv[1]}: line {i}, said while the others say theirs")
 """
