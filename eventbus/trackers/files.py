@@ -13,13 +13,14 @@ import json
 import os
 import pathlib
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 from eventbus.core.atomic import write_atomic
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.core.plain import PLAIN_TYPES
 from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.points import Refused
+from eventbus.trackers.step_ranges import StepRanges
 
 __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
 
@@ -42,7 +43,7 @@ class MetricsFileLogger(LoggerDestination):
         self.hold_steps = hold_steps
         self.write_every = write_every
         self._pending: dict[int, dict[str, Any]] = {}
-        self._written: set[int] = set()  # in the file, or in ``_lines`` until the next write
+        self._written = StepRanges()  # in the file, or in ``_lines`` until the next write
         self._held: Optional[set[int]] = None  # the steps the file had before this logger wrote to it
         self._file: Optional[TextIO] = None
         self._lines: list[str] = []  # made, not yet written
@@ -64,7 +65,7 @@ class MetricsFileLogger(LoggerDestination):
             return
         if (self._pending or self._file is not None) and self.folder is not None:
             self.close(state, logger)  # also what it made and has not written yet
-        self._pending, self._written, self._held, self.path = {}, set(), None, None
+        self._pending, self._written, self._held, self.path = {}, StepRanges(), None, None
         self.folder = folder
 
     def state_dict(self) -> dict[str, Any]:
@@ -86,7 +87,7 @@ class MetricsFileLogger(LoggerDestination):
         folder = pathlib.Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
-        self._written = written_steps(self.path)
+        self._written = StepRanges(_steps_in(self.path))
         self._file = open(self.path, "a")
         self._columns = None  # the CSV is rewritten from the file at the first write
 
@@ -183,15 +184,19 @@ class MetricsFileLogger(LoggerDestination):
 def written_steps(path: pathlib.Path) -> set[int]:
     """The steps already in a ``metrics.jsonl`` (none if it does not exist). A torn last line,
     from a writer killed mid-line, does not count: its step is written again."""
-    steps: set[int] = set()
-    if path.exists():
-        with open(path) as lines:
-            for line in lines:
-                try:
-                    steps.add(int(json.loads(line)["step"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
-    return steps
+    return set(_steps_in(path))
+
+
+def _steps_in(path: pathlib.Path) -> Iterator[int]:
+    """Each line's step, in the file's order (none if it does not exist; a torn line has none)."""
+    if not path.exists():
+        return
+    with open(path) as lines:
+        for line in lines:
+            try:
+                yield int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
 
 
 def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
