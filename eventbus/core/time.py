@@ -375,6 +375,24 @@ class Timestamp:
         return [*counters, *(clock.total_seconds() for clock in (total, iteration, epoch, batch))]
 
     @classmethod
+    def from_fields(cls, values: list[Union[int, float]]) -> "Timestamp":
+        """The Timestamp of :meth:`fields`' list (a timestamp as it travels), every field converted now:
+        ~5 us, where a map converted a field at a time costs ~2 (the map) and ~2 a field read (a timing
+        worker reads three a batch). ValueError, naming the field, for a value that is not a number."""
+        if len(values) != len(_FIELD_SLOTS):
+            raise ValueError(f"a timestamp has {len(_FIELD_SLOTS)} fields, got {len(values)}")
+        *counters, total, iteration, epoch, batch = values
+        clock = datetime.timedelta  # (days, seconds): positional, a third cheaper than seconds=
+        try:
+            return cls._of(*map(int, counters), clock(0, float(total)), clock(0, float(iteration)),
+                           clock(0, float(epoch)), clock(0, float(batch)))
+        except (TypeError, ValueError, OverflowError):
+            for name, value in zip(_COUNTERS + _CLOCKS, values):
+                if value.__class__ not in (int, float) or value != value or abs(value) == float("inf"):
+                    raise ValueError(f"timestamp field {name}: {value!r} is not a finite number") from None
+            raise ValueError(f"timestamp out of range: {values!r}") from None
+
+    @classmethod
     def from_state_dict(cls, state: dict[str, Union[int, float]], *, lazy: bool = False) -> "Timestamp":
         """The Timestamp of a ``state_dict()``, every field converted now (a checkpoint's: a bad value
         raises here). ``lazy``: each field converted when first read, ``state`` kept meanwhile (never

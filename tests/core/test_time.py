@@ -81,6 +81,19 @@ def test_a_timestamps_fields_are_its_state_dict_in_wire_order_eager_or_lazy():
     assert Timestamp.from_state_dict(ts.state_dict(), lazy=True).fields() == expected
 
 
+def test_a_timestamp_as_it_travels_reads_back_whole_and_a_bad_field_is_named():
+    ts = Timestamp(iteration=1, epoch=2, batch=7, sample=28, token=90, batch_in_epoch=3,
+                   total_wct=datetime.timedelta(seconds=3.5), batch_wct=datetime.timedelta(microseconds=1234))
+    back = Timestamp.from_fields(ts.fields())
+    assert back == ts and back.batch_wct == ts.batch_wct and back.fields() == ts.fields()
+    for bad, name in ((["x", *ts.fields()[1:]], "iteration"), ([*ts.fields()[:13], None], "batch_wct"),
+                      ([*ts.fields()[:10], float("nan"), *ts.fields()[11:]], "total_wct")):
+        with pytest.raises(ValueError, match=f"timestamp field {name}"):
+            Timestamp.from_fields(bad)
+    with pytest.raises(ValueError, match="14 fields"):
+        Timestamp.from_fields(ts.fields()[:13])
+
+
 def test_a_timestamp_from_a_state_dict_reads_the_same_lazily_and_a_checkpoints_bad_value_fails_at_load():
     ts = Timestamp(epoch=2, batch=7, sample=28, total_wct=datetime.timedelta(seconds=3.5))
     lazy = Timestamp.from_state_dict(ts.state_dict(), lazy=True)  # as a subscriber builds one per message
