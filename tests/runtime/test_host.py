@@ -232,6 +232,23 @@ def test_latest_only_keeps_each_ranks_newest_batch_end_and_every_metric():
     assert slot.latest(burst[:1]) == burst[:1] and Slot(BatchEnds(), "b", None, 100).latest(burst) is burst
 
 
+def test_a_burst_of_one_ranks_batch_ends_is_its_newest_standing_for_the_others():
+    def batch_end(seq: int, rank: int = 0) -> Message:
+        return Message(kind="event", event=Event.BATCH_END, _state=None, seq=seq, run_id="r", rank=rank)
+
+    ends = [batch_end(seq) for seq in range(1, 7)]
+    slot = Slot(Newest(), "Newest", None, 100)
+    assert slot.latest(ends) == [ends[-1]] and slot.superseded == {id(ends[-1]): ends[-2::-1]}  # newest first
+    two_ranks = [*ends[:3], batch_end(7, rank=1)]
+    assert slot.latest(two_ranks) == two_ranks[2:] and slot.superseded == {
+        id(two_ranks[2]): [ends[1], ends[0]], id(two_ranks[3]): []}
+    resumed = Slot(Newest(), "Newest", None, 100)  # applied through seq 4 before a restart
+    resumed.skip_through, resumed.skip_run = 4, "r"
+    assert resumed.latest(ends) == [ends[-1]] and resumed.superseded == {id(ends[-1]): [ends[4]]}
+    resumed.skip_through = 0  # and once past them, every older one again
+    assert resumed.latest(ends[2:]) == [ends[-1]] and resumed.superseded == {id(ends[-1]): ends[-2:1:-1]}
+
+
 class CountedBar(ProgressLogger):
     """The logger daemon's progress display, counting the batches it was handed."""
 
