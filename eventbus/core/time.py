@@ -227,7 +227,6 @@ _ZERO = datetime.timedelta(0)
 _COUNTERS = ("iteration", "epoch", "batch", "sample", "token", "epoch_in_iteration", "token_in_iteration",
              "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
 _CLOCKS = ("total_wct", "iteration_wct", "epoch_wct", "batch_wct")
-_FIELD_SET = frozenset(_COUNTERS + _CLOCKS)
 _FIELD_SLOTS = tuple("_" + f for f in _COUNTERS + _CLOCKS)
 _COUNTER_UNITS = {"iteration": TimeUnit.ITERATION, "epoch": TimeUnit.EPOCH, "batch": TimeUnit.BATCH,
                   "sample": TimeUnit.SAMPLE, "token": TimeUnit.TOKEN, "epoch_in_iteration": TimeUnit.EPOCH,
@@ -243,9 +242,7 @@ class Timestamp:
     The wall-clock fields count training time only; evaluation is excluded.
     """
 
-    # ``_source``: the state dict of a Timestamp built by ``from_state_dict``, whose fields are
-    # converted when first read (subscribers build one per message and most read a field or two).
-    __slots__ = (*_FIELD_SLOTS, "_source")
+    __slots__ = _FIELD_SLOTS
     _iteration: int
     _epoch: int
     _batch: int
@@ -294,21 +291,6 @@ class Timestamp:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Timestamp is immutable; use copy(...) or to_next_batch(...)")
-
-    def __getattr__(self, name: str) -> Any:
-        """A field of a Timestamp built by ``from_state_dict``, converted the first time it is read
-        (only reached for a field not set yet: ``__getattr__`` runs when the normal lookup fails)."""
-        field = name[1:]
-        if field not in _FIELD_SET:
-            raise AttributeError(name)
-        try:
-            state = object.__getattribute__(self, "_source")
-        except AttributeError:
-            raise AttributeError(name) from None
-        value: Any = (int(state.get(field, 0)) if field in _COUNTER_UNITS else
-                      datetime.timedelta(seconds=float(state.get(field, 0.0))))
-        object.__setattr__(self, name, value)
-        return value
 
     iteration = property(lambda self: _counted(self._iteration, TimeUnit.ITERATION))
     epoch = property(lambda self: _counted(self._epoch, TimeUnit.EPOCH))
@@ -393,16 +375,9 @@ class Timestamp:
             raise ValueError(f"timestamp out of range: {values!r}") from None
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Union[int, float]], *, lazy: bool = False) -> "Timestamp":
-        """The Timestamp of a ``state_dict()``, every field converted now (a checkpoint's: a bad value
-        raises here). ``lazy``: each field converted when first read, ``state`` kept meanwhile (never
-        change it): a subscriber builds one per message, and most callbacks read a field or two."""
-        timestamp = object.__new__(cls)
-        object.__setattr__(timestamp, "_source", state)
-        if not lazy:
-            for name in _FIELD_SLOTS:
-                getattr(timestamp, name)
-        return timestamp
+    def from_state_dict(cls, state: dict[str, Union[int, float]]) -> "Timestamp":
+        """The Timestamp of a ``state_dict()`` (a missing field is 0); ValueError, naming the field, for a bad value."""
+        return cls.from_fields([state.get(name, 0) for name in _COUNTERS + _CLOCKS])
 
     def _compare_value(self, other: object) -> tuple[Union[int, float], Union[int, float]]:
         other = as_time(other)
@@ -444,7 +419,7 @@ class Timestamp:
 
 _COUNT_SLOTS = {TimeUnit.ITERATION: "_iteration", TimeUnit.EPOCH: "_epoch", TimeUnit.BATCH: "_batch",
                 TimeUnit.SAMPLE: "_sample", TimeUnit.TOKEN: "_token"}  # what Timestamp.get reads
-_READ_FIELDS = operator.attrgetter(*_FIELD_SLOTS)  # every field, in order, in one call (lazy ones too)
+_READ_FIELDS = operator.attrgetter(*_FIELD_SLOTS)  # every field, in order, in one call
 _SETTERS = tuple(Timestamp.__dict__[name].__set__ for name in _FIELD_SLOTS)  # past __setattr__, which refuses
 _TIME_VALUE, _TIME_UNIT = Time.__dict__["_value"].__set__, Time.__dict__["_unit"].__set__
 

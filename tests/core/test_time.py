@@ -78,7 +78,7 @@ def test_a_timestamps_fields_are_its_state_dict_in_wire_order_eager_or_lazy():
                    batch_wct=datetime.timedelta(milliseconds=125))
     expected = [1, 2, 7, 28, 90, 2, 40, 3, 12, 30, 3.5, 2.25, 1.5, 0.125]
     assert ts.fields() == compact_timestamp(ts.state_dict()) == expected
-    assert Timestamp.from_state_dict(ts.state_dict(), lazy=True).fields() == expected
+    assert Timestamp.from_state_dict(ts.state_dict()).fields() == expected
 
 
 def test_a_timestamp_as_it_travels_reads_back_whole_and_a_bad_field_is_named():
@@ -94,16 +94,13 @@ def test_a_timestamp_as_it_travels_reads_back_whole_and_a_bad_field_is_named():
         Timestamp.from_fields(ts.fields()[:13])
 
 
-def test_a_timestamp_from_a_state_dict_reads_the_same_lazily_and_a_checkpoints_bad_value_fails_at_load():
+def test_a_timestamp_from_a_state_dict_reads_the_same_and_a_bad_value_is_named():
     ts = Timestamp(epoch=2, batch=7, sample=28, total_wct=datetime.timedelta(seconds=3.5))
-    lazy = Timestamp.from_state_dict(ts.state_dict(), lazy=True)  # as a subscriber builds one per message
-    assert lazy.batch == Time(7, "ba") and lazy.total_wct == datetime.timedelta(seconds=3.5)
-    assert lazy == ts and lazy.state_dict() == ts.state_dict() and lazy.to_next_batch(4).sample == 32
+    back = Timestamp.from_state_dict(ts.state_dict())
+    assert back.batch == Time(7, "ba") and back.total_wct == datetime.timedelta(seconds=3.5)
+    assert back == ts and back.state_dict() == ts.state_dict() and back.to_next_batch(4).sample == 32
+    assert Timestamp.from_state_dict({"batch": 3}) == Timestamp(batch=3)  # a missing field is 0
     with pytest.raises(AttributeError):
-        lazy.nope  # noqa: B018
-    with pytest.raises(ValueError):  # a checkpoint's timestamp is checked when it is loaded...
+        back.nope  # noqa: B018
+    with pytest.raises(ValueError, match="timestamp field batch"):  # a checkpoint's bad value fails at load
         Timestamp.from_state_dict({"batch": "x"})
-    unread = Timestamp.from_state_dict({"batch": "x"}, lazy=True)  # ...a message's, when read
-    assert int(unread.epoch) == 0
-    with pytest.raises(ValueError):
-        unread.batch  # noqa: B018

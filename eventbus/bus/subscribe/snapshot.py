@@ -52,8 +52,8 @@ def _time(text: Optional[str]) -> Optional[Time]:
 
 
 def _timestamp(stamp: Any) -> Timestamp:
-    """A payload's timestamp: an array as it travels, converted at once; a map, its fields when read."""
-    return Timestamp.from_fields(stamp) if stamp.__class__ is list else Timestamp.from_state_dict(stamp, lazy=True)
+    """A payload's timestamp: an array as it travels, or a map (a payload made from one)."""
+    return Timestamp.from_fields(stamp) if stamp.__class__ is list else Timestamp.from_state_dict(stamp)
 
 
 def _scalar(value: Any) -> Any:
