@@ -369,10 +369,12 @@ class Timestamp:
             return cls._of(*map(int, counters), clock(0, float(total)), clock(0, float(iteration)),
                            clock(0, float(epoch)), clock(0, float(batch)))
         except (TypeError, ValueError, OverflowError):
-            for name, value in zip(_COUNTERS + _CLOCKS, values):
-                if value.__class__ not in (int, float) or value != value or abs(value) == float("inf"):
-                    raise ValueError(f"timestamp field {name}: {value!r} is not a finite number") from None
-            raise ValueError(f"timestamp out of range: {values!r}") from None
+            for name, value in zip(_COUNTERS + _CLOCKS, values):  # which one: each converted alone
+                try:
+                    int(value) if name in _COUNTER_UNITS else clock(0, float(value))
+                except (TypeError, ValueError, OverflowError):
+                    raise ValueError(f"timestamp field {name}: {value!r} is not a number in range") from None
+            raise
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Union[int, float]]) -> "Timestamp":
