@@ -71,7 +71,7 @@ def test_timestamp_has_every_composer_field():
     assert Timestamp.from_state_dict(ts.state_dict()) == ts
 
 
-def test_a_timestamps_fields_are_its_state_dict_in_wire_order_eager_or_lazy():
+def test_a_timestamps_fields_are_its_state_dict_in_wire_order():
     ts = Timestamp(iteration=1, epoch=2, batch=7, sample=28, token=90, epoch_in_iteration=2, token_in_iteration=40,
                    batch_in_epoch=3, sample_in_epoch=12, token_in_epoch=30, total_wct=datetime.timedelta(seconds=3.5),
                    iteration_wct=datetime.timedelta(seconds=2.25), epoch_wct=datetime.timedelta(seconds=1.5),

@@ -245,8 +245,8 @@ def test_a_burst_of_one_ranks_batch_ends_is_its_newest_standing_for_the_others()
     resumed = Slot(Newest(), "Newest", None, 100)  # applied through seq 4 before a restart
     resumed.skip_through, resumed.skip_run = 4, "r"
     assert resumed.latest(ends) == [ends[-1]] and resumed.superseded == {id(ends[-1]): [ends[4]]}
-    resumed.skip_through = 0  # and once past them, every older one again
-    assert resumed.latest(ends[2:]) == [ends[-1]] and resumed.superseded == {id(ends[-1]): ends[-2:1:-1]}
+    past_it = [*ends[4:], batch_end(7), batch_end(8)]  # a burst wholly after seq 4: every older one again
+    assert resumed.latest(past_it) == [past_it[-1]] and resumed.superseded == {id(past_it[-1]): past_it[-2::-1]}
 
 
 class CountedBar(ProgressLogger):
