@@ -122,7 +122,9 @@ async def test_late_joiner_sees_the_same_events_from_its_join_point(tmp_path):
     async with Subscriber(address, start="beginning") as first:
         early_task = asyncio.create_task(_collect(first, early))
         background = BackgroundTrainer(run).start()
-        await asyncio.sleep(0.12)
+        deadline = time.monotonic() + 60  # joined once the run is under way (a fixed sleep was too short under load)
+        while not any(m.event is Event.BATCH_END for m in early) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         async with Subscriber(address) as second:
             assert second.state is not None and second.header["run_name"] == "bus-test"  # current state at once
             await _collect(second, late)
