@@ -96,13 +96,17 @@ class SpeedMonitor(Callback):
 
     def batch_end(self, state: Any, logger: Logger) -> None:
         for each in burst_states(state):
-            self._batch_end(each, logger, _step(each, state))
+            # Fields of the whole snapshot before its timestamp: a worker's snapshot reads the timestamp alone
+            # only while nothing decoded the rest (health reads just that), not here, where all is read.
+            counts = (each.batch_num_samples, each.batch_num_tokens, getattr(each, "batch_flops", None))
+            self._batch_end(each, logger, _step(each, state), counts)
 
-    def _batch_end(self, state: Any, logger: Logger, step: Optional[int]) -> None:
+    def _batch_end(self, state: Any, logger: Logger, step: Optional[int], counts: tuple[int, int, Any]) -> None:
+        """``counts``: the batch's samples, tokens and flops (None when unknown)."""
         ts = state.timestamp
+        batch_samples, batch_tokens, batch_flops = counts
         samples, tokens, seconds, flops, unknown = self._add(
-            (state.batch_num_samples, state.batch_num_tokens, ts.batch_wct.total_seconds(),
-             getattr(state, "batch_flops", None)))
+            (batch_samples, batch_tokens, ts.batch_wct.total_seconds(), batch_flops))
         metrics: dict[str, float] = {}
         if len(self._window) == self.window_size:
             if seconds > 0:

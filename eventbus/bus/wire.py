@@ -44,7 +44,8 @@ from typing import Annotated, Any, Optional, Sequence, Union
 import msgpack
 import msgspec
 
-from eventbus.bus.schema import KEY_NAMES, TIMESTAMP_FIELDS, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind, Wire
+from eventbus.bus.packed import DELTA_BASE, check_plain, payload_of, refuse_ext, timestamp_map, value_in
+from eventbus.bus.schema import KEY_NAMES, WIRE_NAMES, WIRE_TIMESTAMP_KEYS, Key, Kind
 from eventbus.bus.topics import (
     GROUP_TOPIC,
     LINKS_BYTES,
@@ -73,10 +74,8 @@ __all__ = [
 PROTOCOL_VERSION = 1  # of requests
 WINDOW_VERSION = 4
 MAX_WINDOW_MESSAGES = 0xFFFF
-DELTA_BASE = "~"  # in a payload sent as a delta: the index of the payload it changes
 KINDS = frozenset({Kind.HEADER, Kind.EVENT, Kind.METRICS, Kind.END})
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-MAX_DEPTH = 8
 MAX_CONTAINER_LEN = 100_000
 
 
@@ -92,8 +91,6 @@ def _plain(value: Any) -> Any:
 # Windows, payloads and requests: the same bytes as msgpack's Packer, 1.5-3x faster (a worker's request
 # carrying a window's metrics: 9.7 -> 3.2 us).
 _encode = msgspec.msgpack.Encoder(enc_hook=_plain).encode
-_SCALARS = (str, int, float, bool, bytes, type(None))
-_SCALAR_TYPES = frozenset(_SCALARS)  # exact types: what msgpack decodes a scalar to
 
 _M = MAX_WINDOW_MESSAGES
 
@@ -157,8 +154,16 @@ class Envelope(msgspec.Struct, gc=False, eq=False):
         payload = self._payload
         if payload is None:  # two threads may both decode it: the same map, set twice, harmlessly
             assert self._payloads is not None, "an envelope holds its payload or the window's payloads"
-            payload = self._payload = _payload_of(self._payloads, self._ref, self.seq, self._check)
+            payload = self._payload = payload_of(self._payloads, self._ref, self.seq, self._check)
         return payload
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """``fields.get(key, default)``; from a payload not read yet, a key that changes every batch (the loss,
+        the timestamp) is decoded alone (:func:`~eventbus.bus.packed.value_in`), the rest left packed."""
+        if self._payload is not None or self._check:
+            return self.fields.get(key, default)
+        assert self._payloads is not None, "an envelope holds its payload or the window's payloads"
+        return value_in(self._payloads, self._ref, key, self.seq, default)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Envelope) and _COMPARED(self) == _COMPARED(other)
@@ -231,78 +236,6 @@ def pack_payload(payload: dict[str, Any], wire_names: bool = False) -> bytes:
     return _encode(payload if wire_names else {names.get(key, key): value for key, value in payload.items()})
 
 
-#: How many packed payloads were decoded in this process (lazily, on first read): what a
-#: subscriber that reads only headers is shown not to pay for.
-payload_decodes = 0
-
-
-def _payload_of(payloads: list[Any], ref: int, seq: int, check: bool) -> dict[str, Any]:
-    """Payload ``ref`` of a window: decoded with every earlier payload it is a delta of. ``payloads``
-    is the window's list, packed payloads replaced in place by their maps as they are decoded (no
-    object per payload: a window's ~100 payloads cost no allocation until read)."""
-    value = payloads[ref]
-    if value.__class__ is dict:
-        return value
-    chain: list[tuple[int, dict[str, Any]]] = []
-    base: Optional[dict[str, Any]] = None
-    index = ref
-    while True:  # back to a decoded payload or a whole one; each step goes to a lower index
-        value = payloads[index]
-        if value.__class__ is dict:
-            base = value
-            break
-        part = _unpack_payload(value, seq, check)
-        below = part.pop(DELTA_BASE, None)
-        chain.append((index, part))
-        if below is None:
-            break
-        if type(below) is not int or not 0 <= below < index:
-            raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r}")
-        index = below
-    for index, part in reversed(chain):
-        if base is not None:
-            if (values := part.get(Wire.METRICS)).__class__ is list:  # metrics values, named by the base's map
-                names = base.get(Wire.METRICS)
-                if names.__class__ is not dict or len(names) != len(values):
-                    raise ProtocolError(f"message {seq}: metrics values must follow a metrics map of as many names")
-                part[Wire.METRICS] = dict(zip(names, values))
-            part = {**base, **part}
-        base = payloads[index] = part
-    assert base is not None
-    return base
-
-
-def _unpack_payload(packed: bytes, seq: int, check: bool) -> dict[str, Any]:
-    """One packed payload, its keys kept by their wire names (a payload is bounded by its window's bytes)."""
-    global payload_decodes
-    payload_decodes += 1
-    try:
-        payload = _decode_payload(packed)  # an extension type raises ProtocolError (_refuse_ext)
-    except msgspec.ValidationError as err:
-        raise ProtocolError(f"message {seq}: payload must be a map with string keys ({err})") from None
-    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as err:  # TypeError: an unhashable key
-        raise ProtocolError(f"message {seq} payload: not valid msgpack ({type(err).__name__}: {err})") from None
-    if check:
-        _check_plain(payload, 1, f"message {seq} payload")
-    for key in WIRE_TIMESTAMP_KEYS:  # sent as arrays, and kept so until read (timestamp_map)
-        stamp = payload.get(key)
-        if stamp.__class__ is list and len(stamp) != len(TIMESTAMP_FIELDS):  # type: ignore[arg-type]
-            raise ProtocolError(f"message {seq}: {KEY_NAMES[key]} must hold {len(TIMESTAMP_FIELDS)} numbers")
-    return payload
-
-
-def timestamp_map(stamp: Any) -> Any:
-    """A timestamp of a decoded payload as a ``Timestamp.state_dict()`` map (it travels as an array)."""
-    return dict(zip(TIMESTAMP_FIELDS, stamp)) if stamp.__class__ is list else stamp
-
-
-def _refuse_ext(code: int, data: Any) -> Any:
-    raise ProtocolError(f"msgpack extension type {code} is not allowed")
-
-
-_decode_payload = msgspec.msgpack.Decoder(dict[str, Any], ext_hook=_refuse_ext).decode
-
-
 def _unpack(data: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
@@ -310,35 +243,13 @@ def _unpack(data: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
         raise ProtocolError(f"{what}: {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
+            data, raw=False, strict_map_key=True, ext_hook=refuse_ext, use_list=True,
             max_array_len=MAX_CONTAINER_LEN, max_map_len=MAX_CONTAINER_LEN,
         )
     except ProtocolError:
         raise
     except Exception as err:  # msgpack raises several types for malformed input
         raise ProtocolError(f"{what}: not valid msgpack ({type(err).__name__}: {err})") from None
-
-
-def _check_plain(value: Any, depth: int, where: str) -> None:
-    """Plain data nested at most MAX_DEPTH deep, string keys only. A scalar inside a container is
-    told by its exact type, without a call: a worker's metrics request holds thousands of them."""
-    if isinstance(value, _SCALARS):
-        return
-    if depth >= MAX_DEPTH:
-        raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-    if isinstance(value, list):
-        items: Any = value
-    elif isinstance(value, dict):
-        for key in value:
-            if key.__class__ is not str:
-                raise ProtocolError(f"{where}: map keys must be strings, got {type(key).__name__}")
-        items = value.values()
-    else:
-        raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
-    scalars = _SCALAR_TYPES
-    for item in items:
-        if item.__class__ not in scalars:
-            _check_plain(item, depth + 1, where)
 
 
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, check_payload: bool = True,
@@ -428,7 +339,7 @@ def _window(frame: _Frame, check_payload: bool, lazy: bool, wanted: Optional[byt
 def check_payload(payload: dict[str, Any]) -> None:
     """The per-value walk :func:`decode` skips with ``check_payload=False``, for a payload read later
     (ProtocolError if a key is not text, a value not plain, or it nests too deep)."""
-    _check_plain(payload, 1, "message payload")
+    check_plain(payload, 1, "message payload")
 
 
 def encode_request(op: str, **fields: Any) -> bytes:
@@ -444,5 +355,5 @@ def decode_request(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str,
         raise ProtocolError(f"request: protocol version {obj.get('v')!r} is not supported")
     if not isinstance(obj.get("op"), str):
         raise ProtocolError("request: missing 'op'")
-    _check_plain(obj, 0, "request")
+    check_plain(obj, 0, "request")
     return obj

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from eventbus import BusConfig, Callback, Event, Subscriber, Trainer
-from eventbus.bus import wire
+from eventbus.bus import packed, wire
 from eventbus.bus.journal import read_messages
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.schema import TIMESTAMP_FIELDS
@@ -199,8 +199,8 @@ def test_with_nobody_subscribed_windows_are_journaled_but_never_sent(tmp_path):
 
 def test_a_subscriber_that_reads_no_state_decodes_no_snapshot(tmp_path):
     """Payloads stay packed until read: following the events of a run costs no snapshot decode;
-    reading a state field decodes that message's payload (and the earlier payloads of its window
-    it is stored as a change of) once: reading it again decodes nothing."""
+    reading state fields decodes that message's payload (the timestamp alone, or the whole payload with
+    the earlier payloads of its window it is stored as a change of) once: reading them again decodes nothing."""
     address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="lazy", bus=address)
 
@@ -208,14 +208,16 @@ def test_a_subscriber_that_reads_no_state_decodes_no_snapshot(tmp_path):
         messages, read = [], []
         async with Subscriber(address, start="beginning") as sub:
             background = BackgroundTrainer(trainer).start()
-            before = wire.payload_decodes
+            before = packed.payload_decodes
             async for message in sub:
                 messages.append((message.kind, message.event, message.seq))
                 if message.event is Event.FIT_END:
-                    decodes = wire.payload_decodes - before
+                    decodes = packed.payload_decodes - before
                     read = [message.state.timestamp.epoch.value, message.state.timestamp.batch.value]
-                    once = wire.payload_decodes - before - decodes
-                    read.append(message.state.loss is not None and wire.payload_decodes - before - decodes == once)
+                    assert message.state.loss is not None  # the timestamp alone, then the whole payload
+                    once = packed.payload_decodes - before - decodes
+                    again = (message.state.timestamp.batch.value, message.state.loss)
+                    read.append(again[1] is not None and packed.payload_decodes - before - decodes == once)
             background.join()
         return messages, decodes, read + [once]
 
@@ -330,9 +332,9 @@ def test_a_reader_of_batch_end_alone_decodes_one_snapshot_a_batch():
     window = wire.decode_window(frame, check_payload=False, lazy=True, wanted=wanted)
     costs, read = [], []
     for envelope in window.messages:
-        before = wire.payload_decodes
+        before = packed.payload_decodes
         read.append(envelope.payload)
-        costs.append(wire.payload_decodes - before)
+        costs.append(packed.payload_decodes - before)
     assert read == expected  # every field, each delta applied to the right base
     # After the window's first: one decode a batch; batches 10 and 11 build on their loss snapshots.
     assert costs[1:] == [1] * 8 + [2, 3] + [1] * 9

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventbus import ProtocolError
-from eventbus.bus import wire
-from eventbus.bus.schema import TIMESTAMP_FIELDS, WIRE_NAMES
+from eventbus.bus import packed, wire
+from eventbus.bus.schema import TIMESTAMP_FIELDS, WIRE_NAMES, Wire
 
 
 def valid(**overrides):
@@ -34,13 +34,13 @@ def test_one_message_round_trips_as_a_window_of_one():
 
 @pytest.mark.fast
 def test_a_payload_is_decoded_when_first_read_and_a_malformed_one_says_so_then():
-    before = wire.payload_decodes
+    before = packed.payload_decodes
     envelope = wire.decode(wire.encode(**valid()), lazy=True)
-    assert (envelope.seq, envelope.event) == (7, "batch_end") and wire.payload_decodes == before
+    assert (envelope.seq, envelope.event) == (7, "batch_end") and packed.payload_decodes == before
     assert envelope.payload == valid()["payload"] and envelope.payload is envelope.payload
-    assert wire.payload_decodes == before + 1
-    packed = wire.pack_payload(valid()["payload"])
-    damaged = wire.encode(**valid(payload=packed[:-2] + b"\xc1\xc1"))  # 0xc1: never valid msgpack
+    assert packed.payload_decodes == before + 1
+    payload = wire.pack_payload(valid()["payload"])
+    damaged = wire.encode(**valid(payload=payload[:-2] + b"\xc1\xc1"))  # 0xc1: never valid msgpack
     envelope = wire.decode(damaged, lazy=True)
     with pytest.raises(ProtocolError, match="message 7 payload: not valid msgpack"):
         _ = envelope.payload
@@ -129,10 +129,10 @@ def test_a_window_holds_its_messages_seqs_headers_and_shared_payloads_decoded_on
     assert [(m.kind, m.event, m.seq, m.wall_time, m.mono_time) for m in decoded.messages] == [
         ("header", None, 40, 1.0, 1.5), ("event", "batch_start", 41, 2.0, 2.5), ("event", "batch_end", 42, 3.0, 3.5),
         ("metrics", None, 43, 4.0, 4.5)]
-    before = wire.payload_decodes
+    before = packed.payload_decodes
     start, end = decoded.messages[1:3]
     assert start.payload == end.payload == {"loss": 0.5} and start.fields is end.fields
-    assert wire.payload_decodes == before + 1  # one snapshot, shared by the two events
+    assert packed.payload_decodes == before + 1  # one snapshot, shared by the two events
     batch_end = bytes(i == wire.TOPICS.index("batch_end") for i in range(len(wire.TOPICS)))
     kept = wire.decode_window(window(), wanted=batch_end)
     assert [m.seq for m in kept.messages] == [42] and (kept.first, kept.last) == (40, 43)
@@ -180,6 +180,55 @@ def test_metrics_logged_again_under_the_same_names_travel_as_their_values_and_re
     assert [b"time/batch" in packed for packed in first[:6]] == [True, False, False, True, False, True]
     assert b"time/train" not in first[4] and b"timing" not in first[4]  # values and step only
     assert b"time/train" in second[0]  # a window decodes alone
+
+
+def _batches_window() -> bytes:
+    """A window of ten batches as the bus builds it: each batch's loss snapshot, then its BATCH_END (a change
+    of the previous BATCH_END's: the loss, the losses and the timestamps)."""
+    from eventbus.bus.publish.history import History
+    from eventbus.core.time import Timestamp
+
+    history = History("ab" * 16, 0, None, 10_000)
+    stamp, snapshot = Timestamp(), {"label": "train", "lrs": {"SGD": [0.1]}, "samples": 16}
+    for batch in range(10):
+        previous, stamp = stamp, stamp.to_next_batch(samples=16)
+        snapshot = dict(snapshot, loss=2.0 - batch / 10)
+        history.append("event", "after_loss", 0.0, 0.0, snapshot)
+        snapshot = dict(snapshot, total_losses={"loss/train/total": 2.0 - batch / 10}, ts=stamp.state_dict(),
+                        prev_ts=previous.state_dict())
+        history.append("event", "batch_end", 0.0, 0.0, snapshot)
+    (frame,) = history.messages(1, history.seq)
+    return frame
+
+
+@pytest.mark.fast
+def test_a_batchs_loss_and_timestamp_read_alone_are_its_payloads_and_decode_one_payload_each():
+    frame = _batches_window()
+    whole = wire.decode_window(frame, check_payload=False, lazy=True).messages
+    expected = [(m.fields.get(Wire.LOSS), m.fields.get(Wire.TIMESTAMP), m.fields.get(Wire.LABEL)) for m in whole]
+    ends = [m for m in wire.decode_window(frame, check_payload=False, lazy=True).messages if m.event == "batch_end"]
+    before = packed.payload_decodes
+    alone = [(m.value(Wire.LOSS), m.value(Wire.TIMESTAMP)) for m in ends]
+    # One small decode a key, none of the chain below; but the first batch's loss: its BATCH_END changed it no
+    # more than its loss snapshot did, so the key is one payload down.
+    assert packed.payload_decodes - before == 2 * len(ends) + 1
+    assert alone == [(loss, stamp) for (loss, stamp, _), m in zip(expected, whole) if m.event == "batch_end"]
+    assert [m.value(Wire.LABEL) for m in ends] == ["train"] * len(ends)  # any other key: the whole payload
+    messages = wire.decode_window(frame, check_payload=False, lazy=True).messages
+    assert [(m.value(Wire.LOSS), m.value(Wire.TIMESTAMP), m.value(Wire.LABEL)) for m in messages] == expected
+    assert messages[-1].value("nope", 7) == 7
+
+
+@pytest.mark.fast
+def test_a_bad_key_read_alone_is_named_by_its_message():
+    stamp = wire.pack_payload({"loss": 0.5, "ts": [1, 2, 3]})  # a timestamp of three fields
+    broken = wire.decode_window(window(payloads=[stamp], refs=[0, 0, 0, 0]), check_payload=False, lazy=True)
+    assert broken.messages[0].value(Wire.LOSS) == 0.5
+    with pytest.raises(ProtocolError, match="message 40: ts must hold 14 numbers"):
+        broken.messages[0].value(Wire.TIMESTAMP)
+    garbage = wire.decode_window(window(payloads=[b"\xc1"], refs=[0, 0, 0, 0]), check_payload=False, lazy=True)
+    with pytest.raises(ProtocolError, match="message 40 payload: not valid msgpack"):
+        garbage.messages[0].value(Wire.LOSS)
 
 
 @pytest.mark.fast

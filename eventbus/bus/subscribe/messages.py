@@ -81,6 +81,11 @@ class Message(msgspec.Struct, eq=False):
         return self._envelope.fields if self._envelope is not None else None
 
     @property
+    def envelope(self) -> Optional[wire.Envelope]:
+        """What it was decoded from (None for a message made without one): its payload read key by key."""
+        return self._envelope
+
+    @property
     def header(self) -> dict[str, Any]:
         """The run header as of this message, without building its snapshot."""
         return self._state.header  # type: ignore[no-any-return]  # a _State or the Snapshot it built

@@ -86,6 +86,10 @@ _PAYLOAD_READERS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
+# The fields above that ``burst_values`` reads alone from each message's envelope (wire.Envelope.value).
+_READ_KEYS = {"loss": Wire.LOSS}
+
+
 def _from_payload(name: str) -> Any:
     read = _PAYLOAD_READERS[name]
     return property(lambda self: read(self._payload))
@@ -166,7 +170,8 @@ class Snapshot:
     def timestamp(self) -> Timestamp:
         timestamp = self._cache.get("timestamp")  # read several times per event by most callbacks
         if timestamp is None:
-            ts = self._payload.get(Wire.TIMESTAMP)
+            source = self._source  # the payload, or its envelope: the timestamp alone is decoded then
+            ts = source.get(Wire.TIMESTAMP) if isinstance(source, dict) else source.value(Wire.TIMESTAMP)
             timestamp = self._cache["timestamp"] = _timestamp(ts) if ts else Timestamp()
         return timestamp  # type: ignore[no-any-return]
 
@@ -406,6 +411,10 @@ def burst_values(state: Any, name: str) -> list[Any]:
     read = _PAYLOAD_READERS.get(name)
     if read is None:
         return [getattr(message.state, name) for message in messages]
+    key = _READ_KEYS.get(name)
+    if key is not None:  # that key alone (the loss): not the rest of each message's payload
+        return [getattr(message.state, name) if message.envelope is None else read({key: message.envelope.value(key)})
+                for message in messages]
     return [getattr(message.state, name) if (fields := message.fields) is None else read(fields)
             for message in messages]
 
