@@ -4,7 +4,7 @@ A window holds each payload once, most of them as what changed since an earlier 
 (``"~"``: that payload's index). Reading a message's payload decodes it with the payloads it builds on, and
 the window's list keeps the maps (:func:`payload_of`). What changes every batch (the loss, the timestamp)
 is in every batch's own payload: :func:`value_in` decodes that key alone, and leaves the rest packed. A health
-worker reads just those two of each batch: 35 thousand instructions a message instead of 65.
+worker reads just those two of each batch: 41 thousand instructions a message instead of 65.
 """
 
 from __future__ import annotations
