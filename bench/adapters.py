@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from bench.common import emit, median, paired_ratio, python_env, table
+from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, table
 from bench.daemons import STEP_SIZES
 from bench.models import loader, mlp
 
@@ -67,13 +67,13 @@ def _wait(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> N
 
 
 def _stat(pid: int) -> tuple[str, float]:
-    """(scheduler state, user + system CPU seconds) of a process; ("X", 0) once it is gone."""
+    """(scheduler state, user + system CPU seconds, to the nanosecond) of a process; ("X", 0) once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        return state, process_cpu_seconds(pid)
     except OSError:
         return "X", 0.0
-    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Warmup:

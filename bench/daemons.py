@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from bench.common import emit, median, paired_ratio, python_env, table
+from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, table
 from bench.models import classifier, loader
 from eventbus import Trainer
 from eventbus.bus.wire import WINDOW_TOPIC, subscription, topic_index
@@ -62,15 +62,6 @@ print(f"messages {n} cpu {usage.ru_utime + usage.ru_stime - (cpu or 0):.6f}", fl
 """
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid``, every thread, those that already ended included (a daemon's
-    callback threads end with the run, before it is sampled; summing the live threads' ``schedstat``
-    missed them). In clock ticks (10 ms): a 2,000-step run makes that small."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class _Worker:
     """A daemon process whose CPU is counted from ``mark()`` (training starts) to ``sample()`` (``fit``
     returned), and from there to its exit apart: start-up and the run's end are not per-step costs."""
@@ -86,11 +77,11 @@ class _Worker:
         self.cpu = 0.0
 
     def mark(self) -> None:
-        self.start_cpu = _cpu_seconds(self.proc.pid)
+        self.start_cpu = process_cpu_seconds(self.proc.pid)
 
     def sample(self) -> None:
         try:
-            self.cpu = _cpu_seconds(self.proc.pid)
+            self.cpu = process_cpu_seconds(self.proc.pid)
         except OSError:  # already gone: its whole life counts, read when it is reaped
             self.cpu = -1.0
 
@@ -256,7 +247,6 @@ def run(quick: bool) -> dict:
                               "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
                               "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()},
                               "cpu_ms_per_step": dict(cpu_ms, total=total), "daemons_cpu_after_fit_s": ends}
-        # 5,000 batches: a no-op worker spends ~10 us a message, and its CPU is read in 10 ms ticks.
         floors = _floors(STEP_SIZES["~1 ms"], 60 if quick else 5000, folder)
     per_message = dict(results["~1 ms"]["worker_cpu_us_per_message"], **floors)
     table("6. worker CPU per message received (µs), ~1 ms steps", ["", "µs"], list(per_message.items()))
