@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from operator import attrgetter, is_
 from typing import Any, Callable, Optional, Union
 
 import composer
@@ -64,9 +63,6 @@ class BusLoggerDestination(LoggerDestination):
         return pending
 
 
-# What the mirror reads from Composer's State at every event, in one C call (``_StateMirror.update``).
-_SOURCES = attrgetter("timestamp", "eval_timestamp", "max_duration", "dataloader_label", "dataloader_len", "loss",
-                      "batch", "model", "optimizers", "schedulers")
 # Compared with ``is`` at every Composer event: an enum member read from its class costs ~0.07 us.
 _INIT, _BEFORE_LOAD, _BATCH_END, _EVAL_END = Event.INIT, Event.BEFORE_LOAD, Event.BATCH_END, Event.EVAL_END
 
@@ -127,17 +123,11 @@ class _StateMirror:
         self._loss = _Converted(_detached)
         self._model = _Converted(unwrap_model)
         self._train_values: dict[str, Any] = {}
-        self._sources: tuple[Any, ...] = ()  # what _SOURCES read at the previous event: none yet
 
     def update(self, event: Event, state: Any) -> None:
-        """Called before each publish. Most of a batch's ~13 events change nothing Composer holds: the
-        attributes are read in C and compared by identity, and nothing else runs."""
-        sources = _SOURCES(state)
-        if event is not _BATCH_END and event is not _EVAL_END and all(map(is_, sources, self._sources)):
-            return
-        self._sources = sources
-        source, eval_timestamp, max_duration, label, length, loss, batch, model, optimizers, schedulers = sources
+        """Called before each publish; most events change only identity checks' worth of work."""
         run = self.run_state
+        source = state.timestamp
         if source is not self._timestamp.source:
             self._previous_timestamp.take_over(self._timestamp)  # converted once, not again as the previous
         timestamp = self._timestamp.get(source)
@@ -148,15 +138,15 @@ class _StateMirror:
             if timestamp.batch.value != previous.batch.value:  # a batch was trained: its samples and tokens
                 run.batch_num_samples = timestamp.sample.value - previous.sample.value
                 run.batch_num_tokens = timestamp.token.value - previous.token.value
-        run.eval_timestamp = self._eval_timestamp.get(eval_timestamp)
-        run.max_duration = self._max_duration.get(max_duration)
-        run.dataloader_label = label
-        run.dataloader_len = self._dataloader_len.get(length)
-        run.loss = self._loss.get(loss)
-        run.batch = batch
-        run.model = self._model.get(model)
-        run.optimizers = optimizers
-        run.schedulers = schedulers
+        run.eval_timestamp = self._eval_timestamp.get(state.eval_timestamp)
+        run.max_duration = self._max_duration.get(state.max_duration)
+        run.dataloader_label = state.dataloader_label
+        run.dataloader_len = self._dataloader_len.get(state.dataloader_len)
+        run.loss = self._loss.get(state.loss)
+        run.batch = state.batch
+        run.model = self._model.get(state.model)
+        run.optimizers = state.optimizers
+        run.schedulers = state.schedulers
         if event is _BATCH_END:
             self._batch_end(state)
         elif event is _EVAL_END:
@@ -217,7 +207,7 @@ class EventBusCallback(composer.Callback):
         return self.adapter.address
 
     def run_event(self, event: Any, state: Any, logger: Any) -> None:
-        ours = _EVENTS[event._value_]  # not .value: an Enum property, ~0.17 us a call
+        ours = _EVENTS[event.value]
         if ours is _INIT:
             self._mirror_init(state, logger)
             return  # published at BEFORE_LOAD, first, with the state mirrored here

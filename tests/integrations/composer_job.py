@@ -23,13 +23,16 @@ from eventbus.integrations.composer import EventBusCallback
 
 
 class FiredEvents(Callback):
-    """What Composer fired in process, in order, with the batch count at each event."""
+    """What Composer fired in process, in order, with the batch count at each event (``detail``: as
+    ``EventLog(detail=True)`` in a worker, also the epoch and the dataloader label)."""
 
-    def __init__(self) -> None:
+    def __init__(self, detail: bool = False) -> None:
+        self.detail = detail
         self.events: list[list[Any]] = []
 
     def run_event(self, event, state, logger):
-        self.events.append([event.value, int(state.timestamp.batch)])
+        seen = [event.value, int(state.timestamp.batch)]
+        self.events.append(seen + [int(state.timestamp.epoch), state.dataloader_label] if self.detail else seen)
 
 
 class UserLogging(Callback):

@@ -33,13 +33,13 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
     events_file = tmp_path / "events.json"
     worker = spawn("-m", "eventbus", "worker", "--connect", address,
                    "--callback", "tests.integrations.worker_callbacks:EpochMonitor",
-                   "--callback", f'tests.integrations.worker_callbacks:EventLog:{{"path": "{events_file}"}}')
+                   "--callback", f'tests.integrations.worker_callbacks:EventLog:{{"path": "{events_file}", "detail": true}}')
     logger_daemon = spawn("-m", "eventbus.workers.logger", "--connect", address, "--state-dir", str(tmp_path / "s"),
                           "--no-console")
     worker.wait_for("following")
     logger_daemon.wait_for("following")
 
-    fired, user, logged = FiredEvents(), UserLogging(hold_at=4), InMemoryLogger()
+    fired, user, logged = FiredEvents(detail=True), UserLogging(hold_at=4), InMemoryLogger()
     callback = EventBusCallback(bus=address)
     trainer = job("3ep", [fired, user, callback], [logged], name)
     background = BackgroundTrainer(trainer).start()
@@ -59,12 +59,14 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
 
     # The seed's EpochMonitor prints every epoch in the worker.
     assert worker.stdout == ["Epoch: 0", "Epoch: 1", "Epoch: 2"]
-    # The worker received exactly the events Composer fired, in order, with Composer's batch counts.
+    # The worker received exactly the events Composer fired, in order, each with Composer's batch and epoch
+    # counts and dataloader label at that event (most events change none of them; some change one).
     received = json.loads(events_file.read_text())
     assert received == fired.events
     steps = int(trainer.state.timestamp.batch)
-    assert steps == 18 and sum(1 for event, _ in received if event == "batch_end") == steps
-    assert {"init", "fit_start", "eval_end", "epoch_checkpoint", "fit_end"} <= {event for event, _ in received}
+    assert steps == 18 and sum(1 for event, *_ in received if event == "batch_end") == steps
+    assert {"init", "fit_start", "eval_end", "epoch_checkpoint", "fit_end"} <= {event for event, *_ in received}
+    assert {label for *_, label in received} == {None, "train", "eval"}
 
     # The logger daemon's metrics.jsonl holds what Composer's loggers received, value for value,
     # under the logged names: Composer's loss, its eval metric, and the user's own metric.
@@ -83,7 +85,7 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
                               text=True, timeout=120)
     assert exported.returncode == 0, exported.stderr
     assert metrics_by_step(tmp_path / "export" / "metrics.jsonl") == written
-    assert journal_events(run_folder / "events.journal") == [event for event, _ in fired.events]
+    assert journal_events(run_folder / "events.journal") == [event for event, *_ in fired.events]
 
 
 def test_a_workers_stop_ends_the_composer_run_within_a_few_batches(tmp_path, spawn):

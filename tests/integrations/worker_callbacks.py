@@ -19,14 +19,16 @@ class EpochMonitor(Callback):
 
 
 class EventLog(Callback):
-    """Every event received, in order, with the batch count it carried; written as JSON when closed."""
+    """Every event received, in order, with the batch count it carried (``detail``: also the epoch and the
+    dataloader label, which change at events other than a batch's end); written as JSON when closed."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, detail: bool = False):
+        self.path, self.detail = path, detail
         self.events: list[list] = []
 
     def run_event(self, event: Event, state, logger):
-        self.events.append([event.value, int(state.timestamp.batch)])
+        seen = [event.value, int(state.timestamp.batch)]
+        self.events.append(seen + [int(state.timestamp.epoch), state.dataloader_label] if self.detail else seen)
 
     def close(self, state, logger):
         with open(self.path, "w") as file:
