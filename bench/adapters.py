@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, table
+from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, ratio_range, table
 from bench.daemons import STEP_SIZES
 from bench.models import loader, mlp
 
@@ -366,7 +366,8 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
     sizes = {"~1 ms": STEP_SIZES["~1 ms"]} if quick else STEP_SIZES
     trainers = [t for t in TRAINERS if _installed(t)]
     results: dict[str, Any] = {}
-    rows, ends, cpu_rows = [], [], []
+    rows: list[tuple[Any, ...]] = []
+    ends, cpu_rows = [], []
     for label, shape in sizes.items():
         # ~1 ms steps: 2,000 (2-3 s of training), so that what a daemon spends once per run (its first
         # TensorBoard file, the run's end) is not taken for a cost per step; ~30 ms steps: 150 (60 spread
@@ -388,22 +389,26 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
             alone_runs = [f["steps_per_sec"] for f in runs["alone"]]
             ratios = {f"{s}/alone": paired_ratio([f["steps_per_sec"] for f in v], alone_runs)
                       for s, v in runs.items() if s != "alone"}
+            spread = {s: ratio_range([f["steps_per_sec"] for f in v], alone_runs)
+                      for s, v in runs.items() if s != "alone"}
             own = [ratios[f"{s}/alone"] for s in steps_s if s.startswith("own")]
             trainer_cpu = {s: median([f["trainer_cpu_ms_per_step"] for f in v]) for s, v in runs.items()}
             daemon_cpu = {name: median([f[f"{name}_cpu_ms_per_step"] for f in runs["daemons"]]) for name in DAEMONS} \
                 if "daemons" in runs else {}
             cpu_rows.append(_cpu_row(trainer, label, trainer_cpu, daemon_cpu))
             if "daemons" not in runs:  # --quick: the daemons are started for one trainer only
-                rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], "-", ratios["own/alone"],
+                rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], spread["bus"], "-", "-",
+                             ratios["own/alone"],
                              f"{ratios['own-wandb/alone']:.3g}" if "own-wandb/alone" in ratios else "-", "-"))
                 results.setdefault(trainer, {})[label] = {"steps": steps, "steps_per_sec": steps_s,
-                                                          "ratios": ratios, "trainer_cpu_ms_per_step": trainer_cpu,
-                                                          "fits": runs}
+                                                          "ratios": ratios, "ranges": spread,
+                                                          "trainer_cpu_ms_per_step": trainer_cpu, "fits": runs}
                 continue
             met = ratios["daemons/alone"] >= TARGETS[label] and all(ratios["daemons/alone"] > v for v in own)
-            rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], ratios["daemons/alone"],
-                         ratios["own/alone"], f"{ratios['own-wandb/alone']:.3g}" if "own-wandb/alone" in ratios
-                         else "-", "yes" if met else "NO"))
+            rows.append((trainer, label, alone, 1000 / alone, ratios["bus/alone"], spread["bus"],
+                         ratios["daemons/alone"], spread["daemons"], ratios["own/alone"],
+                         f"{ratios['own-wandb/alone']:.3g}" if "own-wandb/alone" in ratios else "-",
+                         "yes" if met else "NO"))
             daemons = runs["daemons"]
             end_of_run = {s: median([f["end_s"] for f in v]) for s, v in runs.items()}
             ends.append((trainer, label, median([f["warmup_s"] for f in daemons]),
@@ -411,13 +416,14 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
                          end_of_run["daemons"], median([f["daemons_exit_s"] for f in daemons]),
                          _median_of(daemons, "daemons_end_cpu_s")))
             results.setdefault(trainer, {})[label] = {
-                "steps": steps, "steps_per_sec": steps_s, "ratios": ratios, "target_met": met,
+                "steps": steps, "steps_per_sec": steps_s, "ratios": ratios, "ranges": spread, "target_met": met,
                 "end_of_run_s": end_of_run, "trainer_cpu_ms_per_step": trainer_cpu,
                 "daemon_cpu_ms_per_step": daemon_cpu,
                 "daemons_total_cpu_ms_per_step": sum(daemon_cpu.values()) + trainer_cpu["daemons"], "fits": runs}
     table(f"9. adapters: steps/s of the trainer alone (a, median) and ratios to it (the median of each repeat's "
-          f"ratio to (a) in that repeat); {_load()}",
-          ["trainer", "step", "(a) steps/s", "ms/step", "(b) bus", "(c) daemons", "(d) own TB", "(d) own W&B",
+          f"ratio to (a) in that repeat, then the lowest and highest of those); {_load()}",
+          ["trainer", "step", "(a) steps/s", "ms/step", "(b) bus", "range", "(c) daemons", "range", "(d) own TB",
+           "(d) own W&B",
            f"(c)>={'/'.join(f'{v}' for v in TARGETS.values())} & >(d)"], rows)
     table("9. adapters: (c)'s daemons: warm-up from the first step and its CPU (s), the end of the run (last step "
           "to fit's return, s)",

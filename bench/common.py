@@ -42,6 +42,14 @@ def paired_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
     return statistics.median(value / baseline for value, baseline in zip(values, baselines, strict=True))
 
 
+def ratio_range(values: Sequence[float], baselines: Sequence[float]) -> str:
+    """The lowest and highest of the repeats' own ratios (see :func:`paired_ratio`), printed beside their
+    median: on a shared VM a loop's speed moves by 10-15% from one second to the next, so a median of
+    three repeats is only as exact as this range shows."""
+    ratios = [value / baseline for value, baseline in zip(values, baselines, strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
+
+
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(h) for h in header]] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]

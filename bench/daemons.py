@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, table
+from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, ratio_range, table
 from bench.models import classifier, loader
 from eventbus import Trainer
 from eventbus.bus.wire import WINDOW_TOPIC, subscription, topic_index
@@ -229,10 +229,11 @@ def run(quick: bool) -> dict:
                     times["composer"].append(composer)
             steps = {k: median(v) for k, v in times.items() if v}
             to_alone = {k: paired_ratio(v, times["alone"]) for k, v in times.items() if v}
-            rows = [(k, steps[k], to_alone[k], paired_ratio(times[k], times["plain"]),
-                     (1 / steps[k] - 1 / steps["plain"]) * 1e3) for k in steps]
-            table(f"6. daemons, {label} steps ({batches} batches; steps/s, ratios)",
-                  ["", "steps/s", "x trainer alone", "x plain loop", "ms/batch over plain"], rows)
+            rows = [(k, steps[k], to_alone[k], ratio_range(times[k], times["alone"]) if k != "alone" else "-",
+                     paired_ratio(times[k], times["plain"]), (1 / steps[k] - 1 / steps["plain"]) * 1e3) for k in steps]
+            table(f"6. daemons, {label} steps ({batches} batches; steps/s, ratios: the median of the repeats' and "
+                  "their range)",
+                  ["", "steps/s", "x trainer alone", "range", "x plain loop", "ms/batch over plain"], rows)
             cpu_ms = {k: median(v) * 1e3 for k, v in per_step.items()}
             total = cpu_ms["daemons"] + sum(cpu_ms[name] for name in DAEMONS)
             ends = {name: median(after_fit[name]) for name in DAEMONS}

@@ -40,3 +40,12 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
     for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "5. GPU",
                   "6. daemons"):
         assert title in stdout
+
+
+def test_a_ratio_is_printed_with_the_range_of_the_repeats_it_is_the_median_of():
+    from bench.common import paired_ratio, ratio_range
+
+    runs, beside = [90.0, 100.0, 80.0], [100.0, 125.0, 100.0]  # the baseline measured in the same repeat
+    assert paired_ratio(runs, beside) == 0.8
+    assert ratio_range(runs, beside) == "0.80-0.90"
+    assert ratio_range([90.0], [100.0]) == "-"  # one repeat (--quick): no range to show
