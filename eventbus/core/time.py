@@ -373,8 +373,8 @@ class Timestamp:
                 try:
                     int(value) if name in _COUNTER_UNITS else clock(0, float(value))
                 except (TypeError, ValueError, OverflowError):
-                    raise ValueError(f"timestamp field {name}: {value!r} is not a number in range") from None
-            raise
+                    raise ValueError(f"timestamp field {name}: {value!r:.40} is not a number in range") from None
+            raise ValueError("the timestamp's fields do not make a timestamp together") from None
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Union[int, float]]) -> "Timestamp":

@@ -92,6 +92,9 @@ def test_a_timestamp_as_it_travels_reads_back_whole_and_a_bad_field_is_named():
             Timestamp.from_fields(bad)
     with pytest.raises(ValueError, match="14 fields"):
         Timestamp.from_fields(ts.fields()[:13])
+    with pytest.raises(ValueError) as error:  # what a peer sent is quoted, cut short
+        Timestamp.from_fields(["9" * 100_000, *ts.fields()[1:]])
+    assert "timestamp field iteration" in str(error.value) and len(str(error.value)) < 120
 
 
 def test_a_timestamp_from_a_state_dict_reads_the_same_and_a_bad_value_is_named():
