@@ -56,7 +56,7 @@ def payload_of(payloads: list[Any], ref: int, seq: int, check: bool) -> dict[str
         if below is None:
             break
         if type(below) is not int or not 0 <= below < index:
-            raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r}")
+            raise ProtocolError(f"message {seq}: a payload delta must refer to an earlier payload, got {below!r:.40}")
         index = below
     for index, part in reversed(chain):
         if base is not None:

@@ -352,7 +352,7 @@ def decode_request(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str,
     if not isinstance(obj, dict):
         raise ProtocolError("request: expected a map")
     if obj.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"request: protocol version {obj.get('v')!r} is not supported")
+        raise ProtocolError(f"request: protocol version {obj.get('v')!r:.40} is not supported")
     if not isinstance(obj.get("op"), str):
         raise ProtocolError("request: missing 'op'")
     check_plain(obj, 0, "request")

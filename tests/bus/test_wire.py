@@ -109,6 +109,9 @@ def test_requests_round_trip_and_reject_garbage():
     for bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"op": "stop"}), msgpack.packb({"v": 1})):
         with pytest.raises(ProtocolError):
             wire.decode_request(bad)
+    with pytest.raises(ProtocolError, match="protocol version") as error:  # what a client sent, cut short
+        wire.decode_request(msgpack.packb({"v": "9" * 10_000, "op": "stop"}))
+    assert len(str(error.value)) < 100
 
 
 def window(**overrides):
@@ -149,6 +152,10 @@ def test_a_payload_sent_as_a_change_reads_as_the_whole_snapshot():
     forward = [wire.pack_payload({wire.DELTA_BASE: 1}), wire.pack_payload({})]
     with pytest.raises(ProtocolError, match="must refer to an earlier payload"):
         wire.decode_window(window(payloads=forward, refs=[0, 0, 1, 1]))
+    named = [wire.pack_payload({wire.DELTA_BASE: "x" * 10_000}), wire.pack_payload({})]
+    with pytest.raises(ProtocolError, match="must refer to an earlier payload") as error:
+        wire.decode_window(window(payloads=named, refs=[0, 0, 1, 1]))
+    assert len(str(error.value)) < 120  # what the peer sent, cut short
 
 
 @pytest.mark.fast
