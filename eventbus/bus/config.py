@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import pathlib
 import socket
 import tempfile
-import uuid
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -163,10 +163,13 @@ def check_bindable(address: str, secured: bool) -> None:
 
 
 def default_address(run_folder: pathlib.Path) -> str:
-    """ipc in the run folder, or a short path in the temp dir when that would be too long."""
+    """ipc in the run folder, or a short path in the temp dir when that would be too long. That one is
+    named after the run folder and the user: a run restarted in the same folder after a crash (which
+    leaves its socket file behind) takes the old file over, rather than leaving one more in the temp dir."""
     path = (run_folder / "bus").resolve()
     if len(str(path)) + len(".ctl") > _MAX_IPC_PATH:
-        path = pathlib.Path(tempfile.gettempdir()) / f"eventbus-{uuid.uuid4().hex[:12]}"
+        digest = hashlib.sha256(f"{os.getuid()}:{path}".encode()).hexdigest()[:12]
+        path = pathlib.Path(tempfile.gettempdir()) / f"eventbus-{digest}"
     return f"ipc://{path}"
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from eventbus import BusConfig, ConfigError, Subscriber, Trainer
+from eventbus.bus.config import default_address
 from eventbus.bus.security import ClientKeys, generate_keys
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address, free_port, make_loader, make_model
 
@@ -37,6 +40,24 @@ def test_ipc_endpoint_of_a_live_process_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="already served by a live process"):
         Trainer(make_model(), make_loader(), device="cpu", bus=bus_address(tmp_path))
     first.close()
+
+
+def test_a_run_folder_too_deep_for_ipc_takes_over_the_socket_file_a_killed_run_left(tmp_path):
+    """The temp-dir socket of a deep run folder is named after the folder: a run restarted there takes
+    over the file a killed one left behind (ZeroMQ does not remove it), rather than leaving one more."""
+    folder = tmp_path / ("d" * 120) / "run"
+    address = default_address(folder)
+    assert address == default_address(folder) != default_address(tmp_path / ("e" * 120) / "run")
+    path = address.removeprefix("ipc://")
+    assert os.path.dirname(path) == tempfile.gettempdir()
+    for left in (path, path + ".ctl"):  # what a SIGKILLed trainer leaves: socket files nobody listens on
+        dead = socket.socket(socket.AF_UNIX)
+        dead.bind(left)
+        dead.close()
+    trainer = Trainer(make_model(), make_loader(), device="cpu", run_folder=folder)
+    assert trainer.publisher is not None and trainer.publisher.address == address
+    trainer.close()
+    assert not os.path.exists(path) and not os.path.exists(path + ".ctl")
 
 
 async def _receive(address: str, keys, seconds: float) -> tuple[int, object]:
