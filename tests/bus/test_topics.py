@@ -266,7 +266,7 @@ def test_windows_still_go_out_after_one_of_two_subscriptions_leaves(tmp_path):
 def test_a_subscriber_is_sent_only_the_windows_holding_its_topics_and_misses_no_seq(tmp_path):
     """The FIT_END subscriber's group gets a window only when the trainer published one of its
     topics (header, fit_end, end): three frames for a run of hundreds of windows, each covering every
-    seq since the previous one; the Subscriber of the same group sees no gap and delivers them all."""
+    seq since the previous one; the Subscriber of the same group loses none and delivers each once."""
     address = bus_address(tmp_path)
     trainer = Trainer(make_model(), make_loader(), max_duration="2ep", run_name="groups", bus=address)
     group = wire.subscription([wire.TOPICS.index(name) for name in ("header", "end", "fit_end")])
@@ -288,7 +288,8 @@ def test_a_subscriber_is_sent_only_the_windows_holding_its_topics_and_misses_no_
     raw.close(0)
     delivered = [message for window in windows for message in window]
     assert delivered == [("header", None), ("event", Event.FIT_END), ("end", None)]
-    assert stats.lost == 0 and stats.duplicates == 0 and stats.received <= 3
+    # Each delivered once and none lost; its idle checks may fetch one by replay before its window comes.
+    assert stats.lost == 0 and stats.delivered == 3 and stats.received <= 3
     decoded = [wire.decode_window(frame[1]) for frame in frames]
     assert all(frame[0] == group for frame in frames) and len(decoded) <= 3
     assert [m.event or m.kind for w in decoded for m in w.messages][-2:] == ["fit_end", "end"]

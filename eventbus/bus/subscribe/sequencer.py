@@ -128,7 +128,7 @@ class Sequencer:
             self._first_live = window.first
         assert self.next_seq is not None
         if window.last < self.next_seq:
-            self._stats.duplicates += len(window)
+            self._stats.duplicates += len(window.messages)
             return None
         return self.next_seq
 
@@ -167,6 +167,9 @@ class Sequencer:
         if not recovered and next_seq == window.first and end == window.last:
             self._ready.extend(messages)  # the usual live window: all of it, as it is
         else:
+            if not recovered:  # live messages queued before (not seqs: a window of a few topics may
+                # cover seqs stepped over by ``skip_to`` while holding none of this subscriber's there)
+                self._stats.duplicates += sum(envelope.seq < next_seq for envelope in messages)
             kept = [envelope for envelope in messages if next_seq <= envelope.seq <= end]
             self._ready.extend(kept)
             if recovered:
@@ -176,7 +179,6 @@ class Sequencer:
                     envelope.recovered = True
                 self._stats.caught_up += early
                 self._stats.recovered += len(kept) - early
-        self._stats.duplicates += next_seq - window.first
         self.next_seq = end + 1
         return True
 

@@ -121,6 +121,23 @@ def test_with_topics_other_topics_messages_are_never_built_and_a_missed_window_i
     assert stats.recovered == 1 and stats.duplicates == 0
 
 
+def test_duplicates_count_messages_received_twice_not_seqs_stepped_over():
+    """A quiet subscriber's tail check steps over seqs holding none of its topics; the next window
+    of its group covers them again, and holds nothing it had: no duplicate."""
+    batch_end = wire.TOPICS.index("batch_end")
+    stats = SubscriberStats()
+    sequencer = Sequencer(stats, start="beginning", topics=frozenset({batch_end}))
+    sequencer.join(RUN, 0)
+    assert accept(sequencer, window(1, "batch_start", "batch_end")) is None
+    sequencer.skip_to(5)  # the publisher is at seq 4, and none of 3..4 is a batch_end
+    assert accept(sequencer, window(3, "batch_start", "batch_start", "batch_start")) is None
+    assert accept(sequencer, window(3, "batch_start", "batch_start", "batch_start", "batch_end")) is None
+    assert drain(sequencer) == [2, 6] and stats.duplicates == 0
+    assert accept(sequencer, window(1, "batch_start", "batch_end", "epoch_end")) is None  # seq 2 again
+    assert accept(sequencer, window(5, "batch_start", "batch_end", "batch_end")) is None  # seq 6 again, 7 new
+    assert drain(sequencer) == [7] and stats.duplicates == 2
+
+
 def test_a_fill_takes_a_recovered_window_up_to_the_end_of_the_gap_only():
     stats = SubscriberStats()
     sequencer = Sequencer(stats, start="beginning")
