@@ -14,9 +14,9 @@ __all__ = ["SubscriberStats"]
 
 @dataclasses.dataclass
 class SubscriberStats:
-    received: int = 0
+    received: int = 0  # live messages of its topics
     delivered: int = 0
-    duplicates: int = 0
+    duplicates: int = 0  # live messages received again (dropped: each is delivered once)
     gaps: int = 0
     caught_up: int = 0  # read back from before the first live message (a late or restarted subscriber's start)
     recovered: int = 0  # filled into a gap after live messages were arriving
