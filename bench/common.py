@@ -39,15 +39,19 @@ def paired_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
     """The median of each repeat's ratio to the baseline measured beside it in the same repeat: the
     machine's speed drifts between repeats (the trainer alone moved by up to 25%), and a ratio of two
     medians taken from different repeats carries that drift."""
-    return statistics.median(value / baseline for value, baseline in zip(values, baselines, strict=True))
+    return statistics.median(_repeat_ratios(values, baselines))
 
 
 def ratio_range(values: Sequence[float], baselines: Sequence[float]) -> str:
     """The lowest and highest of the repeats' own ratios (see :func:`paired_ratio`), printed beside their
     median: on a shared VM a loop's speed moves by 10-15% from one second to the next, so a median of
     three repeats is only as exact as this range shows."""
-    ratios = [value / baseline for value, baseline in zip(values, baselines, strict=True)]
+    ratios = _repeat_ratios(values, baselines)
     return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
+
+
+def _repeat_ratios(values: Sequence[float], baselines: Sequence[float]) -> list[float]:
+    return [value / baseline for value, baseline in zip(values, baselines, strict=True)]
 
 
 def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
