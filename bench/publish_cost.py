@@ -1,24 +1,24 @@
 """1. Publish cost on the training thread, beside a raw pyzmq send of the same bytes and a bare call;
 then, per thread, what the bus costs a ~1 ms step: the training thread's CPU alone, with capture only
 (every record dropped before the queue: the bus thread asleep) and with the bus, and the bus thread's
-(numbering, snapshots, windows, journal), beside the steps/s ratios."""
+(numbering, snapshots, windows, journal), beside the steps/s ratios; the three rotated inside one fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
 import time
-from typing import Any, Union
+from typing import Any, Optional
 
 import torch
 import zmq
 
-from bench.common import emit, event_capture, median, percentile, table
+from bench.common import emit, event_capture, median, paired_ratio, percentile, ratio_range, table
 from bench.models import classifier, loader
-from eventbus import Event, Trainer
+from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
-from eventbus.bus.config import BusConfig
 
 
 def run(quick: bool) -> dict:
@@ -76,57 +76,107 @@ def _thread_cpu(thread: threading.Thread) -> float:
         return int(stat.read().split()[0]) / 1e9
 
 
-def _fit(folder: str, name: str, bus: Union[bool, str, BusConfig], batches: int) -> dict[str, float]:
-    """One ~1 ms-step fit: steps/s, and the training and bus threads' CPU per step (µs)."""
-    before = set(threading.enumerate())
-    trainer = Trainer(classifier(64, 2), loader(batches, 16), max_duration=f"{batches}ba", device="cpu",
-                      run_folder=f"{folder}/{name}", bus=bus, progress_bar=False)
-    bus_thread = next((t for t in threading.enumerate() if t not in before and t.name.startswith("eventbus-bus")),
-                      None)
-    bus_cpu = _thread_cpu(bus_thread) if bus_thread is not None else 0.0
-    started, cpu = time.perf_counter(), time.thread_time()
-    trainer.fit()
-    seconds, cpu = time.perf_counter() - started, time.thread_time() - cpu
-    bus_cpu = _thread_cpu(bus_thread) - bus_cpu if bus_thread is not None else 0.0
-    trainer.close()
-    run_folder = f"{folder}/{name}"
-    journal = sum(entry.stat().st_size for entry in os.scandir(run_folder) if ".journal" in entry.name) \
-        if os.path.isdir(run_folder) else 0
-    return {"steps_per_sec": batches / seconds, "training_thread_us": cpu / batches * 1e6,
-            "bus_thread_us": bus_cpu / batches * 1e6, "journal_bytes": journal / batches}
+SETUPS = ("alone", "capture", "bus")
+# Longer than a window (200 ms while events keep coming) and its encoding: a block's windows are all
+# published, on the bus thread's clock, before the next block starts its own.
+_SETTLE_SECONDS = 0.3
+
+
+class _Rotation(Callback):
+    """Switches one ~1 ms-step fit between the setups every ``block`` steps, in turn, at BATCH_END (the
+    engine calls the capture after the callbacks): *alone*, the engine and the logger without the bus
+    (its thread asleep); *capture*, every record captured, then dropped and counted (a queue that holds
+    nothing); *bus*, published. One fit, so the setups share the process, its warm caches and the
+    machine's drift from one second to the next, which moved separate fits by ±15%."""
+
+    def __init__(self, block: int, warm_up: int):
+        self.block, self.warm_up = block, warm_up
+        self.steps = 0
+        self.blocks: dict[str, list[dict[str, float]]] = {setup: [] for setup in SETUPS}
+        self._started: Optional[tuple[str, float, float, float]] = None  # setup, clock, training and bus CPU
+
+    def attach(self, trainer: Trainer) -> None:
+        self.trainer, self.capture = trainer, event_capture(trainer)
+        publisher = trainer.publisher
+        assert publisher is not None
+        self.publisher, self.config = publisher, publisher.config
+        self.capture_only = dataclasses.replace(publisher.config, queue_size=0)
+        self.bus_thread = next(t for t in threading.enumerate() if t.name == f"eventbus-bus-rank{publisher.rank}")
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        self.steps += 1
+        if self.steps < self.warm_up or (self.steps - self.warm_up) % self.block:
+            return
+        now, training = time.perf_counter(), time.thread_time()
+        setup = SETUPS[(self.steps - self.warm_up) // self.block % len(SETUPS)]
+        self._switch(setup)
+        time.sleep(_SETTLE_SECONDS)  # the bus thread publishes the block's last window before the next block
+        bus = _thread_cpu(self.bus_thread)
+        if self._started is not None:
+            last, then, training_then, bus_then = self._started
+            self.blocks[last].append({"steps_per_sec": self.block / (now - then),
+                                      "training_thread_us": (training - training_then) / self.block * 1e6,
+                                      "bus_thread_us": (bus - bus_then) / self.block * 1e6})
+        self._started = (setup, time.perf_counter(), time.thread_time(), bus)
+
+    def _switch(self, setup: str) -> None:
+        sinks, destinations = self.trainer.engine.sinks, self.trainer.logger.destinations
+        if setup == "alone":
+            sinks.remove(self.capture)
+            destinations.remove(self.capture.metrics_destination)
+            return
+        if self.capture not in sinks:
+            sinks.append(self.capture)
+            destinations.append(self.capture.metrics_destination)
+        self.publisher.config = self.capture_only if setup == "capture" else self.config
 
 
 def _per_step(quick: bool) -> dict[str, float]:
-    """The trainer alone, with capture only and with a bus nobody subscribes to, alternated (noise hits
-    them alike). Capture only is a bus whose queue holds nothing (``queue_size=0``): every record is
-    captured, then dropped and counted, and the bus thread sleeps."""
+    """What the bus costs a ~1 ms step, per thread: the trainer alone, with capture only and with the bus
+    (nobody subscribed), rotated inside one fit (:class:`_Rotation`); each round's ratios to its own
+    *alone* block, then their median."""
     if not os.path.exists("/proc/self/task"):
         return {}
-    batches, repeats = (100, 1) if quick else (600, 5)
-    runs: dict[str, list[dict[str, float]]] = {"alone": [], "capture": [], "bus": []}
+    rounds, block, warm_up = (2, 50, 50) if quick else (40, 500, 500)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as bench daemons: the ~1 ms step on one core, the other free for the bus thread
+    batches = warm_up + rounds * len(SETUPS) * block + 1
     with tempfile.TemporaryDirectory() as folder:
-        _fit(folder, "warm-up", False, 50)  # first-call costs (allocator, imports) counted in neither
-        for r in range(repeats):
-            runs["alone"].append(_fit(folder, f"a{r}", False, batches))
-            runs["capture"].append(_fit(folder, f"c{r}", BusConfig(address=f"ipc://{folder}/c{r}.bus", queue_size=0),
-                                        batches))
-            runs["bus"].append(_fit(folder, f"b{r}", f"ipc://{folder}/b{r}.bus", batches))
+        rotation = _Rotation(block, warm_up)
+        trainer = Trainer(classifier(64, 2), loader(batches, 16), max_duration=f"{batches}ba", device="cpu",
+                          run_folder=f"{folder}/run", bus=f"ipc://{folder}/bus", progress_bar=False,
+                          callbacks=[rotation])
+        rotation.attach(trainer)
+        trainer.fit()
+        trainer.close()
+        journal = sum(entry.stat().st_size for entry in os.scandir(f"{folder}/run") if ".journal" in entry.name)
     torch.set_num_threads(threads)
-    alone, capture, bus = ({key: median([run[key] for run in got]) for key in got[0]} for got in runs.values())
+    blocks = rotation.blocks
+    rounds = min(len(got) for got in blocks.values())
+
+    def each(setup: str, key: str) -> list[float]:
+        return [measured[key] for measured in blocks[setup][:rounds]]
+
+    def per_step(setup: str, key: str) -> float:
+        return median(each(setup, key))
 
     def ratio(setup: str) -> float:
-        return median([s["steps_per_sec"] / a["steps_per_sec"] for a, s in zip(runs["alone"], runs[setup])])
+        return paired_ratio(each(setup, "steps_per_sec"), each("alone", "steps_per_sec"))
 
+    bus_steps = rounds * block  # the journal holds the bus's blocks only (and the run's first steps)
     out = {"steps_ratio": ratio("bus"), "steps_ratio_capture": ratio("capture"),
-           "training_thread_us_alone": alone["training_thread_us"],
-           "training_thread_us_capture": capture["training_thread_us"],
-           "training_thread_us_bus": bus["training_thread_us"],
-           "bus_thread_us": bus["bus_thread_us"], "journal_bytes_per_step": bus["journal_bytes"]}
-    table("1. the bus's cost per ~1 ms step, per thread (CPU µs per step; medians of alternated runs)",
-          ["training thread alone", "+ capture only", "+ bus", "bus thread", "steps/s x alone: capture",
-           "bus", "journal B/step"],
+           "training_thread_us_alone": per_step("alone", "training_thread_us"),
+           "training_thread_us_capture": per_step("capture", "training_thread_us"),
+           "training_thread_us_bus": per_step("bus", "training_thread_us"),
+           "bus_thread_us": per_step("bus", "bus_thread_us"),
+           "journal_bytes_per_step": journal / (bus_steps + warm_up), "rounds": rounds}
+    ranges = {setup: ratio_range(each(setup, "steps_per_sec"), each("alone", "steps_per_sec"))
+              for setup in ("capture", "bus")}
+    table(f"1. the bus's cost per ~1 ms step, per thread (CPU µs per step), the setups rotated every {block} steps "
+          f"in one fit, {rounds} rounds: medians, and the range of each round's ratio to its own alone block",
+          ["training thread alone", "+ capture only", "+ bus", "bus thread", "steps/s x alone: capture", "range",
+           "bus", "range", "journal B/step"],
           [[out["training_thread_us_alone"], out["training_thread_us_capture"], out["training_thread_us_bus"],
-            out["bus_thread_us"], out["steps_ratio_capture"], out["steps_ratio"], out["journal_bytes_per_step"]]])
+            out["bus_thread_us"], out["steps_ratio_capture"], ranges["capture"], out["steps_ratio"], ranges["bus"],
+            out["journal_bytes_per_step"]]])
     return out
