@@ -7,6 +7,7 @@ plugin's stall against Lightning's own save and a plain copy of the state
 Steps/s are over the steady part of ``fit``: from the end of the first tenth of the steps to the last
 step's end, read by a callback every setup has (bus opening and closing, daemon start and the
 trainers' setup are left out). Medians over repeats that alternate the setups (the machine is noisy).
+Then (b) against (a) once more, inside one fit per trainer (:mod:`bench.adapters_in_one_fit`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, ratio_range, table
 from bench.daemons import STEP_SIZES
 from bench.models import loader, mlp
+from bench.rotation import Rotation
 
 SETUPS = ("alone", "bus", "daemons", "own")  # (a) (b) (c) (d)
 TRAINERS = ("lightning", "transformers", "composer")
@@ -177,7 +179,7 @@ def _environment(**values: str) -> Iterator[None]:
 # ---------------------------------------------------------------------- one fit per trainer
 
 def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str,
-               warmup: _Warmup) -> list[float]:
+               warmup: _Warmup, rotation: Optional[Rotation] = None) -> list[float]:
     import lightning.pytorch as pl
 
     from eventbus.integrations.lightning import EventBusCallback
@@ -203,6 +205,9 @@ def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, se
             self.times: list[float] = []
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if rotation is not None:
+                rotation.step()
+                return
             if not self.times:
                 warmup.wait(callbacks[0])
             _mark(self.times, warmup)
@@ -217,12 +222,14 @@ def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, se
     trainer = pl.Trainer(max_steps=steps, max_epochs=1, logger=logger, log_every_n_steps=1, callbacks=callbacks,
                          accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(folder))
+    if rotation is not None:
+        rotation.switch = _switching(trainer.callbacks, callbacks[0])
     trainer.fit(Net(), loader(steps, batch_size))
     return clock.times
 
 
 def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str,
-                  warmup: _Warmup) -> list[float]:
+                  warmup: _Warmup, rotation: Optional[Rotation] = None) -> list[float]:
     import transformers
 
     from eventbus.integrations.transformers import EventBusCallback
@@ -243,6 +250,9 @@ def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path,
             self.times: list[float] = []
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if rotation is not None:
+                rotation.step()
+                return
             if not self.times:
                 warmup.wait(bus)
             _mark(self.times, warmup)
@@ -267,13 +277,18 @@ def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path,
         trainer = transformers.Trainer(model=Net(), args=args, train_dataset=dataset, callbacks=callbacks)
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # logs to TB/W&B, not stdout
         if bus is not None:
+            plain_step = trainer.training_step
             EventBusCallback.attach(trainer)  # the step's loss tensor, as the README recommends
+            if rotation is not None:
+                bus_step = trainer.training_step
+                rotation.switch = _switching(trainer.callback_handler.callbacks, bus, lambda on: setattr(
+                    trainer, "training_step", bus_step if on else plain_step))
         trainer.train()
     return clock.times
 
 
 def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, setup: str,
-              warmup: _Warmup) -> list[float]:
+              warmup: _Warmup, rotation: Optional[Rotation] = None) -> list[float]:
     from composer import Callback
     from composer import Trainer as ComposerTrainer
     from composer.loggers import TensorboardLogger
@@ -288,6 +303,9 @@ def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, set
             self.times: list[float] = []
 
         def batch_end(self, state: Any, logger: Any) -> None:
+            if rotation is not None:
+                rotation.step()
+                return
             if not self.times:
                 warmup.wait(callbacks[0])
             _mark(self.times, warmup)
@@ -301,9 +319,28 @@ def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, set
                               train_dataloader=loader(steps, batch_size), max_duration=f"{steps}ba",
                               device="cpu", progress_bar=False, log_to_console=False,
                               callbacks=callbacks, loggers=loggers, run_name=folder.name, seed=0)
+    if rotation is not None:
+        bus, composer_logger = callbacks[0], trainer.logger
+        rotation.switch = _switching(trainer.state.callbacks, bus, lambda on: setattr(
+            composer_logger, "destinations", (*(d for d in composer_logger.destinations if d is not bus.destination),
+                                              *((bus.destination,) if on else ()))))
     trainer.fit()
     trainer.close()  # ends the run on the bus (the daemons then exit)
     return clock.times
+
+
+def _switching(callbacks: list[Any], bus: Any, also: Callable[[bool], None] = lambda on: None
+               ) -> Callable[[str], None]:
+    """:attr:`Rotation.switch` for an adapter: its callback taken off the trainer's list for *alone* and put
+    back first for *bus* (``also``: what else the adapter hooked, put back or taken off with it)."""
+    def switch(setup: str) -> None:
+        on = setup != "alone"
+        if on and bus not in callbacks:
+            callbacks.insert(0, bus)
+        elif not on and bus in callbacks:
+            callbacks.remove(bus)
+        also(on)
+    return switch
 
 
 RUNNERS: dict[str, Callable[..., list[float]]] = {
@@ -458,6 +495,9 @@ def run(quick: bool) -> dict:
     print(f"\n9. adapters ({_load()})", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         result["steps_per_sec"] = steps_per_sec(quick, pathlib.Path(folder))
+        from bench.adapters_in_one_fit import bus_in_one_fit  # it runs this module's fits
+
+        result["bus_in_one_fit"] = bus_in_one_fit(quick, pathlib.Path(folder))
         from bench.lightning_checkpoint import checkpoint_stall  # it uses this module's helpers
 
         result["checkpoint"] = checkpoint_stall(quick, pathlib.Path(folder))

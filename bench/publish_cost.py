@@ -8,15 +8,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import zmq
 
-from bench.common import emit, event_capture, median, paired_ratio, percentile, ratio_range, table
+from bench.common import emit, event_capture, median, percentile, table
 from bench.models import classifier, loader
+from bench.rotation import Rotation, bus_thread_clock
 from eventbus import Callback, Event, Trainer
 from eventbus.bus import wire
 
@@ -70,30 +70,17 @@ def run(quick: bool) -> dict:
     return result
 
 
-def _thread_cpu(thread: threading.Thread) -> float:
-    """CPU seconds of one thread of this process (schedstat: nanoseconds)."""
-    with open(f"/proc/self/task/{thread.native_id}/schedstat") as stat:
-        return int(stat.read().split()[0]) / 1e9
-
-
 SETUPS = ("alone", "capture", "bus")
-# Longer than a window (200 ms while events keep coming) and its encoding: a block's windows are all
-# published, on the bus thread's clock, before the next block starts its own.
-_SETTLE_SECONDS = 0.3
 
 
-class _Rotation(Callback):
-    """Switches one ~1 ms-step fit between the setups every ``block`` steps, in turn, at BATCH_END (the
-    engine calls the capture after the callbacks): *alone*, the engine and the logger without the bus
-    (its thread asleep); *capture*, every record captured, then dropped and counted (a queue that holds
-    nothing); *bus*, published. One fit, so the setups share the process, its warm caches and the
-    machine's drift from one second to the next, which moved separate fits by ±15%."""
+class _Setups(Callback):
+    """Puts the setups in place (:class:`~bench.rotation.Rotation`, at BATCH_END: the engine calls the
+    capture after the callbacks): *alone*, the engine and the logger without the bus (its thread asleep);
+    *capture*, every record captured, then dropped and counted (a queue that holds nothing); *bus*,
+    published."""
 
-    def __init__(self, block: int, warm_up: int):
-        self.block, self.warm_up = block, warm_up
-        self.steps = 0
-        self.blocks: dict[str, list[dict[str, float]]] = {setup: [] for setup in SETUPS}
-        self._started: Optional[tuple[str, float, float, float]] = None  # setup, clock, training and bus CPU
+    def __init__(self, rotation: Rotation):
+        self.rotation = rotation
 
     def attach(self, trainer: Trainer) -> None:
         self.trainer, self.capture = trainer, event_capture(trainer)
@@ -101,25 +88,13 @@ class _Rotation(Callback):
         assert publisher is not None
         self.publisher, self.config = publisher, publisher.config
         self.capture_only = dataclasses.replace(publisher.config, queue_size=0)
-        self.bus_thread = next(t for t in threading.enumerate() if t.name == f"eventbus-bus-rank{publisher.rank}")
+        self.rotation.switch = self.switch
+        self.rotation.clocks = bus_thread_clock()
 
     def batch_end(self, state: Any, logger: Any) -> None:
-        self.steps += 1
-        if self.steps < self.warm_up or (self.steps - self.warm_up) % self.block:
-            return
-        now, training = time.perf_counter(), time.thread_time()
-        setup = SETUPS[(self.steps - self.warm_up) // self.block % len(SETUPS)]
-        self._switch(setup)
-        time.sleep(_SETTLE_SECONDS)  # the bus thread publishes the block's last window before the next block
-        bus = _thread_cpu(self.bus_thread)
-        if self._started is not None:
-            last, then, training_then, bus_then = self._started
-            self.blocks[last].append({"steps_per_sec": self.block / (now - then),
-                                      "training_thread_us": (training - training_then) / self.block * 1e6,
-                                      "bus_thread_us": (bus - bus_then) / self.block * 1e6})
-        self._started = (setup, time.perf_counter(), time.thread_time(), bus)
+        self.rotation.step()
 
-    def _switch(self, setup: str) -> None:
+    def switch(self, setup: str) -> None:
         sinks, destinations = self.trainer.engine.sinks, self.trainer.logger.destinations
         if setup == "alone":
             sinks.remove(self.capture)
@@ -133,50 +108,37 @@ class _Rotation(Callback):
 
 def _per_step(quick: bool) -> dict[str, float]:
     """What the bus costs a ~1 ms step, per thread: the trainer alone, with capture only and with the bus
-    (nobody subscribed), rotated inside one fit (:class:`_Rotation`); each round's ratios to its own
-    *alone* block, then their median."""
+    (nobody subscribed), switched inside one fit (:mod:`bench.rotation`)."""
     if not os.path.exists("/proc/self/task"):
         return {}
     rounds, block, warm_up = (2, 50, 50) if quick else (40, 500, 500)
+    rotation = Rotation(SETUPS, block, warm_up)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as bench daemons: the ~1 ms step on one core, the other free for the bus thread
-    batches = warm_up + rounds * len(SETUPS) * block + 1
+    batches = rotation.batches(rounds)
     with tempfile.TemporaryDirectory() as folder:
-        rotation = _Rotation(block, warm_up)
+        setups = _Setups(rotation)
         trainer = Trainer(classifier(64, 2), loader(batches, 16), max_duration=f"{batches}ba", device="cpu",
                           run_folder=f"{folder}/run", bus=f"ipc://{folder}/bus", progress_bar=False,
-                          callbacks=[rotation])
-        rotation.attach(trainer)
+                          callbacks=[setups])
+        setups.attach(trainer)
         trainer.fit()
         trainer.close()
         journal = sum(entry.stat().st_size for entry in os.scandir(f"{folder}/run") if ".journal" in entry.name)
     torch.set_num_threads(threads)
-    blocks = rotation.blocks
-    rounds = min(len(got) for got in blocks.values())
-
-    def each(setup: str, key: str) -> list[float]:
-        return [measured[key] for measured in blocks[setup][:rounds]]
-
-    def per_step(setup: str, key: str) -> float:
-        return median(each(setup, key))
-
-    def ratio(setup: str) -> float:
-        return paired_ratio(each(setup, "steps_per_sec"), each("alone", "steps_per_sec"))
-
-    bus_steps = rounds * block  # the journal holds the bus's blocks only (and the run's first steps)
-    out = {"steps_ratio": ratio("bus"), "steps_ratio_capture": ratio("capture"),
-           "training_thread_us_alone": per_step("alone", "training_thread_us"),
-           "training_thread_us_capture": per_step("capture", "training_thread_us"),
-           "training_thread_us_bus": per_step("bus", "training_thread_us"),
-           "bus_thread_us": per_step("bus", "bus_thread_us"),
-           "journal_bytes_per_step": journal / (bus_steps + warm_up), "rounds": rounds}
-    ranges = {setup: ratio_range(each(setup, "steps_per_sec"), each("alone", "steps_per_sec"))
-              for setup in ("capture", "bus")}
+    bus_steps = rotation.rounds * block  # the journal holds the bus's blocks only (and the run's first steps)
+    out = {"steps_ratio": rotation.ratio("bus"), "steps_ratio_capture": rotation.ratio("capture"),
+           "training_thread_us_alone": rotation.median("alone", "training_thread_us"),
+           "training_thread_us_capture": rotation.median("capture", "training_thread_us"),
+           "training_thread_us_bus": rotation.median("bus", "training_thread_us"),
+           "bus_thread_us": rotation.median("bus", "bus_thread_us"),
+           "journal_bytes_per_step": journal / (bus_steps + warm_up), "rounds": rotation.rounds}
     table(f"1. the bus's cost per ~1 ms step, per thread (CPU µs per step), the setups rotated every {block} steps "
-          f"in one fit, {rounds} rounds: medians, and the range of each round's ratio to its own alone block",
+          f"in one fit, {rotation.rounds} rounds: medians, and the range of each round's ratio to its own alone "
+          "block",
           ["training thread alone", "+ capture only", "+ bus", "bus thread", "steps/s x alone: capture", "range",
            "bus", "range", "journal B/step"],
           [[out["training_thread_us_alone"], out["training_thread_us_capture"], out["training_thread_us_bus"],
-            out["bus_thread_us"], out["steps_ratio_capture"], ranges["capture"], out["steps_ratio"], ranges["bus"],
-            out["journal_bytes_per_step"]]])
+            out["bus_thread_us"], out["steps_ratio_capture"], rotation.ratio_range("capture"), out["steps_ratio"],
+            rotation.ratio_range("bus"), out["journal_bytes_per_step"]]])
     return out

@@ -20,5 +20,9 @@ def test_quick_flood_stop_latency_and_adapter_benchmarks_print_tables_and_json(t
     assert {"bus/alone", "daemons/alone", "own/alone"} <= set(adapters["steps_per_sec"]["lightning"]["~1 ms"]["ratios"])
     assert "own-wandb/alone" in adapters["steps_per_sec"]["transformers"]["~1 ms"]["ratios"]
     assert adapters["checkpoint"]["10MB"]["written_on_training_thread"] == 0  # every save was staged
-    for title in ("7. floods", "8. stop latency", "9. adapters"):
+    in_one_fit = adapters["bus_in_one_fit"]  # the adapter switched off and on inside one fit, per trainer
+    assert set(in_one_fit) == {"lightning", "transformers", "composer"}
+    for measured in in_one_fit.values():
+        assert measured["rounds"] == 2 and measured["bus/alone"] > 0 and measured["bus_thread_us"] > 0
+    for title in ("7. floods", "8. stop latency", "9. adapters", "switched off and on"):
         assert title in stdout
