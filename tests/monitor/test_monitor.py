@@ -440,8 +440,9 @@ def test_monitor_in_a_real_terminal(tmp_path):
         assert "what was on the terminal before" not in text
 
         open_monitor(second)  # a second monitor at the same time
-        text2 = wait_for_screen(second, lambda s: "run watched · live" in s and shown_batch(s)[0] is not None,
-                                "the second monitor showing the run")
+        # As for the first: a whole frame (its bus row drawn), with the batch and the run's length in it.
+        text2 = wait_for_screen(second, lambda s: "run watched · live" in s and shown_batch(s)[1] is not None
+                                and "events/s" in s, "the second monitor showing the run")
         batch2, total2 = shown_batch(text2)
         assert total2 == 200 and batch <= batch2 <= current_batch(trainer)
         pace.release.set()
