@@ -7,7 +7,7 @@ plugin's stall against Lightning's own save and a plain copy of the state
 Steps/s are over the steady part of ``fit``: from the end of the first tenth of the steps to the last
 step's end, read by a callback every setup has (bus opening and closing, daemon start and the
 trainers' setup are left out). Medians over repeats that alternate the setups (the machine is noisy).
-Then (b) against (a) once more, inside one fit per trainer (:mod:`bench.adapters_in_one_fit`).
+Then (b) and (c) against (a) once more, inside one fit per trainer (:mod:`bench.adapters_in_one_fit`).
 """
 
 from __future__ import annotations
@@ -58,6 +58,17 @@ def _mark(times: list[float], warmup: "_Warmup") -> None:
     ~2.5% of a ~1 ms step, at every step of the setup it measured."""
     times.append(time.perf_counter())
     warmup.mark(len(times))
+
+
+def _step_end(times: list[float], warmup: "_Warmup", bus: Any, rotation: Optional[Rotation]) -> None:
+    """Every setup's clock at a step's end: the daemons' warm-up waited for after the first step, then
+    this step's end marked, or the rotation moved on (setups switched inside one fit)."""
+    if (rotation.steps == 0) if rotation is not None else not times:
+        warmup.wait(bus)
+    if rotation is not None:
+        rotation.step()
+    else:
+        _mark(times, warmup)
 
 
 def _wait(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
@@ -205,12 +216,7 @@ def _lightning(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, se
             self.times: list[float] = []
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if rotation is not None:
-                rotation.step()
-                return
-            if not self.times:
-                warmup.wait(callbacks[0])
-            _mark(self.times, warmup)
+            _step_end(self.times, warmup, callbacks[0], rotation)
 
     clock = Clock()
     callbacks: list[Any] = [clock]
@@ -250,12 +256,7 @@ def _transformers(shape: tuple[int, int, int], steps: int, folder: pathlib.Path,
             self.times: list[float] = []
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if rotation is not None:
-                rotation.step()
-                return
-            if not self.times:
-                warmup.wait(bus)
-            _mark(self.times, warmup)
+            _step_end(self.times, warmup, bus, rotation)
 
     data = loader(steps, batch_size).dataset
     dataset = [{"x": x, "labels": y} for x, y in zip(*data.tensors)]
@@ -303,12 +304,7 @@ def _composer(shape: tuple[int, int, int], steps: int, folder: pathlib.Path, set
             self.times: list[float] = []
 
         def batch_end(self, state: Any, logger: Any) -> None:
-            if rotation is not None:
-                rotation.step()
-                return
-            if not self.times:
-                warmup.wait(callbacks[0])
-            _mark(self.times, warmup)
+            _step_end(self.times, warmup, callbacks[0], rotation)
 
     clock = Clock()
     callbacks: list[Any] = [clock]
@@ -495,9 +491,10 @@ def run(quick: bool) -> dict:
     print(f"\n9. adapters ({_load()})", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         result["steps_per_sec"] = steps_per_sec(quick, pathlib.Path(folder))
-        from bench.adapters_in_one_fit import bus_in_one_fit  # it runs this module's fits
+        from bench.adapters_in_one_fit import in_one_fit  # it runs this module's fits
 
-        result["bus_in_one_fit"] = bus_in_one_fit(quick, pathlib.Path(folder))
+        switched = in_one_fit(quick, pathlib.Path(folder))
+        result["bus_in_one_fit"], result["daemons_in_one_fit"] = switched["bus"], switched["daemons"]
         from bench.lightning_checkpoint import checkpoint_stall  # it uses this module's helpers
 
         result["checkpoint"] = checkpoint_stall(quick, pathlib.Path(folder))

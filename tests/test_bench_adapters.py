@@ -24,5 +24,8 @@ def test_quick_flood_stop_latency_and_adapter_benchmarks_print_tables_and_json(t
     assert set(in_one_fit) == {"lightning", "transformers", "composer"}
     for measured in in_one_fit.values():
         assert measured["rounds"] == 2 and measured["bus/alone"] > 0 and measured["bus_thread_us"] > 0
+    daemons = adapters["daemons_in_one_fit"]  # --quick: with the daemons for Lightning only
+    assert set(daemons) == {"lightning"} and daemons["lightning"]["rounds"] == 2
+    assert daemons["lightning"]["daemons_us"]["daemons"] > 0  # their CPU clocks were read while they ran
     for title in ("7. floods", "8. stop latency", "9. adapters", "switched off and on"):
         assert title in stdout
