@@ -14,8 +14,9 @@ import torch
 
 from eventbus import Event
 from eventbus.bus.config import BusConfig
+from eventbus.bus.publish.payload import PayloadBuilder
 from eventbus.bus.publish.publisher import Publisher
-from eventbus.bus.publish.records import EventRecord
+from eventbus.bus.publish.records import SETTINGS_PATCH, EventRecord
 from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.capture.event_capture import EventCapture
@@ -107,6 +108,18 @@ def test_each_event_is_one_record_holding_the_states_values_by_reference(tmp_pat
     assert publisher.stats().captured == 4
 
 
+def settings_published(records: list[Any]) -> list[Optional[tuple[Any, Any]]]:
+    """Per record, the (optimizers, schedulers) of the snapshot the bus thread's PayloadBuilder builds
+    from it, or None when the record changed neither (what a subscriber's state would show)."""
+    builder, shown, published = PayloadBuilder(), None, []
+    for record in records:
+        payload = builder.event_payload(record)
+        settings = (payload[Key.OPTIMIZERS], payload[Key.SCHEDULERS])
+        published.append(None if settings == shown else settings)
+        shown = settings
+    return published
+
+
 def test_the_optimizer_settings_are_captured_again_only_when_they_changed(tmp_path):
     capture, publisher = capture_for(tmp_path)
     source = toy_source()
@@ -122,11 +135,45 @@ def test_the_optimizer_settings_are_captured_again_only_when_they_changed(tmp_pa
         capture.publish(Event.BATCH_END, source)
     optimizer.param_groups[1]["momentum"] = 0.8  # a setting other than the lr, changed in place
     capture.publish(Event.BATCH_END, source)
-    captured = [(record.changes or {}).get(Key.OPTIMIZERS) for record in queued(publisher)]
-    lrs = [[group["lr"] for group in settings[0][1]] if settings else None for settings in captured]
+    records = queued(publisher)
+    # Captured whole once; after that only what changed travels (the lr and the scheduler's last lrs).
+    assert Key.OPTIMIZERS in records[0].changes
+    assert [(record.changes or {}).get(SETTINGS_PATCH) for record in records[1:]] == [
+        None, (((0, 0, "lr", pytest.approx(0.01)), (0, 1, "lr", pytest.approx(0.05))),
+               ((0, [pytest.approx(0.01), pytest.approx(0.05)]),)),
+        None, (((0, 0, "lr", pytest.approx(0.001)), (0, 1, "lr", pytest.approx(0.005))),
+               ((0, [pytest.approx(0.001), pytest.approx(0.005)]),)),
+        (((0, 1, "momentum", 0.8),), ())]
+    published = settings_published(records)
+    lrs = [[group["lr"] for group in settings[0][0][1]] if settings else None for settings in published]
     assert lrs == [[0.1, 0.5], None, pytest.approx([0.01, 0.05]), None, pytest.approx([0.001, 0.005]),
                    pytest.approx([0.001, 0.005])]
-    assert captured[-1][0][1][1]["momentum"] == 0.8
+    assert [group["momentum"] for group in published[-1][0][0][1]] == [0, 0.8]
+    assert published[-1][1] == [["StepLR", pytest.approx([0.001, 0.005])]]
+    assert [groups[0]["lr"] for _, groups in published[0][0]] == [0.1]  # the first snapshot's dicts unchanged
+
+
+def test_settings_dropped_on_a_full_queue_are_sent_whole_at_the_next_capture(tmp_path):
+    capture, publisher = capture_for(tmp_path)
+    source = toy_source()
+    optimizer = source.optimizers[0]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    source.schedulers = [scheduler]
+    capture.publish(Event.INIT, source)
+    size, publisher.config = publisher.config.queue_size, dataclasses.replace(publisher.config, queue_size=0)
+    for _ in range(2):  # the bus thread is far behind: these batches' lrs are dropped
+        optimizer.step()
+        scheduler.step()
+        capture.publish(Event.BATCH_END, source)
+    publisher.config = dataclasses.replace(publisher.config, queue_size=size)
+    optimizer.step()
+    scheduler.step()
+    capture.publish(Event.BATCH_END, source)
+    records = queued(publisher)
+    assert len(records) == 2 and publisher.stats().dropped_queue_full == 2
+    assert Key.OPTIMIZERS in records[1].changes  # whole, not a patch on what the bus thread never got
+    published = settings_published(records)
+    assert published[1][0][0][1][0]["lr"] == pytest.approx(0.1 / 4)
 
 
 def test_gradient_norms_are_computed_only_while_a_subscriber_holds_a_lease(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from eventbus.bus.publish.records import EventRecord
+from eventbus.bus.publish.records import SETTINGS_PATCH, EventRecord
 from eventbus.bus.schema import PER_BATCH_KEYS, Key
 
 __all__ = ["PayloadBuilder", "host_value", "resolve"]
@@ -172,12 +172,38 @@ class PayloadBuilder:
                 # The older, lr-only view of the same capture.
                 current[Key.LEARNING_RATES] = {name: [group.get("lr") for group in groups]
                                                for name, groups in optimizers}
+            elif key == SETTINGS_PATCH:
+                self._patch(*value)
             elif key == Key.GRAD_NORMS:
                 names, norms = value
                 current[Key.GRAD_NORMS] = dict(zip(names, resolve(norms)))
             else:
                 current[key] = resolve(value)
         return changed
+
+    def _patch(self, optimizer_changes: Any, scheduler_changes: Any) -> None:
+        """Apply what changed since the last settings captured (``records.SETTINGS_PATCH``) to new copies
+        of the snapshot's settings: only a patched group's dict is copied. Capture sends a patch only
+        when the bus thread got every settings record before it (it sends them whole after a drop)."""
+        current = self._current
+        if optimizer_changes:
+            optimizers = [[name, list(groups)] for name, groups in current[Key.OPTIMIZERS]]
+            copied: set[tuple[int, int]] = set()
+            for o, g, key, value in optimizer_changes:
+                groups = optimizers[o][1]
+                if (o, g) not in copied:
+                    copied.add((o, g))
+                    groups[g] = dict(groups[g])
+                groups[g][key] = value if value.__class__ in _PLAIN else resolve(value)
+            current[Key.OPTIMIZERS] = optimizers
+            current[Key.LEARNING_RATES] = {name: [group.get("lr") for group in groups] for name, groups in optimizers}
+        if scheduler_changes:
+            schedulers = list(current[Key.SCHEDULERS])
+            for index, lrs in scheduler_changes:
+                schedulers[index] = [schedulers[index][0], resolve(lrs)]
+            current[Key.SCHEDULERS] = schedulers
+        # What the next whole capture is compared with is no longer what the snapshot holds.
+        self._settings.clear()
 
     @staticmethod
     def metrics_payload(metrics: dict[str, Any], step: Optional[int], source: str) -> dict[str, Any]:

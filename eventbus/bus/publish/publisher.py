@@ -93,18 +93,19 @@ class Publisher:
 
     # ------------------------------------------------------------------ training thread
 
-    def put(self, record: Record) -> None:
-        """Hand one record to the bus thread. Never blocks; dropped and counted when far behind."""
+    def put(self, record: Record) -> bool:
+        """Hand one record to the bus thread. Never blocks; dropped and counted when far behind (False)."""
         if self._closed:
-            return
+            return False
         if self._queue.qsize() >= self.config.queue_size:
             self._stats.dropped_queue_full += 1
-            return
+            return False
         self._stats.captured += 1
         self._queue.put(record)
         armed = self._doorbell.armed  # the bus thread sleeps until a record (or a BATCH_END) comes: ring once
         if armed and (armed == Doorbell.ANY or is_batch_end(record)):
             self._doorbell.ring()
+        return True
 
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None, source: str = "trainer") -> None:
         self.put(MetricsRecord(metrics, step, source, time.time(), time.monotonic()))

@@ -15,7 +15,13 @@ from typing import Any, Optional, Protocol, Union
 import msgspec
 
 __all__ = ["Deferred", "StagedCheckpointRef", "EventRecord", "MetricsRecord",
-           "HyperparametersRecord", "EndRecord", "Record", "joins", "is_batch_end"]
+           "HyperparametersRecord", "EndRecord", "Record", "SETTINGS_PATCH", "joins", "is_batch_end"]
+
+#: A key of ``EventRecord.changes`` only (never on the wire): the optimizer and scheduler settings that
+#: changed since the last capture, as ``(((optimizer, group, key, value), ...), ((scheduler, lrs), ...))``
+#: by index. The payload builder applies it to the settings it holds: at every batch of a run whose
+#: scheduler moves the lr, only the lr travels, not every setting of every group.
+SETTINGS_PATCH = "settings_patch"
 
 
 class Deferred(Protocol):
