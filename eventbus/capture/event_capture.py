@@ -19,16 +19,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import torch
 
 import eventbus.distributed as distributed
 from eventbus.bus.protocol import WEIGHTS_EVENTS
 from eventbus.bus.publish.publisher import Publisher
-from eventbus.bus.publish.records import SETTINGS_PATCH, EventRecord
+from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
-from eventbus.capture.settings import SettingsPatch, SettingsSeen
+from eventbus.capture.settings import NO_CHANGE, SettingsCapture
 from eventbus.capture.source import CaptureSource
 from eventbus.capture.staged import StagedWeights, stage
 from eventbus.checkpoint.staging import Staged, StagingBuffers
@@ -51,10 +51,6 @@ _CAPTURE_EVENTS = frozenset({Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BEF
 # next BATCH_START too (one capture per batch instead of two).
 _LR_EVENTS = frozenset({Event.INIT, Event.FIT_START, Event.EPOCH_START, Event.BATCH_END})
 _PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})
-_NO_PATCH: SettingsPatch = ((), ())  # the settings compared equal to those captured last
-# Published whole from those kept: the last ones published were dropped. (Made at run time: the compiler
-# would make two equal constant tuples one object.)
-_RESEND = cast(SettingsPatch, tuple([(), ()]))
 # Compared with ``is`` at every event: an enum member read from its class costs ~0.07 us, a global less.
 _BATCH_END, _EVAL_END = Event.BATCH_END, Event.EVAL_END
 _SKIPPED_REPORT_SECONDS = 10.0  # skipped checkpoints are reported (log line and metric) at most this often
@@ -105,9 +101,7 @@ class EventCapture(EventSink):
         self.distributed, self.sharded = distributed, sharded
         self.metrics_destination = _MetricsForwarder(self)
         self._put = publisher.put
-        self._hyperparameter_keys: dict[int, tuple[str, ...]] = {}  # id(param group) -> its plain keys
-        self._settings: Optional[SettingsSeen] = None  # None: capture them at the next _LR_EVENTS
-        self._resend_settings = False  # a record carrying settings was dropped: the next one is whole
+        self._settings = SettingsCapture()
         self._agreed_stop = self._agreed_checkpoint = False
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
         # The checkpoint lease's save interval: (interval, its rule, its scheduler), built once per interval.
@@ -180,8 +174,8 @@ class EventCapture(EventSink):
             state.eval_timestamp if event in _EVAL_EVENTS else None, state.dataloader_label,
             self._last_length_value, state.batch_num_samples, state.batch_num_tokens,
             changes, staged, state.previous_timestamp))
-        if changes is not None and (Key.OPTIMIZERS in changes or SETTINGS_PATCH in changes):
-            self._resend_settings = not queued  # a patch builds on what the bus thread got: dropped, send all
+        if changes is not None:
+            self._settings.handed_over(changes, queued)
 
     def _apply_stop_request(self, state: CaptureSource) -> None:
         if self.distributed:
@@ -195,9 +189,9 @@ class EventCapture(EventSink):
     def _changes(self, event: Event, state: CaptureSource) -> Optional[dict[str, Any]]:
         """What changed since the previous event (most events of a batch change nothing)."""
         loss = state.loss
-        patch = self._settings_patch(state) if event in _LR_EVENTS else _NO_PATCH
+        settings = self._settings.compare(state.optimizers, state.schedulers) if event in _LR_EVENTS else NO_CHANGE
         if loss is self._last_loss and state.total_loss_dict is self._last_total_losses \
-                and patch is _NO_PATCH and event is not _EVAL_END \
+                and settings is NO_CHANGE and event is not _EVAL_END \
                 and state.train_metric_values is self._last_train_values \
                 and state.max_duration is self._last_max_duration and state.stop_reason is self._last_stop_reason:
             return None  # the common case: nothing changed since the previous event
@@ -208,14 +202,8 @@ class EventCapture(EventSink):
         if state.total_loss_dict is not self._last_total_losses:  # set once per batch, before BATCH_END
             self._last_total_losses = state.total_loss_dict
             changes[Key.TOTAL_LOSSES] = {k: stage(v) for k, v in state.total_loss_dict.items()}
-        if patch is None:  # captured whole
-            seen = SettingsSeen(state.optimizers, state.schedulers, self._hyperparameter_keys)
-            self._settings = seen if seen.comparable else None
-            changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = seen.captured()
-        elif patch is _RESEND and self._settings is not None:
-            changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = self._settings.captured()
-        elif patch is not _NO_PATCH:
-            changes[SETTINGS_PATCH] = patch
+        if settings is not NO_CHANGE:
+            self._settings.add(settings, state.optimizers, state.schedulers, changes)
         label = state.dataloader_label
         if event is _EVAL_END and label is not None and label in state.eval_metric_values:
             values = state.eval_metric_values[label]
@@ -229,21 +217,6 @@ class EventCapture(EventSink):
             changes[Key.MAX_DURATION] = str(state.max_duration) if state.max_duration is not None else None
             changes[Key.STOP_REASON] = state.stop_reason
         return changes or None
-
-    def _settings_patch(self, state: CaptureSource) -> Optional[SettingsPatch]:
-        """How the optimizers' and schedulers' settings differ from those captured last (compared, not
-        rebuilt): ``_NO_PATCH`` when they do not, None when they must be captured anew (first seen,
-        other objects, tensor-valued), ``_RESEND`` when the last ones the bus thread was to get were
-        dropped (a full queue), else the values that changed."""
-        seen = self._settings
-        if seen is None:
-            return None
-        patch = seen.update(state.optimizers, state.schedulers)
-        if patch is None:
-            return None
-        if self._resend_settings:
-            return _RESEND  # the kept values are current (update kept them): no rebuild
-        return _NO_PATCH if not patch[0] and not patch[1] else patch
 
     def _capture_on_demand(self, event: Event, state: CaptureSource, changes: Optional[dict[str, Any]]
                            ) -> tuple[Optional[dict[str, Any]], Optional[Staged]]:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
+from eventbus.bus.publish.records import SETTINGS_PATCH
+from eventbus.bus.schema import Key
 from eventbus.capture.staged import stage
 from eventbus.core.plain import PLAIN_TYPES
 
-__all__ = ["SettingsSeen", "SettingsPatch"]
+__all__ = ["SettingsSeen", "SettingsPatch", "SettingsCapture", "NO_CHANGE"]
 
 #: What changed since the last capture (see ``records.SETTINGS_PATCH``): ((optimizer, group, key, value),
 #: ...) and ((scheduler, its lrs), ...), by index.
@@ -147,3 +149,51 @@ class SettingsSeen:
 
 def _copy(lrs: Any) -> Any:
     return None if lrs is None else list(lrs)
+
+
+NO_CHANGE: SettingsPatch = ((), ())  # the settings compared equal to those captured last
+# Published whole from those kept: the last ones handed over were dropped. (Made at run time: the compiler
+# would make two equal constant tuples one object.)
+_RESEND = cast(SettingsPatch, tuple([(), ()]))
+
+
+class SettingsCapture:
+    """Capture's side of the settings at the events where they can have changed: :meth:`compare` says
+    what to publish, :meth:`add` puts it on the event's changes (whole, or the patch of what changed),
+    :meth:`handed_over` notes whether the record reached the bus thread's queue."""
+
+    __slots__ = ("_seen", "_resend", "_keys_by_group")
+
+    def __init__(self) -> None:
+        self._seen: Optional[SettingsSeen] = None  # None: captured whole at the next comparison
+        self._resend = False  # a record carrying settings was dropped: the next one is whole
+        self._keys_by_group: dict[int, tuple[str, ...]] = {}  # id(param group) -> its plain keys
+
+    def compare(self, optimizers: Sequence[Any], schedulers: Sequence[Any]) -> Optional[SettingsPatch]:
+        """``NO_CHANGE``; None when they are captured anew (first seen, other objects, tensor-valued);
+        otherwise what :meth:`add` publishes (a patch, or a sign to send the kept values whole)."""
+        seen = self._seen
+        if seen is None:
+            return None
+        patch = seen.update(optimizers, schedulers)
+        if patch is None:
+            return None
+        if self._resend:
+            return _RESEND  # the kept values are current (update kept them): no rebuild
+        return NO_CHANGE if not patch[0] and not patch[1] else patch
+
+    def add(self, compared: Optional[SettingsPatch], optimizers: Sequence[Any], schedulers: Sequence[Any],
+            changes: dict[str, Any]) -> None:
+        if compared is None:
+            seen = SettingsSeen(optimizers, schedulers, self._keys_by_group)
+            self._seen = seen if seen.comparable else None
+            changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = seen.captured()
+        elif compared is _RESEND and self._seen is not None:
+            changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = self._seen.captured()
+        else:
+            changes[SETTINGS_PATCH] = compared
+
+    def handed_over(self, changes: dict[str, Any], queued: bool) -> None:
+        """A record with these changes was queued (or dropped): a patch builds on what the bus thread got."""
+        if Key.OPTIMIZERS in changes or SETTINGS_PATCH in changes:
+            self._resend = not queued
