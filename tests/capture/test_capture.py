@@ -135,7 +135,14 @@ def test_the_optimizer_settings_are_captured_again_only_when_they_changed(tmp_pa
         capture.publish(Event.BATCH_END, source)
     optimizer.param_groups[1]["momentum"] = 0.8  # a setting other than the lr, changed in place
     capture.publish(Event.BATCH_END, source)
+    capture.publish(Event.BATCH_END, source)  # nothing changed since
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.2})
+    capture.publish(Event.BATCH_END, source)
     records = queued(publisher)
+    grown = records.pop()  # a group more: captured whole again, not patched
+    assert SETTINGS_PATCH not in grown.changes
+    assert [group["lr"] for group in grown.changes[Key.OPTIMIZERS][0][1]] == pytest.approx([0.001, 0.005, 0.2])
+    assert records.pop().changes is None
     # Captured whole once; after that only what changed travels (the lr and the scheduler's last lrs).
     assert Key.OPTIMIZERS in records[0].changes
     assert [(record.changes or {}).get(SETTINGS_PATCH) for record in records[1:]] == [
