@@ -188,7 +188,8 @@ class SettingsCapture:
             seen = SettingsSeen(optimizers, schedulers, self._keys_by_group)
             self._seen = seen if seen.comparable else None
             changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = seen.captured()
-        elif compared is _RESEND and self._seen is not None:
+        elif compared is _RESEND:
+            assert self._seen is not None  # compare() resends only what it kept
             changes[Key.OPTIMIZERS], changes[Key.SCHEDULERS] = self._seen.captured()
         else:
             changes[SETTINGS_PATCH] = compared
