@@ -77,7 +77,8 @@ class _Setups(Callback):
     """Puts the setups in place (:class:`~bench.rotation.Rotation`, at BATCH_END: the engine calls the
     capture after the callbacks): *alone*, the engine and the logger without the bus (its thread asleep);
     *capture*, every record captured, then dropped and counted (a queue that holds nothing); *bus*,
-    published."""
+    published. The trainer's settings stay constant here: with a scheduler, *capture* would send them
+    whole at every BATCH_END (a dropped settings record makes the next one whole) and overstate capture."""
 
     def __init__(self, rotation: Rotation):
         self.rotation = rotation
