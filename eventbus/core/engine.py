@@ -5,13 +5,16 @@
   INIT on), last on every other event.
 * Exceptions raised by a callback during an event propagate to the trainer.
 * ``close`` runs every callback's ``close`` then every ``post_close``, once;
-  their exceptions are logged, never raised. It also runs at interpreter exit.
+  their exceptions are logged, never raised. It also runs at interpreter exit, and when the
+  engine is garbage-collected unclosed (as Composer's does): a trainer dropped after ``fit`` ends
+  its run on the bus rather than leaving the bus thread, sockets and an unfinished journal behind.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
 
@@ -75,6 +78,10 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and not sys.is_finalizing():  # at exit, atexit closed the live ones
+            self.close()
 
     def run_event(self, event: Union[Event, str]) -> None:
         if self._closed:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import gc
+import pathlib
 import time
 
 import pytest
@@ -17,6 +19,7 @@ from eventbus import (
     InMemoryLogger,
     Trainer,
 )
+from eventbus.bus.journal import read_messages
 from tests.support import make_loader, make_model, make_trainer
 
 
@@ -274,3 +277,19 @@ def test_composer_docs_callbacks_work_unchanged(capsys):
     for callback in (EpochMonitor(), RunEventMonitor()):
         Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", callbacks=[callback]).fit()
         assert capsys.readouterr().out.splitlines() == ["Epoch: 0", "Epoch: 1", "Epoch: 2"]
+
+
+def test_a_trainer_dropped_without_close_ends_its_run(tmp_path):
+    """As Composer's engine does once collected: a trainer let go after fit (a sweep in a notebook) ends its
+    run on the bus, rather than keeping its bus thread and sockets, with the journal unfinished, until exit."""
+    trainer = Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", run_folder=tmp_path / "run")
+    trainer.fit()
+    publisher = trainer.publisher
+    socket_file = pathlib.Path(publisher.address.removeprefix("ipc://"))
+    assert socket_file.exists() and publisher._thread.is_alive()
+    del trainer
+    gc.collect()
+    assert not publisher._thread.is_alive()
+    assert not socket_file.exists()
+    messages = list(read_messages(publisher.journal_path))
+    assert [m.kind for m in messages[-2:]] == ["event", "end"] and messages[-2].event == "fit_end"

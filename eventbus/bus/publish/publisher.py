@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import queue
+import threading
 import time
 import uuid
 from typing import Any, Optional, Union
@@ -134,6 +135,14 @@ class Publisher:
         self._queue.put(EndRecord())
         self._doorbell.ring()
         self._closed = True
+        if threading.current_thread() is self._thread:  # closed by a garbage collection on the bus thread
+            threading.Thread(target=self._finish_closing, name="eventbus-close", daemon=True).start()
+        else:
+            self._finish_closing()
+
+    def _finish_closing(self) -> None:
+        """Wait for the bus thread to end the run, then release the doorbell and the staged buffers."""
+        assert self._thread is not None
         self._thread.join(timeout=30 + self.config.checkpoint_close_timeout)
         if self._thread.is_alive():
             log.error("the bus thread did not finish; the journal may miss the last messages")
