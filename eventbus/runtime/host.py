@@ -88,6 +88,7 @@ class CallbackHost:
         self.failure: Optional[BaseException] = None
         self.broken: Optional[BaseException] = None  # a callback thread could not commit: the host stops
         self._stopping = asyncio.Event()
+        self.window_came = asyncio.Event()  # set at each window handed over: wakes an idle heartbeat
         self._resumed_run = cursor.run_id if cursor is not None else None
         self.run_id: Optional[str] = None  # the run of the messages handed to the callbacks
         self._weights = HeldWeights(release_weights) if release_weights is not None else None
@@ -183,6 +184,7 @@ class CallbackHost:
             window = item if isinstance(item, list) else [item]
             if not window:
                 continue
+            self.window_came.set()
             self.run_id = window[-1].run_id
             if self._weights is not None:
                 self._hold_weights(window)
