@@ -1,5 +1,6 @@
 """A worker started before a run sees all of it, however short: a real ``eventbus worker`` process
-waits for a trainer, then an in-process Trainer runs 40 tiny batches with no pause and closes."""
+waits for a trainer, then an in-process Trainer runs 40 tiny batches with no pause and closes. And a
+worker left idle by a pause in the run keeps its heartbeat and still has the rest applied before the end."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import time
+from typing import Optional
 
-from eventbus import Trainer
+from eventbus import Callback, Trainer
+from eventbus.bus.journal import read_messages
 from tests.support import REPO_ROOT, bus_address, make_loader, make_model
 
 RUNS = 5  # the race is between the worker's connection and a run that is over almost at once
@@ -94,3 +98,40 @@ def test_a_worker_restarted_after_its_run_ended_says_why_it_stops(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "applied to its end: with no trainer up it finds that end and exits; for a run that starts later, " \
            "use --follow or another --identity" in again.stderr
+
+
+class PauseAt(Callback):
+    """The trainer sends nothing for a while at one batch (as a long evaluation or a slow save would); at
+    the end of fit it notes which workers' heartbeats it heard within the last ``within`` seconds."""
+
+    def __init__(self, batch: int, seconds: float, within: float):
+        self.batch, self.seconds, self.within = batch, seconds, within
+        self.trainer: Optional[Trainer] = None
+        self.live_at_fit_end: list[str] = []
+
+    def batch_end(self, state, logger):
+        if int(state.timestamp.batch) == self.batch:
+            time.sleep(self.seconds)
+
+    def fit_end(self, state, logger):
+        assert self.trainer is not None and self.trainer.publisher is not None
+        self.live_at_fit_end = self.trainer.publisher.subscribers(within=self.within)
+
+
+def test_a_worker_idle_through_a_pause_keeps_its_heartbeat_and_has_the_rest_of_the_run_applied(tmp_path):
+    """Idle mid-run (no window for over a second), the worker's heartbeat sleeps until a window comes or its
+    next hello is due (every 3 s): the trainer still hears it, and the run's end still waits for what it
+    logs at every batch after the pause (journaled before the end)."""
+    worker = waiting_worker(tmp_path, 'tests.worker_callbacks:PlateauStopper:{"batch": 1000}')
+    pause = PauseAt(10, seconds=7.0, within=4.5)  # a heartbeat that stopped in the pause: last heard >= 5 s before
+    trainer = Trainer(make_model(), make_loader(num_samples=BATCHES * 4, batch_size=4), max_duration=f"{BATCHES}ba",
+                      device="cpu", bus=bus_address(tmp_path), run_folder=tmp_path / "run", callbacks=[pause])
+    pause.trainer = trainer
+    trainer.fit()
+    trainer.close()
+    finish(worker)
+    assert pause.live_at_fit_end, "the trainer stopped hearing the worker's heartbeat during the pause"
+    journal = list(read_messages(tmp_path / "run" / "events.journal"))
+    logged = [m.payload["metrics"]["custom/batch_seen"] for m in journal
+              if m.kind == "metrics" and m.payload["source"] == "PlateauStopper"]
+    assert logged == list(range(1, BATCHES + 1)) and journal[-1].kind == "end"
