@@ -330,30 +330,17 @@ class CallbackHost:
             if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or now - slot.committed_at >= COMMIT_INTERVAL:
                 slot.commit_with_others(self.cursor)
 
-    @staticmethod
-    async def _call(slot: Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:
-        """Run ``method`` where the callback's methods run: awaited, on its thread, or its executor."""
-        if inspect.iscoroutinefunction(method):
-            await method(*args)
-        elif slot.lane is not None:
-            call = Call(method, args)
-            slot.lane.hand_over()  # after every message already given to it
-            slot.lane.inbox.put(SlotCall(slot, call))
-            await asyncio.wrap_future(call.future)
-        else:
-            await loop.run_in_executor(slot.executor, method, *args)
-
     async def _close_all(self) -> None:
         loop = asyncio.get_running_loop()
         for slot in self.slots:
             try:
                 state = slot.live if slot.message is not None else None  # None: no message ever reached it
-                await self._call(slot, slot.callback.close, loop, state, slot.logger)
+                await _call(slot, slot.callback.close, loop, state, slot.logger)
             except Exception:
                 log.exception("error in %s.close(); continuing", slot.name)
         for slot in self.slots:
             try:
-                await self._call(slot, slot.callback.post_close, loop)
+                await _call(slot, slot.callback.post_close, loop)
             except Exception:
                 log.exception("error in %s.post_close(); continuing", slot.name)
             if slot.executor is not None:
@@ -364,6 +351,19 @@ class CallbackHost:
             for slot in self.lane.slots:
                 if slot.thread is not None:
                     await asyncio.to_thread(slot.thread.join)
+
+
+async def _call(slot: Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:
+    """Run ``method`` where the callback's methods run: awaited, on its thread, or its executor."""
+    if inspect.iscoroutinefunction(method):
+        await method(*args)
+    elif slot.lane is not None:
+        call = Call(method, args)
+        slot.lane.hand_over()  # after every message already given to it
+        slot.lane.inbox.put(SlotCall(slot, call))
+        await asyncio.wrap_future(call.future)
+    else:
+        await loop.run_in_executor(slot.executor, method, *args)
 
 
 async def _to_lane(lane: Optional[Lane], items: list[Any]) -> None:
