@@ -287,8 +287,12 @@ def test_a_trainer_dropped_without_close_ends_its_run(tmp_path):
     publisher = trainer.publisher
     socket_file = pathlib.Path(publisher.address.removeprefix("ipc://"))
     assert socket_file.exists() and publisher._thread.is_alive()
-    del trainer
-    gc.collect()
+    gc.disable()  # collected here, not by an automatic collection on the bus thread, which closes asynchronously
+    try:
+        del trainer
+        gc.collect()
+    finally:
+        gc.enable()
     assert not publisher._thread.is_alive()
     assert not socket_file.exists()
     messages = list(read_messages(publisher.journal_path))
