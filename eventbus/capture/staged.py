@@ -38,8 +38,7 @@ def stage(value: Any) -> Any:
 
     A CPU tensor with autograd history (the loss) is kept detached: held as it is, it would keep its
     step's graph alive until the bus thread drops the record, and the bus thread would free the graph,
-    memory the training thread allocated (at ~1 ms steps: 12 us a step more on the bus thread, and the
-    trainer with the bus ~10% slower)."""
+    memory the training thread allocated (at ~1 ms steps, ~12 us a step more on the bus thread)."""
     if isinstance(value, torch.Tensor):
         if value.is_cuda:
             return StagedValue(value)
