@@ -136,7 +136,10 @@ def test_health_worker_reports_trainer_system_and_disk_statistics(tmp_path, spaw
 def test_stall_alarm_and_recovery_but_not_during_evaluation(tmp_path, spawn):
     trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="stalled",
                       eval_dataloader=make_loader(16, 16), eval_interval="2ep", bus=bus_address(tmp_path),
-                      callbacks=[SleepAt(2.5, batch=5), SleepAt(2.0)])
+                      callbacks=[SleepAt(3.5, batch=5), SleepAt(2.0)])
+    # The stall lasts past the latest the alarm may come: a worker whose subscription reaches the trainer after
+    # the first batches gets them by gap recovery, after its 1 s idle check; then the 1 s threshold and a 0.25 s
+    # tick (~2.5 s after batch 4 was published).
     worker = start_worker(spawn, tmp_path, "--stall-factor", "2", "--stall-min-seconds", "1", "--interval", "0")
     BackgroundTrainer(trainer).start().join()
     assert worker.finish() == 0, "\n".join(worker.stderr)
