@@ -122,8 +122,9 @@ class ProgressLogger(LoggerDestination):
     def fit_end(self, state: Any, logger: Logger) -> None:
         # Said at close, after everything the run still does (a final evaluation comes after FIT_END).
         ts = state.timestamp
-        self._done_line = (f"done: {int(ts.epoch)} epochs, {int(ts.batch)} batches, {int(ts.sample)} samples"
-                           f" in {ts.total_wct.total_seconds():.1f}s of training")
+        counts = [_count(int(ts.epoch), "epoch")] if int(ts.epoch) else []  # a run inside its first epoch: none
+        counts += [_count(int(ts.batch), "batch", "batches"), _count(int(ts.sample), "sample")]
+        self._done_line = f"done: {', '.join(counts)} in {ts.total_wct.total_seconds():.1f}s of training"
 
     def close(self, state: Any, logger: Logger) -> None:
         self._close_bar()
@@ -205,6 +206,11 @@ def _clock(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def _count(n: int, noun: str, plural: str = "") -> str:
+    """``n`` of ``noun``, in the plural (``plural``, else ``noun`` + s) unless one: "1 epoch", "12 batches"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
 
 
 def _fmt(value: Any) -> str:

@@ -241,3 +241,10 @@ def test_one_logger_cursor_across_two_runs_keeps_each_run_in_its_own_folder(tmp_
         lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert sorted(line["step"] for line in lines) == sorted(published), name
         assert list((folder / "tensorboard").glob("events.out.tfevents.*")), name
+
+
+def test_the_done_line_counts_in_words_a_reader_expects():
+    from eventbus.workers.logger import _count
+
+    assert [_count(1, "epoch"), _count(3, "epoch"), _count(0, "sample")] == ["1 epoch", "3 epochs", "0 samples"]
+    assert [_count(1, "batch", "batches"), _count(12, "batch", "batches")] == ["1 batch", "12 batches"]
