@@ -1,11 +1,6 @@
-"""The daemons ``eventbus run`` starts, from its :class:`JobConfig` (:mod:`eventbus.runtime.supervisor`
-starts, waits for and stops them, as it does for an adapter's or a hand-written loop's run).
-
-Each daemon (``python -m eventbus.workers.<name>``) runs in a session of its own, so Ctrl-C
-reaches only the trainer, which then ends the run for them; each gets SIGTERM if
-the job dies without ending the run (Linux). They exit by themselves once the run
-has ended; :func:`stop_daemons` ends those that do not.
-"""
+"""The daemons ``eventbus run`` starts, from its :class:`JobConfig`. :mod:`eventbus.runtime.supervisor`
+starts, waits for and stops them, as it does for an adapter's or a hand-written loop's run (how they
+run, and how they end, is said there)."""
 
 from __future__ import annotations
 
