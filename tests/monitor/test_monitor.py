@@ -428,8 +428,12 @@ def test_monitor_in_a_real_terminal(tmp_path):
         open_monitor(first)
         reached = max(1, current_batch(trainer))  # the monitor must get at least this far: it is live
         # A frame reaches the terminal in pieces: its bus row, below the metrics, shows it was drawn whole.
+        # The run's total batches show once the monitor has seen a train batch: one that joins during an
+        # evaluation (its state then describes the eval loader) learns the train loader's length at the
+        # next BATCH_END, and until then shows the batch alone.
         text = wait_for_screen(first, lambda s: "run watched · live" in s and (shown_batch(s)[0] or 0) >= reached
-                               and "events/s" in s, f"the first monitor showing the run at batch >= {reached}")
+                               and shown_batch(s)[1] is not None and "events/s" in s,
+                               f"the first monitor showing the run at batch >= {reached} of its total")
         batch, total = shown_batch(text)
         assert total == 200 and reached <= batch <= current_batch(trainer)  # a batch the trainer really reached
         assert "loss/train/total" in text and "SGD" in text
