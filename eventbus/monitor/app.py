@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
 from eventbus.bus.journal import JOURNAL_NAME
+from eventbus.core.events import Event
 from eventbus.errors import EventBusError
 from eventbus.monitor.model import DEFAULT_METRICS
 from eventbus.monitor.screen import Screen, listen_for_quit, log_to_dashboard
@@ -90,7 +91,8 @@ async def _watch(address: str, run: WatchedRun, screen: Screen, refresh: float, 
     try:
         identity = f"monitor-{socket.gethostname()}-{os.getpid()}"
         async with Subscriber(address, start="latest", identity=identity) as subscriber:
-            run.join(subscriber.state, subscriber.header, subscriber.run_id)
+            run.join(subscriber.state, subscriber.header, subscriber.run_id,
+                     subscriber.joined_state(Event.BATCH_END))
             receive = asyncio.create_task(_receive(subscriber, run))
             tasks.append(receive)
             if once:

@@ -65,9 +65,14 @@ class WatchedRun:
 
     # ---------------------------------------------------------------- inputs
 
-    def join(self, state: Any, header: Optional[dict[str, Any]], run_id: Optional[str] = None) -> None:
-        """The state a late joiner got with its snapshot (shown before any live message)."""
+    def join(self, state: Any, header: Optional[dict[str, Any]], run_id: Optional[str] = None,
+             last_batch_end: Any = None) -> None:
+        """The state a late joiner got with its snapshot (shown before any live message); ``last_batch_end``:
+        the state at the run's latest ``BATCH_END`` then, whose loader is the train loader even when the
+        run was evaluating."""
         self.version += 1
+        if last_batch_end is not None:
+            self._note_train_state(last_batch_end)
         if header:
             self.header = dict(header)
         if run_id is not None:

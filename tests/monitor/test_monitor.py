@@ -317,6 +317,36 @@ def last_frame(lines: list[str]) -> list[str]:
     return lines[starts[-1]:]
 
 
+class HoldInEvaluation(Callback):
+    """Holds the training thread inside its first evaluation until released (60 s at most)."""
+
+    def __init__(self) -> None:
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def eval_batch_end(self, state, logger):
+        if not self.held.is_set():
+            self.held.set()
+            self.release.wait(60)
+
+
+def test_a_monitor_that_joins_during_an_evaluation_shows_the_runs_total(tmp_path):
+    """The state it joins at describes the eval loader; the run's total comes from the latest BATCH_END."""
+    address = bus_address(tmp_path)
+    hold = HoldInEvaluation()
+    trainer = Trainer(make_model(), make_loader(), max_duration="5ep", device="cpu", run_name="evaluating",
+                      bus=address, callbacks=[hold], eval_dataloader=make_loader(16, 16))
+    background = BackgroundTrainer(trainer).start()
+    try:
+        assert hold.held.wait(60), "the first evaluation"
+        once = monitor_command(address, "--once", cwd=tmp_path)
+        assert once.returncode == 0, once.stderr
+        assert once.stdout.startswith("eventbus monitor · run evaluating · live")
+        assert shown_batch(once.stdout) == (4, 20), once.stdout  # 4 batches an epoch, 5 epochs
+    finally:
+        hold.release.set()
+        background.join()
+
+
 def test_piped_monitors_follow_a_live_run(tmp_path, spawn):
     """Off a terminal: plain frames; --once prints one and exits; SIGTERM detaches; the run's end exits 0."""
     address = bus_address(tmp_path)
@@ -428,12 +458,10 @@ def test_monitor_in_a_real_terminal(tmp_path):
         open_monitor(first)
         reached = max(1, current_batch(trainer))  # the monitor must get at least this far: it is live
         # A frame reaches the terminal in pieces: its bus row, below the metrics, shows it was drawn whole.
-        # The run's total batches show once the monitor has seen a train batch: one that joins during an
-        # evaluation (its state then describes the eval loader) learns the train loader's length at the
-        # next BATCH_END, and until then shows the batch alone.
+        # Its total, from the first frame: joined during an evaluation, it reads the train loader's length
+        # from the run's latest BATCH_END (test_a_monitor_that_joins_during_an_evaluation_shows_the_runs_total).
         text = wait_for_screen(first, lambda s: "run watched · live" in s and (shown_batch(s)[0] or 0) >= reached
-                               and shown_batch(s)[1] is not None and "events/s" in s,
-                               f"the first monitor showing the run at batch >= {reached} of its total")
+                               and "events/s" in s, f"the first monitor showing the run at batch >= {reached}")
         batch, total = shown_batch(text)
         assert total == 200 and reached <= batch <= current_batch(trainer)  # a batch the trainer really reached
         assert "loss/train/total" in text and "SGD" in text

@@ -116,6 +116,7 @@ class RunView:
         self._fetch = fetch
         self._header: dict[str, Any] = {}
         self._current = _State(None, self._header, self)
+        self._joined: dict[str, _State] = {}  # per event, its latest message in the join's snapshot
 
     @property
     def header(self) -> dict[str, Any]:
@@ -133,16 +134,26 @@ class RunView:
         current = self._current
         return current.get(current.envelope) if current.envelope is not None else None
 
+    def joined_state(self, event: Event) -> Optional[Snapshot]:
+        """The snapshot at the latest ``event`` the trainer had published when this subscriber joined
+        (None: none before the join). A monitor that joins during an evaluation reads the train loader's
+        length from the latest ``BATCH_END``."""
+        joined = self._joined.get(event.value)
+        return joined.get(joined.envelope) if joined is not None else None
+
     def reset(self) -> None:
         """A new run: nothing known about it yet."""
         self._header = {}
         self._current = _State(None, self._header, self)
+        self._joined = {}
 
     def absorb(self, envelope: wire.Envelope) -> None:
         """Update the header or the current snapshot from a message."""
         kind = envelope.kind
         if kind == Kind.EVENT:
             self._current = _State(envelope, self._header, self)  # its payload read when used
+            if envelope.event is not None:  # at most one per event: the snapshot holds each event's latest
+                self._joined[envelope.event] = self._current
         elif kind == Kind.HEADER:
             self.header = envelope.payload  # re-published mid-run: what follows sees its hyperparameters
 

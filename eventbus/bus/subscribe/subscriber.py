@@ -184,6 +184,10 @@ class Subscriber(ControlChannel):
         """The latest snapshot delivered (after joining: the run's current state)."""
         return self._view.state
 
+    def joined_state(self, event: Event) -> Optional[Snapshot]:
+        """The snapshot at the latest ``event`` published before this subscriber joined (None: none)."""
+        return self._view.joined_state(event)
+
     def stats(self) -> SubscriberStats:
         self._stats.buffered = len(self._sequencer) + len(self._ready)
         return dataclasses.replace(self._stats)
