@@ -106,6 +106,7 @@ class EventCapture(EventSink):
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
         # The checkpoint lease's save interval: (interval, its rule, its scheduler), built once per interval.
         self._save_interval: Optional[tuple[str, Callable[[Any, Event], bool], Callable[[Any, Event], bool]]] = None
+        self._interval_refused: Optional[str] = None  # the last save interval this run could not follow
         self._flops_of: tuple[Any, Any] = (None, None)  # a model, and its flops_per_batch or None
         # Last values captured, compared by identity (cheap).
         self._last_loss: Any = None
@@ -359,14 +360,29 @@ class EventCapture(EventSink):
         hand-written loop reads the random generators for it only then (numpy's cost ~45 us a read)."""
         if self.checkpoint_source is None or not self.publisher.holds_checkpoint_lease():
             return False
-        return self._save_rules()[0](state, event)
+        return self._save_interval_says(0, event, state)
 
     def _checkpoint_is_due(self, event: Event, state: CaptureSource) -> bool:
-        return self._save_rules()[1](state, event)
+        return self._save_interval_says(1, event, state)
+
+    def _save_interval_says(self, which: int, event: Event, state: CaptureSource) -> bool:
+        """The save interval's rule (``which`` 0) or scheduler (1) at ``event``. Its text was checked on the
+        bus thread, but whether this run can follow it shows only here (a ``dur`` interval in a run whose
+        length in batches is unknown): then nothing is due, said once per interval. What a worker asked
+        for never raises into the training loop."""
+        try:
+            return self._save_rules()[which](state, event)
+        except Exception as err:
+            wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
+            if self._interval_refused != wanted:
+                self._interval_refused = wanted
+                log.warning("the checkpoint worker's save_interval %r cannot be followed in this run (%s): no "
+                            "checkpoint is staged for it", wanted, err)
+            return False
 
     def _save_rules(self) -> tuple[Callable[[Any, Event], bool], Callable[[Any, Event], bool]]:
         """The save interval's rule (asked ahead, counting nothing) and scheduler (at the event: it remembers
-        the final batch); checked by the request service before it reached the leases: they cannot raise."""
+        the final batch), built once per interval."""
         wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
         if self._save_interval is None or self._save_interval[0] != wanted:
             events = {"batch_event": Event.BATCH_CHECKPOINT, "epoch_event": Event.EPOCH_CHECKPOINT}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 from typing import Any, Optional
 
@@ -21,7 +22,7 @@ from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.capture.event_capture import EventCapture
 from eventbus.checkpoint.staging import StagingBuffers
-from eventbus.core.time import Timestamp
+from eventbus.core.time import Time, Timestamp
 from tests.support import bus_address, make_loader, make_model
 
 pytestmark = pytest.mark.fast
@@ -260,3 +261,29 @@ def test_captured_values_resolve_to_plain_values_the_same_way_at_every_value_of_
         assert resolve(Settings({1: torch.tensor(0.5)})) == {"1": 0.5}
         assert resolve({"loss": torch.tensor(0.25), 3: [torch.tensor(1.0)]}) == {"loss": 0.25, "3": [1.0]}
         assert resolve(Event.FIT_START) == Event.FIT_START and resolve(None) is None
+
+
+def test_a_save_interval_the_run_cannot_follow_stages_nothing_and_never_raises_into_training(tmp_path, caplog):
+    """A checkpoint worker may lease a ``dur`` interval (valid text, checked on the bus thread) for a run
+    whose length in batches is unknown (an epoch duration, no dataloader length): no checkpoint is due,
+    the trainer says so once, and every event is still captured."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path)), tmp_path / "run")
+    (tmp_path / "shm").mkdir()
+    publisher.staging = staging = StagingBuffers(publisher.run_id, directory=tmp_path / "shm")
+    capture = EventCapture(publisher, staging, dict)
+    source = toy_source()
+    source.max_duration = Time.from_timestring("2ep")
+    publisher.leases.grant(["checkpoint"], ttl=60, interval=1, checkpoint_options={"save_interval": "0.5dur"})
+    with caplog.at_level(logging.WARNING, logger="eventbus.capture.event_capture"):
+        for _ in range(3):
+            one_batch(source)
+            assert capture.checkpoint_may_stage(Event.BATCH_CHECKPOINT, source) is False
+            capture.publish(Event.BATCH_CHECKPOINT, source)
+    records = queued(publisher)
+    assert [record.event for record in records] == ["batch_checkpoint"] * 3
+    assert all(record.checkpoint is None for record in records) and staging.skipped == 0
+    warned = [message for message in caplog.messages if "save_interval '0.5dur'" in message]
+    assert len(warned) == 1 and "dataloader with a length" in warned[0]
+    publisher.leases.grant(["checkpoint"], ttl=60, interval=1, checkpoint_options={"save_interval": "1ba"})
+    one_batch(source)
+    assert capture.checkpoint_may_stage(Event.BATCH_CHECKPOINT, source) is True  # a followable one is followed
