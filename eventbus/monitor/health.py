@@ -25,6 +25,8 @@ class TrainerHealth:
             self.answering = False
             return
         self.answering = True
+        if reply.get("error") is not None:  # refused this time (the budget all clients share): the last stands
+            return
         self.reply = reply
         self._answered_at = now
 

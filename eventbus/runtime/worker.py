@@ -266,6 +266,9 @@ async def bus_status(address: str, required: Sequence[str], timeout: float) -> i
     if stats is None:
         print(f"eventbus status: no answer from {address} within {timeout:g}s", file=sys.stderr)
         return 1
+    if stats.get("error") is not None:  # refused: over the budget all clients share, under a flood
+        print(f"eventbus status: {address} refused: {stats['error']}", file=sys.stderr)
+        return 1
     print(json.dumps(stats, indent=2, sort_keys=True, default=str))
     now = stats.get("now", 0)
     live = {name for name, seen in stats.get("subscribers", {}).items() if now - seen.get("last_seen", 0) < 15}

@@ -16,7 +16,7 @@ def test_a_client_gets_its_budget_then_is_refused_and_silenced_while_another_is_
     flooder, other = (b"flooder",), (b"other",)
     assert [budgets.take(flooder) for _ in range(5)] == [None] * 5
     refusal = budgets.take(flooder)
-    assert refusal is not None and refusal[0] == "over budget" and "5 snapshot and replay requests" in refusal[1]
+    assert refusal is not None and refusal[0] == "over budget" and "5 snapshot, replay and stats requests" in refusal[1]
     assert budgets.silenced(flooder) == "over budget"  # its next requests are refused before they are parsed
     assert budgets.take(other) is None and budgets.silenced(other) is None
 

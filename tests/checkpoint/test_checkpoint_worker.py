@@ -300,3 +300,39 @@ def test_a_buffer_zeromq_still_sends_is_not_reused_even_after_the_ack(tmp_path, 
         router.close(linger=0)
         context.term()
         staging.close()
+
+
+def test_an_ack_reports_what_the_worker_said_and_never_a_file_it_did_not_name(tmp_path):
+    """The trainer re-publishes each checkpoint ack as a metric: the file the worker wrote, or its error
+    (an empty one still an error). An ack that names neither (a batch the worker had saved already)
+    frees the buffer and reports nothing: never a ``checkpoint/saved`` of ``"None"``."""
+    from eventbus.bus.publish.publisher import Publisher
+    from eventbus.checkpoint.staging import StagingBuffers
+
+    (tmp_path / "shm").mkdir()
+    staging = StagingBuffers("acktest", directory=tmp_path / "shm", max_buffers=3)
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1),
+                          tmp_path / "run", staging=staging)
+    publisher.start({"run_name": "acks"})
+    context = zmq.Context()
+    worker = context.socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(publisher.service_address)  # ipc in the run folder: trusted
+    acks = [{"path": None, "error": None}, {"path": None, "error": ""}, {"path": "/ck/ep1.pt", "error": None}]
+    try:
+        for batch, ack in enumerate(acks, start=1):
+            staged = staging.stage({"w": torch.ones(4)}, {"batch": batch, "event": "batch_checkpoint", "rank": 0})
+            assert staged is not None
+            buffer = staged.descriptor["buffer"]
+            worker.send(wire.encode_request("checkpoint_ack", buffer=buffer, batch=batch, source="checkpoint", **ack))
+            deadline = time.monotonic() + 20
+            while staging.is_staged(buffer):
+                assert time.monotonic() < deadline, "the ack did not free its buffer"
+                time.sleep(0.01)
+    finally:
+        context.destroy(linger=0)
+        publisher.close()
+    reported = [(m.payload["step"], m.payload["metrics"]) for m in read_messages(publisher.journal_path)
+                if m.kind == "metrics"]
+    assert reported == [(2, {"checkpoint/error": "the checkpoint worker gave no reason"}),
+                        (3, {"checkpoint/saved": "/ck/ep1.pt"})]

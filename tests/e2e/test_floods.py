@@ -345,3 +345,39 @@ def test_a_subscriber_whose_snapshot_is_refused_asks_again_and_joins_by_snapshot
         publisher.close()
     assert "the trainer refused a snapshot (over the budget of all clients together" in caplog.text
     assert first > 20, first  # after what the snapshot covered: joined by it, not replayed from seq 1
+
+
+def test_stats_replies_draw_on_the_asking_clients_budget(tmp_path):
+    """A stats reply lists every subscriber the table holds (~6 MB once forged hellos fill it) and needs no
+    keys: like a snapshot it is charged to the asking client's budget, so a client that asks in a loop
+    gets a second's worth of reply bytes at once, then what the budget refills, and is refused beyond."""
+    from eventbus.bus.publish.publisher import Publisher
+
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1),
+                          tmp_path / "run")
+    publisher.start({"run_name": "stats"})
+    context = zmq.Context()
+    asker = context.socket(zmq.DEALER)
+    asker.setsockopt(zmq.LINGER, 0)
+    asker.connect(publisher.service_address)
+    try:
+        for i in range(SubscriberTable().max_entries):  # as large as a hello may be: 100 callbacks of 200 chars
+            asker.send(wire.encode_request("hello", source=f"forged-{i}", stats={"received": i},
+                                           callbacks=[f"{i:03d}" + "x" * 197] * 100))
+        size, reply = stats_reply(asker, HANG_SECONDS)
+        assert len(reply["subscribers"]) == SubscriberTable().max_entries and size > 4 << 20
+        answered, started = 1, time.monotonic()
+        while time.monotonic() - started < 1.0:
+            asker.send(wire.encode_request("stats", id=8))
+            if asker.poll(50):  # a refused request is not answered: its client is over its own budget
+                answered += "error" not in wire.decode_request(asker.recv_multipart()[0])
+        elapsed = time.monotonic() - started
+    finally:
+        context.destroy(linger=0)
+        publisher.close()
+    # What the budget allows: the bucket's one second's worth, its refill meanwhile, and the one reply
+    # that takes a client into debt.
+    allowed = Budget().bytes_per_second * (1.0 + elapsed) + size
+    assert answered * size <= allowed, f"{answered} replies of {size} bytes in {elapsed:.2f} s"
+    assert publisher.stats().refused.get("over budget", 0) > 0
+    assert publisher.stats().failed_requests == 0

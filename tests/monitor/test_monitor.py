@@ -274,6 +274,21 @@ def test_watched_run_follows_a_real_runs_messages():
                                                                            ["eval", "12"]]
 
 
+def test_a_refused_stats_request_keeps_the_trainers_last_answer_on_screen():
+    """Under a flood the trainer may refuse a stats request (the budget all clients share): it still
+    answers, and the dashboard keeps the counters and daemons of its last answer instead of blanking them."""
+    run = WatchedRun([])
+    answer = {"seq": 40, "now": 1000.0, "publisher": {"published": 40, "sent": 40},
+              "subscribers": {"logger": {"last_seen": 999.0, "callbacks": ["ProgressLogger"]}}}
+    run.set_trainer_stats(answer, now=10.0)
+    before = run.view(now=10.5)
+    run.set_trainer_stats({"op": "stats", "error": "over the budget of all clients together", "retry_after": 0.5},
+                          now=11.0)
+    after = run.view(now=11.5)
+    assert after.trainer_answering and after.trainer == before.trainer == {"published": 40, "sent": 40}
+    assert [daemon.identity for daemon in after.daemons] == [daemon.identity for daemon in before.daemons] == ["logger"]
+
+
 def test_journal_mode_shows_the_final_state_of_a_finished_run(tmp_path):
     trainer = finished_run("looked-at")
     result = monitor_command("runs/looked-at/events.journal", "--once", cwd=tmp_path)

@@ -1,6 +1,6 @@
 """Per-client budgets for what the request service spends: the one bound on costly replies.
 
-A snapshot or replay reply costs the bus thread a request's work plus the bytes it builds and
+A snapshot, replay or stats reply costs the bus thread a request's work plus the bytes it builds and
 sends, and the bus thread shares the GIL and the machine with the training thread. Each client
 (its ZeroMQ route: the routing identity, behind a proxy's) gets two token buckets -- requests and
 bytes per second, each holding at most one second's worth -- and a costly request is served only
@@ -35,8 +35,8 @@ OVER_TOTAL = "over total budget"  # all clients' together: the client is told, a
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """What one client's costly requests may cost per second (each bucket holds one second's worth),
-    and how many clients' worth all of them together may cost."""
+    """What one client's costly requests (snapshot, replay, stats) may cost per second (each bucket holds
+    one second's worth), and how many clients' worth all of them together may cost."""
 
     requests_per_second: float = 50.0
     bytes_per_second: float = 16 * 1024 * 1024
@@ -122,8 +122,8 @@ class ClientBudgets:
         bucket.refill(budget, 1.0, now)
         if not bucket.holds():
             wait = self.silence(route, OVER_BUDGET, max(bucket.wait(budget, 1.0), 0.001))
-            return OVER_BUDGET, (f"over this client's budget of {budget.requests_per_second:g} snapshot and "
-                                 f"replay requests and {budget.bytes_per_second / 2**20:g} MiB of their "
+            return OVER_BUDGET, (f"over this client's budget of {budget.requests_per_second:g} snapshot, "
+                                 f"replay and stats requests and {budget.bytes_per_second / 2**20:g} MiB of their "
                                  f"replies per second (its requests are refused unanswered for {wait:.3f} s)")
         self._total.refill(budget, budget.clients_in_total, now)
         if not self._total.holds():

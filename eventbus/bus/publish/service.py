@@ -14,7 +14,7 @@ socket (ipc, or CURVE); elsewhere they get an error reply saying what they need,
 are counted under "needs authentication" and logged at most once per 10 s.
 
 What a client can make the bus thread spend is bounded per client
-(:mod:`eventbus.bus.publish.budgets`): snapshot and replay replies by requests
+(:mod:`eventbus.bus.publish.budgets`): snapshot, replay and stats replies by requests
 and bytes per second. What a request is refused for without decoding it is
 decided from ZeroMQ's frames alone, first: a client over its budget or not
 reading its replies (refused unread and unanswered for a while), a message of
@@ -59,8 +59,10 @@ log = logging.getLogger(__name__)
 _MAX_ROUTE_FRAMES = 4  # the client's identity, plus one per proxy in front of it
 _MAX_ROUTE_FRAME_BYTES = 255  # ZeroMQ's routing identities are at most this long
 _LOG_EVERY_SECONDS = 10.0  # a flood of one kind of bad request logs one line per this long, with its count
-# What a client's request may make the bus thread build and send: the replies that copy the run's messages.
-COSTLY = frozenset({Op.SNAPSHOT, Op.REPLAY})
+# What a client's request may make the bus thread build and send: the replies that copy the run's messages,
+# and the stats reply (up to the subscriber table's 256 entries, each with its heartbeat's counters and
+# callback names: megabytes when forged hellos fill it; stats needs no keys).
+COSTLY = frozenset({Op.SNAPSHOT, Op.REPLAY, Op.STATS})
 
 
 @dataclasses.dataclass
@@ -153,7 +155,7 @@ class RequestService:
                  trusted: bool, stops: StopRequests, budget: Optional[Budget] = None):
         """``trusted``: every client of ``router`` is authenticated (an ipc socket in the private run
         folder, or CURVE); otherwise only read-only operations are answered. ``budget``: what one
-        client's snapshot and replay requests may cost per second."""
+        client's snapshot, replay and stats requests may cost per second."""
         self._router, self._history, self._leases, self._stops = router, history, leases, stops
         self._stats, self.subscribers = stats, subscribers
         self._publish_metrics = publish_metrics
@@ -306,8 +308,9 @@ class RequestService:
         """hello / progress: the subscriber table already recorded them."""
 
     def _stats_reply(self, route: list[bytes], request: Request) -> None:
-        self._reply(route, Op.STATS, request, seq=self._history.seq, publisher=dataclasses.asdict(self._stats),
-                    subscribers=self.subscribers.entries, now=time.time())
+        size = self._reply(route, Op.STATS, request, seq=self._history.seq, publisher=dataclasses.asdict(self._stats),
+                           subscribers=self.subscribers.entries, now=time.time())
+        self.budgets.charge(tuple(route), size)
 
     def _snapshot(self, route: list[bytes], request: Request) -> None:
         self._stats.snapshot_requests += 1
@@ -368,12 +371,15 @@ class RequestService:
         if self._staging is None or not self._staging.release(request.get("buffer")):
             self._refuse(route, "unknown checkpoint", "checkpoint_ack for a buffer that is not staged")
             return
-        batch, error = request.get("batch"), request.get("error")
-        if error:
+        batch, error, path = request.get("batch"), request.get("error"), request.get("path")
+        if error is not None:
+            error = error or "the checkpoint worker gave no reason"
             log.warning("checkpoint at batch %s failed in the checkpoint worker: %s", batch, error)
             result = {"checkpoint/error": error}
+        elif path:
+            result = {"checkpoint/saved": path}
         else:
-            result = {"checkpoint/saved": str(request.get("path"))}
+            return  # the buffer is free and no file was named (a rank that wrote none): nothing to report
         self._publish_metrics({"metrics": result, "step": batch, "source": request.source or "checkpoint"})
 
     def _checkpoint_fetch(self, route: list[bytes], request: Request) -> None:
