@@ -351,8 +351,9 @@ def decode_request(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str,
     obj = _unpack(data, "request", max_bytes)
     if not isinstance(obj, dict):
         raise ProtocolError("request: expected a map")
-    if obj.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"request: protocol version {obj.get('v')!r:.40} is not supported")
+    version = obj.get("v")
+    if version.__class__ is not int or version != PROTOCOL_VERSION:  # not True, nor 1.0: what msgpack sent
+        raise ProtocolError(f"request: protocol version {version!r:.40} is not supported")
     if not isinstance(obj.get("op"), str):
         raise ProtocolError("request: missing 'op'")
     check_plain(obj, 0, "request")

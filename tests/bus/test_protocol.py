@@ -108,6 +108,8 @@ def _metrics_bodies() -> list[bytes]:
     ]
     bodies = [wire.encode_request(Op.METRICS.value, **{"source": "tester", "rank": 0, **f}) for f in fields]
     bodies.append(msgpack.packb({"v": 2, "op": "metrics", "metrics": good}))  # another protocol version
+    bodies.append(msgpack.packb({"v": True, "op": "metrics", "metrics": good}))  # equal to 1 in Python, not a version
+    bodies.append(msgpack.packb({"v": 1.0, "op": "metrics", "metrics": good}))
     bodies.append(msgpack.packb({"op": "metrics", "v": 1, "metrics": good}))  # the same fields, another order
     return bodies
 

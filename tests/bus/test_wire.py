@@ -106,7 +106,8 @@ def test_random_bytes_raise_protocol_error_or_decode(data):
 def test_requests_round_trip_and_reject_garbage():
     assert wire.decode_request(wire.encode_request("stop", reason="plateau")) == {
         "v": wire.PROTOCOL_VERSION, "op": "stop", "reason": "plateau"}
-    for bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"op": "stop"}), msgpack.packb({"v": 1})):
+    for bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"op": "stop"}), msgpack.packb({"v": 1}),
+                msgpack.packb({"v": True, "op": "stop"}), msgpack.packb({"v": 1.0, "op": "stop"})):
         with pytest.raises(ProtocolError):
             wire.decode_request(bad)
     with pytest.raises(ProtocolError, match="protocol version") as error:  # what a client sent, cut short
