@@ -11,6 +11,7 @@ import asyncio
 import logging
 import pathlib
 import re
+import signal
 import sys
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -191,6 +192,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setup_logging(logging.INFO if args.verbose else logging.WARNING, "eventbus worker")
         return serve("eventbus worker", args, _worker_callbacks)
     setup_logging(logging.INFO)
+    # SIGTERM (a plain `kill`, a process manager) stops a command as Ctrl-C does: `eventbus run` ends its run
+    # cleanly (the journal's end, the daemons' last work, no socket files left) instead of dying mid-step.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return _dispatch(args)
     except EventBusError as err:
@@ -306,7 +310,6 @@ async def _which_run(journal: pathlib.Path) -> str:
 
 def _run_proxy(args: argparse.Namespace) -> int:
     import os
-    import signal
 
     from eventbus.bus.proxy import RankProxy, discover_ranks
     from eventbus.bus.security import ClientKeys, ServerKeys

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from eventbus.bus.journal import read_messages
 from tests.support import REPO_ROOT
 
 SMALL = ["--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
@@ -50,7 +51,9 @@ def test_run_trains_with_daemons_then_resumes(tmp_path):
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 18
 
 
-def test_ctrl_c_stops_the_trainer_and_every_daemon_cleanly(tmp_path):
+def test_sigterm_stops_the_trainer_and_every_daemon_cleanly_as_ctrl_c_does(tmp_path):
+    """A plain ``kill`` (SIGTERM) ends the run as Ctrl-C does (that path is the first-hour tests'): the
+    journal ends with the run's end, the daemons finish and exit, no socket file is left."""
     job = subprocess.Popen([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "50ep",
                             "--run-name", "interrupted"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
@@ -60,7 +63,7 @@ def test_ctrl_c_stops_the_trainer_and_every_daemon_cleanly(tmp_path):
         while time.monotonic() < deadline and (not journal.exists() or journal.stat().st_size < 200_000):
             time.sleep(0.2)  # well into training, daemons attached
         assert len(leftover_daemons(tmp_path)) >= 2  # logger and checkpoint (and timing)
-        job.send_signal(signal.SIGINT)
+        job.send_signal(signal.SIGTERM)
         out, err = job.communicate(timeout=120)
     finally:
         job.kill()
@@ -69,6 +72,8 @@ def test_ctrl_c_stops_the_trainer_and_every_daemon_cleanly(tmp_path):
     assert "Stopped interrupted" in out
     assert not leftover_daemons(tmp_path)
     assert (tmp_path / "runs" / "interrupted" / "metrics.jsonl").stat().st_size > 0
+    assert list(read_messages(journal))[-1].kind == "end"
+    assert not [path.name for path in journal.parent.iterdir() if path.is_socket()]
 
 
 def test_config_file_and_bad_options(tmp_path):
