@@ -220,6 +220,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     daemons = values.get("daemons", list(DAEMONS))
     if isinstance(daemons, str):
         daemons = [] if daemons.strip() in ("", "none") else [d.strip() for d in daemons.split(",")]
+    if "none" in daemons:  # "none" alone is handled above: beside a daemon's name it is a contradiction
+        raise ConfigError(f"daemons: 'none' cannot go with daemon names ({','.join(daemons)}); give one or the other")
     bad = sorted(set(daemons) - set(DAEMONS))
     if bad:
         raise ConfigError(f"daemons: unknown {', '.join(bad)}; choose from {', '.join(DAEMONS)} or none")
@@ -236,6 +238,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         values["max_duration"] = LONG_DURATION
     config = JobConfig(**values)  # every key is a field (flags by construction, files checked)
     validate_config(config)
+    if "checkpoint" in config.daemons:  # the bundled model's checkpoints come at this interval only
+        check_save_interval(config.save_interval)
     return config
 
 
@@ -282,6 +286,17 @@ def validate_config(config: JobConfig) -> None:
         check_run_name(config.run_name, "run-name")
     _check_writable(pathlib.Path(config.runs_dir))
     _check_model_and_device(config)
+
+
+def check_save_interval(interval: str, option: str = "save-interval") -> None:
+    """``eventbus run``'s checkpoint daemon at an interval of 0 (never) would save nothing, and the run would
+    end saying no checkpoint was due yet: refused, with the way to run without checkpoints. (For a trainer
+    that stages its own checkpoints, such as Lightning's, 0 is how the daemon writes only those.)"""
+    from eventbus.core.time import TimeUnit, ensure_time
+
+    if ensure_time(interval, TimeUnit.EPOCH, name=option).value == 0:
+        raise ConfigError(f"{option}: {interval!r} saves no checkpoint; to run without checkpoints, leave the "
+                          "checkpoint daemon out (--daemons logger,timing,health)")
 
 
 def _check_model_and_device(config: JobConfig) -> None:

@@ -43,8 +43,15 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
 
 
 def check_duration(value: Union[int, str, Time], name: str) -> Time:
-    """A duration a run can train for: in ep, ba, sp or tok (not dur or iterations)."""
-    duration = ensure_time(value, TimeUnit.EPOCH, name=name)
+    """A duration a run can train for: in ep, ba, sp or tok (not dur or iterations). A value that is no
+    time at all is told the units a duration takes, not every unit a time string may have."""
+    try:
+        duration = ensure_time(value, TimeUnit.EPOCH, name=name)
+    except ConfigError:
+        if not isinstance(value, str):
+            raise
+        raise ConfigError(f"{name}: {str(value)[:40]!r} is not a duration; give a whole number and one of ep, ba, "
+                          "sp or tok, e.g. '2ep' or '500ba'") from None
     if duration.unit in (TimeUnit.DURATION, TimeUnit.ITERATION):
         raise ConfigError(f"{name} must be in ep, ba, sp or tok, got {duration}")
     return duration

@@ -88,3 +88,16 @@ def test_config_file_and_bad_options(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1
     missing = eventbus_run(tmp_path, "--run-name", "nothing-here", "--resume")
     assert missing.returncode == 2 and "no checkpoint found for run 'nothing-here'" in missing.stderr
+
+
+def test_an_option_that_cannot_work_is_refused_before_anything_starts(tmp_path):
+    """One line each, naming what the option takes: a duration in units a run can train for; a save interval
+    of 0 (never) would leave the bundled model's run without a checkpoint; 'none' beside daemon names."""
+    cases = {("--max-duration", "5xx"): "max_duration: '5xx' is not a duration; give a whole number and one of ep, ba, sp",
+             ("--save-interval", "0ba"): "'0ba' saves no checkpoint; to run without checkpoints, leave the checkpoint",
+             ("--daemons", "none,logger"): "daemons: 'none' cannot go with daemon names"}
+    for args, said in cases.items():
+        refused = eventbus_run(tmp_path, *args)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
