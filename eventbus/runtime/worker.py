@@ -15,11 +15,12 @@ import logging
 import pathlib
 import signal
 import sys
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 from eventbus.bus.protocol import WEIGHTS_LEASE
 from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
+from eventbus.bus.subscribe.messages import Message
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
@@ -233,12 +234,18 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     other one); then one line on stderr names the lost seqs and the exit code is 3. 1: a callback
     raised (each traceback is logged; ``fail_fast`` stops at the first); 0: every record was read and
     applied. One line sums up what was applied and which callbacks raised. A journal whose run has no
-    end message (cut short, or the trainer died) is said in one line; that alone is not damage (exit 0)."""
+    end message (cut short, or the trainer died) is said in one line; that alone is not damage (exit 0).
+
+    Every run the journal holds is applied, in order, to the same callbacks (as ``eventbus export`` does):
+    a run resumed or restarted into the same folder follows in the journal's next segment, and its
+    INIT and FIT_START reach the callbacks as a resumed trainer's do. Each run after the first is said
+    in one line as it begins (``eventbus replay`` names the first)."""
     host = CallbackHost(callbacks, fail_fast=fail_fast)
     _install_signal_handlers(host)
-    stream = JournalStream(path)
+    stream = JournalStream(path, through_restarts=True)
+    runs: list[str] = []
     try:
-        await host.run(stream.messages())
+        await host.run(_every_run(stream, host, runs))
     except EventBusError:
         raise
     except Exception as err:
@@ -248,8 +255,9 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     errors = {slot.name: slot.errors for slot in host.slots if slot.errors}
     applied = max((slot.applied for slot in host.slots), default=0)
     raised = "; ".join(f"{name} raised {count} time{'s' if count > 1 else ''}" for name, count in errors.items())
-    print(f"eventbus replay: done; {applied} messages applied" + (f"; {raised} (tracebacks above)" if raised else ""),
-          file=sys.stderr)
+    over = f" over {len(runs)} runs" if len(runs) > 1 else ""
+    print(f"eventbus replay: done; {applied} messages applied{over}"
+          + (f"; {raised} (tracebacks above)" if raised else ""), file=sys.stderr)
     if unfinished is not None:  # last, as export and the monitor say it: what the journal is missing
         print(f"eventbus replay: {unfinished}", file=sys.stderr)
     lost = [line for line in (damage_summary(path), stream.skipped.summary()) if line is not None]
@@ -257,6 +265,37 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
         print(f"eventbus replay: {path}: {'; '.join(lost)}", file=sys.stderr)
         return 3
     return 1 if errors else 0
+
+
+async def _every_run(stream: JournalStream, host: CallbackHost, runs: list[str]) -> AsyncIterator[Message]:
+    """The journal's messages through every run it holds (``runs``: their ids, as they begin; the stream
+    holds each run's end back while another run follows). Before the next run is said, the callbacks finish
+    the previous one: what they print about it comes before the line."""
+    last: Optional[Message] = None  # the last message handed on
+    async for message in stream.messages():
+        if last is None or message.run_id != last.run_id:
+            if last is not None:
+                await _applied_through(host, last.seq)
+                if host.stopping:
+                    return
+                print(f"eventbus replay: then replaying run {_run_name(message)} (id {message.run_id}), "
+                      "resumed or restarted into the same folder", file=sys.stderr, flush=True)
+            runs.append(message.run_id)
+        last = message
+        yield message
+
+
+async def _applied_through(host: CallbackHost, seq: int) -> None:
+    """Until every callback applied the messages handed on up to ``seq`` (or the host stops)."""
+    while host.applied_seq < seq and not host.stopping:
+        await asyncio.sleep(0.005)
+
+
+def _run_name(message: Message) -> str:
+    try:
+        return str(message.state.run_name)
+    except Exception:  # a hostile journal's snapshot without a readable name
+        return "?"
 
 
 async def bus_status(address: str, required: Sequence[str], timeout: float) -> int:
