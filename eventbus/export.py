@@ -30,9 +30,9 @@ Nothing lost, nothing doubled, on two levels:
   reads itself back (the W&B run's id is the eventbus run id; it skips every step
   at or below the last one W&B has).
 
-Exit codes: 0 done; 1 the tracker failed (the cursor holds what it took:
-``--resume`` later); 2 bad usage (unknown target, no journal); 3 the journal is
-damaged or holds records or values that cannot be exported (not valid messages,
+Exit codes: 0 done; 1 the tracker failed, or did not take everything (down: its backlog
+is kept in the cursor, and ``--resume`` sends it first); 2 bad usage (unknown target,
+no journal); 3 the journal is damaged or holds records or values that cannot be exported (not valid messages,
 metrics that are not a map, a step that is not an integer, a metric whose value
 is a map, a list or anything else that is not a number, a bool, text or null:
 :func:`~eventbus.trackers.points.metric_value_problem`, the same check for every
@@ -70,6 +70,7 @@ from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.errors import ConfigError
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.host import CallbackHost
+from eventbus.trackers.outbox import unsent
 from eventbus.trackers.points import Refused, metric_value_problem
 
 __all__ = ["TARGETS", "ExportOptions", "export", "resolve_journal"]
@@ -148,16 +149,11 @@ def _wandb(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Tar
     _require("wandb", "wandb")
     folder = options.output or run_folder
     logger = module.WandBLogger(init_kwargs={"dir": str(options.output)} if options.output else None)
-    return _Target(logger, f"W&B run {_run_id_of(state)}", folder)
+    return _Target(logger, f"W&B run {getattr(state, 'run_id', '?')}", folder)  # the eventbus run's id
 
 
 _BUILDERS: dict[str, Callable[[ExportOptions, pathlib.Path, Any], _Target]] = {
     "csv": _files, "jsonl": _files, "tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}
-
-
-def _run_id_of(state: Any) -> str:
-    """The eventbus run id a snapshot belongs to (the W&B run's id too)."""
-    return str(getattr(state, "run_id", "?"))
 
 
 def _require(module: str, extra: str) -> Any:
@@ -195,6 +191,7 @@ class _Exporting(LoggerDestination):
         self._state = first_state
         self._counts = counts
         self._ready = False
+        self._backlog = False  # the cursor restored items the tracker has not taken yet
         self.interrupted = False  # set on SIGINT/SIGTERM
 
     def _ensure_ready(self, logger: Any = None) -> None:
@@ -240,12 +237,15 @@ class _Exporting(LoggerDestination):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state.get("inner", {}))
+        self._backlog = unsent(self.inner)[0] > 0
 
     def close(self, state: Any, logger: Logger) -> None:
         """Close the tracker at the end of the run; after a signal only flush it: what it holds back
-        (MetricsFileLogger's pending steps) stays in the committed cursor for ``--resume``."""
-        if not self._ready:
+        (MetricsFileLogger's pending steps) stays in the committed cursor for ``--resume``. A backlog
+        the cursor restored (a tracker that was down) is sent now even when no message is left to apply."""
+        if not self._ready and not self._backlog:
             return
+        self._ensure_ready(logger)
         if self.interrupted:
             self.flush()
             return
@@ -314,20 +314,23 @@ def export(options: ExportOptions) -> int:
         print(f"eventbus export: {journal} holds no message yet; nothing to export", file=sys.stderr)
         return 0
     target = build_target(options, journal.parent, first.state)
-    cursor = _open_cursor(target, options, first.run_id)
-    resumed_at = cursor.seqs.get(_NAME, 0) if cursor.run_id == first.run_id else 0
+    cursor, start = _open_cursor(target, options, journal, first)
     counts = _Counts()
     progress = _Progress(journal, counts)
     stream = JournalStream(journal, follow=options.follow, through_restarts=True, on_message=progress.message,
                            on_caught_up=_following)
-    wrapper = _Exporting(target.destination, first.state, counts)
+    wrapper = _Exporting(target.destination, start.state, counts)
+    done_before = [0]  # messages the cursor counts as exported
     started = time.perf_counter()
     try:
-        failure = asyncio.run(_run(wrapper, cursor, stream))
+        failure = asyncio.run(_run(wrapper, cursor, stream, _after_cursor(stream, cursor, start.run_id, done_before)))
     finally:
         progress.close()
+    if failure is None and _NAME in cursor.seqs:  # what closing the tracker left (a backlog) is kept too
+        cursor.record_many(str(cursor.run_id), [(_NAME, cursor.seqs[_NAME], wrapper.state_dict(),
+                                                 _NAME in cursor.ended)], cursor.journal)
     seconds = time.perf_counter() - started
-    before = f" ({min(resumed_at, counts.messages)} exported before)" if resumed_at else ""
+    before = f" ({done_before[0]} exported before)" if done_before[0] else ""
     summary = (f"{counts.messages} messages{before}, {counts.points} metric points over {len(counts.steps)} steps"
                f"{f' ({counts.present} already there)' if counts.present else ''} in {seconds:.1f}s "
                f"to {options.target} {target.where}")
@@ -339,6 +342,11 @@ def export(options: ExportOptions) -> int:
         print(f"eventbus export: interrupted; {summary}; committed up to seq {cursor.seqs.get(_NAME, 0)} "
               f"(continue with --resume)", file=sys.stderr, flush=True)
         return 0
+    items, values = unsent(target.destination)
+    if items:
+        print(f"eventbus export: {options.target} did not take {values} metric points ({items} items); {summary}; "
+              f"they are kept in {cursor.path} (send them with --resume)", file=sys.stderr, flush=True)
+        return 1
     print(f"eventbus export: {summary}", file=sys.stderr, flush=True)
     refused = getattr(target.destination, "refused", None)
     if refused is not None and refused.summary() is not None:
@@ -369,20 +377,22 @@ def _check(journal: pathlib.Path, stream: JournalStream, unexportable: Refused) 
     return 0
 
 
-async def _first_message(journal: pathlib.Path, follow: bool) -> Optional[Message]:
-    """The journal's first message (its run's header: run id, run name, folder); with ``follow``,
-    waited for until the trainer has written it."""
-
+async def _first_message(journal: pathlib.Path, follow: bool, run_id: Optional[str] = None) -> Optional[Message]:
+    """The journal's first message (its run's header: run id, run name, folder), or run ``run_id``'s
+    (None: the journal holds no such run); with ``follow``, waited for until the trainer has written it."""
     while True:
         async for message in journal_messages(journal):
-            return message
-        if not follow:
+            if run_id in (None, message.run_id):
+                return message
+        if not follow or run_id is not None:
             return None
         await asyncio.sleep(POLL_SECONDS)
 
 
-def _open_cursor(target: _Target, options: ExportOptions, run_id: str) -> Cursor:
-    """The export's cursor: kept with ``--resume`` (and when it is this run's), else started afresh."""
+def _open_cursor(target: _Target, options: ExportOptions, journal: pathlib.Path,
+                 first: Message) -> tuple[Cursor, Message]:
+    """The export's cursor, and the first message of its run: kept with ``--resume`` when its run is
+    one of the journal's (a run resumed into its folder adds one), else started afresh at ``first``."""
     name = f".eventbus-export-{options.target}{'-' + target.cursor_key if target.cursor_key else ''}.json"
     path = target.cursor_dir / name
     try:
@@ -391,18 +401,33 @@ def _open_cursor(target: _Target, options: ExportOptions, run_id: str) -> Cursor
         raise ConfigError(f"cannot write into {str(target.cursor_dir)!r}: {err.strerror or err}") from None
     if path.exists() and options.resume:
         cursor = Cursor(path)
-        if cursor.run_id in (None, run_id):
-            return cursor
+        if cursor.run_id in (None, first.run_id):
+            return cursor, first
+        start = asyncio.run(_first_message(journal, False, cursor.run_id))
+        if start is not None:
+            return cursor, start
         print(f"eventbus export: {path} is about another run ({cursor.run_id}); starting from the beginning",
               file=sys.stderr)
     elif options.resume:
         print(f"eventbus export: no earlier export to resume ({path} is absent); starting from the beginning",
               file=sys.stderr)
     path.unlink(missing_ok=True)
-    return Cursor(path)
+    return Cursor(path), first
 
 
-async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream) -> Optional[BaseException]:
+async def _after_cursor(stream: JournalStream, cursor: Cursor, run_id: str, done: list[int]) -> Any:
+    """The stream from the cursor's run on: the runs before it in the journal were exported whole
+    (the host skips the cursor's run up to its seq). ``done[0]`` counts the messages exported before."""
+    seq, reached = (cursor.seqs.get(_NAME, 0) if cursor.run_id == run_id else 0), False
+    async for message in stream.messages():
+        reached = reached or message.run_id == run_id
+        if not reached or (message.run_id == run_id and message.seq <= seq):
+            done[0] += 1
+        if reached:
+            yield message
+
+
+async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream, messages: Any) -> Optional[BaseException]:
     """Host the destination over the stream; the tracker's exception if it failed (committed up to it)."""
     host = CallbackHost([wrapper], fail_fast=True, cursor=cursor)
     loop = asyncio.get_running_loop()
@@ -415,7 +440,7 @@ async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream) -> Op
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     try:
-        await host.run(stream.messages())
+        await host.run(messages)
     except ConfigError:
         raise
     except Exception as err:  # the tracker's own error (its client, its server, its disk)

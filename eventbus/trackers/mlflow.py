@@ -65,6 +65,11 @@ class MLflowLogger(LoggerDestination):
         self.run_name = state.get("run_name", self.run_name)
         self.outbox.load_state_dict(state.get("queued", []))
 
+    def unsent(self) -> tuple[int, int]:
+        """Queued items MLflow has not taken, and the metric values among them (see WandBLogger.unsent)."""
+        values = sum(len(item[2]) for item in self.outbox.items if item[0] == "metrics")
+        return len(self.outbox.items), values
+
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         if self.run_name is not None and hyperparameters:
             self.outbox.put(["params", {str(k): str(v)[:500] for k, v in hyperparameters.items()}])

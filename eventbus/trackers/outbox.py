@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import tenacity
 
-__all__ = ["Outbox"]
+__all__ = ["Outbox", "unsent"]
 
 log = logging.getLogger(__name__)
 
@@ -89,3 +89,10 @@ class Outbox:
 
     def load_state_dict(self, items: list[Any]) -> None:
         self.items = collections.deque(items)
+
+
+def unsent(destination: Any) -> tuple[int, int]:
+    """Items a tracker has not taken yet, and the metric values among them (its ``unsent()``; else none):
+    ``eventbus export`` fails while there are any, and ``--resume`` sends them."""
+    method = getattr(destination, "unsent", None)
+    return method() if callable(method) else (0, 0)

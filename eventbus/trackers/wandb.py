@@ -77,6 +77,10 @@ class WandBLogger(LoggerDestination):
         self._restored = False
 
     def init(self, state: Any, logger: Logger) -> None:
+        rank = int(getattr(state, "rank", 0) or 0)
+        suffix = f"-rank{rank}" if rank else ""
+        if self._run_args is not None and self._run_args.get("id") == f"{state.run_id}{suffix}":
+            return  # restored by a cursor of this very run (a resumed export): its queue is still to send
         if self._run_args is not None:  # restored by a cursor of an earlier run: this run starts afresh
             if self.outbox.items or self._pending:
                 log.error("W&B: %d items of the previous run %s were never sent; `eventbus export` sends them "
@@ -85,11 +89,9 @@ class WandBLogger(LoggerDestination):
             self._config, self._pending, self._sent = {}, {}, []
             self._last_step = self._persisted = -1
             self._restored = self._disabled = False
-        rank = int(getattr(state, "rank", 0) or 0)
         if self.rank_zero_only and rank != 0:
             self._disabled = True
             return
-        suffix = f"-rank{rank}" if rank else ""
         folder = self.init_kwargs.get("dir") or os.environ.get("WANDB_DIR") or announced_run_folder(state)
         self._run_args = {"id": f"{state.run_id}{suffix}", "name": f"{self.name or state.run_name}{suffix}",
                           "dir": str(pathlib.Path(folder).resolve())}
@@ -114,8 +116,17 @@ class WandBLogger(LoggerDestination):
         self._last_step = int(state.get("last_step", -1))
         self._pending = {int(k): dict(v) for k, v in state.get("pending", {}).items()}
         self._sent = [list(item) for item in state.get("sent", [])]
-        self.outbox.load_state_dict(state.get("outbox", []))
+        # A saved "open" or "finish" (an export's cursor, committed after close) is said again by
+        # this process, when it reopens the run (_reopen) and when it closes it.
+        self.outbox.load_state_dict([item for item in state.get("outbox", []) if item[0] not in ("open", "finish")])
         self._restored = True
+
+    def unsent(self) -> tuple[int, int]:
+        """What W&B has not taken yet (held steps and queued items), and how many metric values they
+        hold: ``eventbus export`` fails while there are any, and ``--resume`` sends them."""
+        values = sum(len(item[2]) for item in self.outbox.items if item[0] == "log")
+        values += sum(len(metrics) for metrics in self._pending.values())
+        return len(self.outbox.items) + len(self._pending), values
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         if self._run_args is None or not hyperparameters:

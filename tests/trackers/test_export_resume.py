@@ -1,0 +1,80 @@
+"""``eventbus export --resume`` where a plain cursor is not enough: a tracker that was down at the end
+(its backlog lives in the cursor, not in the journal's position) and a journal that holds several runs
+(a run resumed into its folder). Real exports in real processes; W&B in its offline mode, or really
+failing (online with no API key)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO_ROOT, make_trainer
+from tests.trackers.test_export import export, finished_run, journal_metrics
+
+
+def wandb_env(tmp_path, mode: str) -> dict:
+    """W&B writing only under the test's folder; "online" with no API key anywhere: every call raises."""
+    home = tmp_path / "home"
+    env = {key: value for key, value in os.environ.items() if key != "WANDB_API_KEY"}
+    env.update(PYTHONPATH=str(REPO_ROOT), HOME=str(home), WANDB_MODE=mode, WANDB_SILENT="true", WANDB_CONFIG_DIR=str(home / "config"),
+               WANDB_CACHE_DIR=str(home / "cache"), WANDB_DATA_DIR=str(home / "data"))
+    return env
+
+
+def export_wandb(tmp_path, mode: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eventbus", "export", "--to", "wandb", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, env=wandb_env(tmp_path, mode))
+
+
+def test_wandb_down_at_export_fails_and_resume_sends_the_backlog_once(tmp_path):
+    pytest.importorskip("wandb")
+    from tests.workers.test_wandb import read_runs
+
+    run, out = finished_run(tmp_path), tmp_path / "out"
+    down = export_wandb(tmp_path, "online", str(run), "--output", str(out))
+    assert down.returncode == 1, down.stderr
+    last = down.stderr.strip().splitlines()[-1]
+    assert "did not take" in last and "metric points" in last and "--resume" in last
+    cursor = json.loads((out / ".eventbus-export-wandb.json").read_text())
+    assert cursor["states"]["_Exporting"]["inner"]["outbox"], "the backlog is not in the cursor"
+
+    still_down = export_wandb(tmp_path, "online", str(run), "--output", str(out), "--resume")
+    assert still_down.returncode == 1 and "did not take" in still_down.stderr, still_down.stderr
+
+    for _ in range(2):  # the second one has nothing left to send: it opens no W&B run
+        up = export_wandb(tmp_path, "offline", str(run), "--output", str(out), "--resume")
+        assert up.returncode == 0, up.stderr
+    (copy,) = read_runs(out / "wandb", cursor["run_id"])
+    steps = collections.Counter(step for step, _ in copy["history"])
+    expected, _ = journal_metrics(run)
+    assert dict(steps) == {step: 1 for step in expected}, "a step was lost or logged twice"
+    for step, values in copy["history"]:
+        assert {key: values[key] for key in expected[step]} == pytest.approx(expected[step]), step
+    assert copy["exit"], "the W&B run was not finished"
+
+
+def test_resume_on_a_journal_of_several_runs_continues_after_the_last_commit(tmp_path):
+    run = tmp_path / "run"
+    for duration in ("2ep", "4ep"):  # the second trainer writes a new segment, with a new run id
+        trainer = make_trainer(tmp_path, duration, run_name="twice", run_folder=run, bus=None)
+        trainer.fit()
+        trainer.close()
+    assert (run / "events.journal.1").exists()
+    out = tmp_path / "out"
+    first = export(tmp_path, str(run), "--to", "jsonl", "--output", str(out))
+    assert first.returncode == 0, first.stderr
+    written = (out / "metrics.jsonl").read_text()
+
+    resumed = export(tmp_path, str(run), "--to", "jsonl", "--output", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "about another run" not in resumed.stderr and "starting from the beginning" not in resumed.stderr
+    last = resumed.stderr.strip().splitlines()[-1]
+    assert "exported before" in last and " 0 metric points" in last and "already there" not in last, last
+    assert (out / "metrics.jsonl").read_text() == written
+    steps = [json.loads(line)["step"] for line in written.splitlines()]
+    assert len(steps) == len(set(steps)) and set(steps) == set(journal_metrics(run)[0])
