@@ -72,9 +72,10 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
         cursor = Cursor(directory / f"{identity}.cursor.json")
     names = [type(cb).__name__ for cb in current]
     resume = cursor.resume_point(names) if cursor else None
-    if cursor is not None and cursor.applied_to_end(names) and not follow:
-        say(f"its cursor {cursor.path} holds run {cursor.run_id}, applied to its end: with no trainer up it "
-            f"finds that end and exits; for a run that starts later, use --follow or another --identity")
+    # A cursor whose run was applied to its end: said at the end, and only if no other run came (a daemon
+    # that `eventbus run --resume` starts again joins the resumed run: nothing to say then).
+    finished_run = cursor.run_id if cursor is not None and cursor.applied_to_end(names) and not follow else None
+    joined_runs: list[str] = []
     journal = journal or (cursor.journal if cursor else None)
     handled, metrics = subscription(current)  # the publisher sends only these events
     if events:
@@ -97,6 +98,7 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             say(f"{', '.join(host.names)} following {address}", routine=True)
 
             def joined(run_id: str, host: CallbackHost = host) -> None:
+                joined_runs.append(run_id)
                 subscriber.progress(host.reported_seq, run_id if follow else None)
 
             try:
@@ -112,6 +114,9 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
                 break
             current = list(make())
         say(*_done_line(subscriber.stats()))
+    if finished_run is not None and set(joined_runs) <= {finished_run} and cursor is not None:
+        say(f"its cursor {cursor.path} holds run {finished_run}, applied to its end already: nothing new to apply; "
+            "for a run started later on this address, start this worker with another --identity")
     return 0
 
 

@@ -48,6 +48,7 @@ def test_run_trains_with_daemons_then_resumes(tmp_path):
                            "6ba", "--run-name", "newcomer", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming newcomer" in resumed.stderr and "Finished newcomer: 18 batches" in resumed.stdout
+    assert "applied to its end" not in resumed.stderr  # the daemons' cursors held the first run: they join this one
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 18
 
 

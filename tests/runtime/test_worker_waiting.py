@@ -83,8 +83,9 @@ def test_a_run_event_callback_waiting_for_the_trainer_sees_every_epoch(tmp_path)
 
 def test_a_worker_restarted_after_its_run_ended_says_why_it_stops(tmp_path):
     """Its cursor says it applied its run to the end: started again with no trainer up, it finds
-    that end in the run's journal and exits (tests/trackers/test_logger_worker.py), saying so first,
-    with what to do for a run that starts later (it used to end with '0 messages' and no word)."""
+    that end in the run's journal and exits (tests/trackers/test_logger_worker.py), saying so last,
+    with what to do for a run that starts later. (Started again for a run resumed on the same address, it
+    joins that run and says nothing of it: tests/run/test_job.py.)"""
     counts = tmp_path / "counts.json"
     callback = f'tests.worker_callbacks:SleepyCounter:{{"path": "{counts}", "sleep": 0}}'
     options = ("--identity", "counter", "--state-dir", str(tmp_path / "state"))
@@ -96,8 +97,8 @@ def test_a_worker_restarted_after_its_run_ended_says_why_it_stops(tmp_path):
                             "--callback", callback, *options], cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert again.returncode == 0, again.stderr
-    assert "applied to its end: with no trainer up it finds that end and exits; for a run that starts later, " \
-           "use --follow or another --identity" in again.stderr
+    assert "applied to its end already: nothing new to apply; for a run started later on this address, start " \
+           "this worker with another --identity" in again.stderr.strip().splitlines()[-1]
 
 
 class PauseAt(Callback):
