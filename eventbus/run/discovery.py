@@ -28,8 +28,13 @@ def check_run_folder(config: JobConfig) -> None:
         return  # under torchrun, rank 0 made the folder the other ranks share
     folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
     if folder.exists() and any(folder.iterdir()):
-        raise ConfigError(f"run {config.run_name!r} already exists in {folder}; continue it with "
-                          f"--run-name {config.run_name} --resume, or choose a new --run-name")
+        try:
+            latest_checkpoint(config)
+            how = f"continue it with --run-name {config.run_name} --resume, or choose a new --run-name"
+        except ConfigError:  # stopped before its first checkpoint: --resume would find none
+            how = (f"it holds no checkpoint to resume from (it stopped before its first); choose a new --run-name, "
+                   f"or remove {folder} to use the name again")
+        raise ConfigError(f"run {config.run_name!r} already exists in {folder}; {how}")
 
 
 def latest_checkpoint(config: JobConfig) -> tuple[str, Union[str, pathlib.Path]]:

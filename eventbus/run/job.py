@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.run.config import JobConfig, config_from_args
 from eventbus.run.discovery import check_run_folder, resume_from
-from eventbus.run.summary import print_summary
+from eventbus.run.summary import nothing_to_train, print_summary
 from eventbus.run.supervise import start_daemons, stop_daemons, wait_for_subscribers
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ def run_job(args: argparse.Namespace) -> int:
         if downloaded is not None:
             shutil.rmtree(downloaded, ignore_errors=True)
     leader = trainer.state.rank == 0  # under torchrun, rank 0 runs the daemons; the others wait for it
+    said = nothing_to_train(trainer, config) if config.resume and leader else None
+    if said is not None:
+        print(said, file=sys.stderr, flush=True)
     interrupted = False
     try:
         trainer.fit()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from eventbus.bus.config import advertised
 from eventbus.checkpoint.naming import latest_path
@@ -47,12 +47,30 @@ def resume_command(config: JobConfig, run_name: str, max_duration: Optional[str]
     return shlex.join([*words, "--run-name", run_name, "--resume"])
 
 
-def _longer(max_duration: str) -> Optional[str]:
-    """Twice ``max_duration`` ('2ep' -> '4ep'): a finished run continues only with a longer one."""
+def _longer(max_duration: str, timestamp: Any) -> Optional[str]:
+    """Twice as far as the run got, in ``max_duration``'s unit ('2ep' -> '4ep'; a resumed run already past
+    its ``max_duration``: twice where it is): a finished run continues only with a longer one."""
     from eventbus.core.time import Time
 
     duration = Time.from_timestring(max_duration)
-    return None if duration.unit.value == "dur" else str(duration * 2)
+    if duration.unit.value == "dur":
+        return None
+    return str(Time(max(duration.value, timestamp.get(duration.unit).value) * 2, duration.unit))
+
+
+def nothing_to_train(trainer: Trainer, config: JobConfig) -> Optional[str]:
+    """A resumed run already at or past ``--max-duration`` trains nothing: the line that says so, else None."""
+    from eventbus.core.time import Time
+
+    duration = Time.from_timestring(config.max_duration)
+    if duration.unit.value == "dur":
+        return None
+    reached = trainer.state.timestamp.get(duration.unit).value
+    if reached < duration.value:
+        return None
+    return (f"eventbus run: {trainer.state.run_name} is already at {reached}{duration.unit.value}, at or past "
+            f"--max-duration {config.max_duration}: nothing to train; for more, give a longer --max-duration "
+            f"(e.g. {_longer(config.max_duration, trainer.state.timestamp)})")
 
 
 def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupted: bool) -> None:
@@ -61,7 +79,7 @@ def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupt
     folder = trainer.run_folder
     values = trainer.state.eval_metric_values.get("eval", {})
     run_name = trainer.state.run_name
-    longer = None if interrupted else _longer(config.max_duration)
+    longer = None if interrupted else _longer(config.max_duration, ts)
     evaluation = ", ".join(f"{name} {float(value):.4f}" for name, value in values.items()) or "none"
     latest = latest_path(folder)
     metrics = folder / "metrics.jsonl"

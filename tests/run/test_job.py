@@ -51,6 +51,14 @@ def test_run_trains_with_daemons_then_resumes(tmp_path):
     assert "applied to its end" not in resumed.stderr  # the daemons' cursors held the first run: they join this one
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 18
 
+    reused = eventbus_run(tmp_path, "--max-duration", "4ba", "--run-name", "newcomer", "--daemons", "none")
+    assert reused.returncode == 2 and "continue it with --run-name newcomer --resume" in reused.stderr, reused.stderr
+    # Resumed with a duration it has passed: said at once, and the next command goes past where it is.
+    short = eventbus_run(tmp_path, "--max-duration", "12ba", "--run-name", "newcomer", "--resume", "--daemons", "none")
+    assert short.returncode == 0, short.stderr[-3000:]
+    assert "is already at 18ba, at or past --max-duration 12ba: nothing to train" in short.stderr
+    assert "--max-duration 36ba" in short.stdout and "Finished newcomer: 18 batches" in short.stdout
+
 
 def test_sigterm_stops_the_trainer_and_every_daemon_cleanly_as_ctrl_c_does(tmp_path):
     """A plain ``kill`` (SIGTERM) ends the run as Ctrl-C does (that path is the first-hour tests'): the
