@@ -153,13 +153,22 @@ def build_stoppers(args: argparse.Namespace) -> list[Callback]:
     stoppers: list[Callback] = []
     for rule in args.early_stop:
         monitor, label, patience = _parse_rule(rule, 3, "--early-stop")
-        stoppers.append(EarlyStopper(monitor, label, patience=int(patience)))
+        stoppers.append(EarlyStopper(monitor, label, patience=_number(int, patience, rule, "--early-stop", "PATIENCE")))
     for rule in args.threshold_stop:
         monitor, label, threshold = _parse_rule(rule, 3, "--threshold-stop")
-        stoppers.append(ThresholdStopper(monitor, label, float(threshold)))
+        stoppers.append(ThresholdStopper(monitor, label, _number(float, threshold, rule, "--threshold-stop", "THRESHOLD")))
     if not stoppers:
         raise ValueError("nothing to do: pass --early-stop and/or --threshold-stop")
     return stoppers
+
+
+def _number(kind: type, text: str, rule: str, option: str, part: str) -> Any:
+    """``text`` as an int or float; a ValueError naming the option and the rule otherwise."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{option} {rule!r}: {part} must be {'an integer' if kind is int else 'a number'}, "
+                         f"got {text!r}") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -178,8 +178,8 @@ async def _show_journal(path: pathlib.Path, run: WatchedRun, screen: Screen) -> 
     screen.draw(run.view(ascii_only=screen.ascii_only))
     # Which run this is, by name and id: a journal may hold more than one (a resumed run).
     view = run.view(ascii_only=True)
-    print(f"eventbus monitor: showing run {view.run_name} (id {run.run_id}) from {path}", file=sys.stderr,
-          flush=True)
+    shown = f"showing run {view.run_name} (id {run.run_id})" if run.messages else "no message yet in the journal"
+    print(f"eventbus monitor: {shown} from {path}", file=sys.stderr, flush=True)
     # What the frame cannot show: the run's end missing from the journal, records it could not read.
     for line in (stream.unfinished(), damage_summary(path), stream.skipped.summary()):
         if line is not None:
@@ -204,6 +204,8 @@ def _journal_path(target: str) -> pathlib.Path:
     path = pathlib.Path(target)
     if path.is_dir() and (path / JOURNAL_NAME).is_file():
         return path / JOURNAL_NAME
+    if path.is_dir():  # as `eventbus replay` says it
+        raise EventBusError(f"{target!r} is a folder without a journal ({JOURNAL_NAME})")
     if not path.is_file():
         raise EventBusError(f"no such journal: {target!r} (give a bus address like ipc://runs/NAME/bus, or "
                             f"runs/NAME/{JOURNAL_NAME})")

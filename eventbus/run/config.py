@@ -104,6 +104,8 @@ def check_types(values: dict[str, Any], where: str) -> None:
 
 def load_config_file(path: pathlib.Path) -> dict[str, Any]:
     """Read a TOML or YAML file into JobConfig keys, each of its field's type; ConfigError names the problem."""
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder: give the TOML or YAML file in it")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     where = f"config file {str(path)!r}"

@@ -303,6 +303,10 @@ def test_journal_mode_shows_the_final_state_of_a_finished_run(tmp_path):
     # The run folder works as well, and without --once it is the same single frame.
     again = monitor_command("runs/looked-at", cwd=tmp_path)
     assert again.returncode == 0 and shown_batch(again.stdout) == (12, 12)
+    (tmp_path / "empty.journal").write_bytes(b"")  # a run that has written nothing yet: no run to name
+    empty = monitor_command("empty.journal", "--once", cwd=tmp_path)
+    assert empty.returncode == 0 and "no message yet in the journal" in empty.stderr, empty.stderr
+    assert "None" not in empty.stderr
 
 
 def test_bad_targets_are_one_line_errors(tmp_path, capsys):

@@ -74,6 +74,8 @@ def test_worker_stops_cleanly_on_signals_and_closes_its_callbacks(tmp_path, spaw
     (["replay"], "journal"),
     (["frobnicate"], "invalid choice"),
     (["run", "--config", "missing.toml"], "does not exist"),
+    (["run", "--config", "."], "is a folder: give the TOML or YAML file in it"),
+    (["monitor", "."], "is a folder without a journal"),
 ])
 def test_bad_arguments_are_one_line_errors_with_exit_code_2(tmp_path, args, problem):
     result = eventbus(*args, cwd=tmp_path)
@@ -93,6 +95,16 @@ def test_daemons_reject_bad_arguments_in_one_line(module, tmp_path):
                           env=dict(env, EVENTBUS_CLIENT_SECRET_KEY=str(tmp_path / "none")))
     assert keys.returncode == 2 and "EVENTBUS_SERVER_PUBLIC_KEY" in keys.stderr
     assert len(keys.stderr.strip().splitlines()) == 1
+
+
+def test_a_stoppers_malformed_number_names_its_option_and_rule(tmp_path):
+    env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    for option, rule, said in (("--threshold-stop", "metrics/eval/X:eval:abc", "THRESHOLD must be a number, got 'abc'"),
+                               ("--early-stop", "metrics/eval/X:eval:1.5", "PATIENCE must be an integer, got '1.5'")):
+        result = subprocess.run([sys.executable, "-m", "eventbus.workers.stoppers", "--connect", "ipc://bus", option, rule],
+                                capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert result.returncode == 2 and f"{option} {rule!r}: {said}" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_corrupt_checkpoint_and_journal_are_one_line_errors(tmp_path):
