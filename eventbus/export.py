@@ -314,6 +314,8 @@ def export(options: ExportOptions) -> int:
         print(f"eventbus export: {journal} holds no message yet; nothing to export", file=sys.stderr)
         return 0
     target = build_target(options, journal.parent, first.state)
+    if (refusals := getattr(target.destination, "refused", None)) is not None:
+        refusals.quiet = True  # said once in the closing lines, not as a log line per key meanwhile
     cursor, start = _open_cursor(target, options, journal, first)
     counts = _Counts()
     progress = _Progress(journal, counts)
@@ -331,9 +333,9 @@ def export(options: ExportOptions) -> int:
                                                  _NAME in cursor.ended)], cursor.journal)
     seconds = time.perf_counter() - started
     before = f" ({done_before[0]} exported before)" if done_before[0] else ""
+    held = f" ({counts.present} skipped: their key already held a value at that step)" if counts.present else ""
     summary = (f"{counts.messages} messages{before}, {counts.points} metric points over {len(counts.steps)} steps"
-               f"{f' ({counts.present} already there)' if counts.present else ''} in {seconds:.1f}s "
-               f"to {options.target} {target.where}")
+               f"{held} in {seconds:.1f}s to {options.target} {target.where}")
     if failure is not None:
         print(f"eventbus export: {options.target} failed: {type(failure).__name__}: {str(failure)[:300]}; "
               f"{summary} before that (continue with --resume)", file=sys.stderr)

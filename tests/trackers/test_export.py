@@ -106,7 +106,7 @@ def test_tensorboard_has_every_step_once_after_exporting_twice(tmp_path):
     for _ in range(2):
         result = export(tmp_path, str(run), "--to", "tensorboard", "--output", str(tmp_path / "tb"))
         assert result.returncode == 0, result.stderr
-    assert "(96 already there)" in result.stderr or " 0 metric points" in result.stderr
+    assert "(96 skipped: their key already held a value at that step)" in result.stderr or " 0 metric points" in result.stderr
     assert_loss_once_per_step(tmp_path / "tb", run)
 
 

@@ -129,6 +129,7 @@ def test_a_metric_named_step_is_counted_and_the_csv_is_still_written(clean_run, 
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "cannot hold 1 logged value(s)" in last and f"'step' at step {step}" in last, last
+    assert "every later refusal" not in result.stderr  # said once, in the closing line: no log line per key
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sorted(line["step"] for line in lines) == sorted(metrics_by_step(clean_run / "events.journal"))
     assert (run / "metrics.csv").exists() and not (run / "metrics.csv.tmp").exists()
