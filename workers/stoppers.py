@@ -156,7 +156,8 @@ def build_stoppers(args: argparse.Namespace) -> list[Callback]:
         stoppers.append(EarlyStopper(monitor, label, patience=_number(int, patience, rule, "--early-stop", "PATIENCE")))
     for rule in args.threshold_stop:
         monitor, label, threshold = _parse_rule(rule, 3, "--threshold-stop")
-        stoppers.append(ThresholdStopper(monitor, label, _number(float, threshold, rule, "--threshold-stop", "THRESHOLD")))
+        limit = _number(float, threshold, rule, "--threshold-stop", "THRESHOLD")
+        stoppers.append(ThresholdStopper(monitor, label, limit))
     if not stoppers:
         raise ValueError("nothing to do: pass --early-stop and/or --threshold-stop")
     return stoppers
