@@ -25,6 +25,7 @@ import torch
 
 import eventbus.distributed as distributed
 from eventbus.bus.protocol import WEIGHTS_EVENTS
+from eventbus.bus.publish.leases import Leases
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.bus.schema import Key
@@ -104,9 +105,7 @@ class EventCapture(EventSink):
         self._settings = SettingsCapture()
         self._agreed_stop = self._agreed_checkpoint = False
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
-        # The checkpoint lease's save interval: (interval, its rule, its scheduler), built once per interval.
-        self._save_interval: Optional[tuple[str, Callable[[Any, Event], bool], Callable[[Any, Event], bool]]] = None
-        self._interval_refused: Optional[str] = None  # the last save interval this run could not follow
+        self._save_interval = _SaveInterval(self.leases)  # the checkpoint lease's, built once per interval
         self._flops_of: tuple[Any, Any] = (None, None)  # a model, and its flops_per_batch or None
         # Last values captured, compared by identity (cheap).
         self._last_loss: Any = None
@@ -360,32 +359,36 @@ class EventCapture(EventSink):
         hand-written loop reads the random generators for it only then (numpy's cost ~45 us a read)."""
         if self.checkpoint_source is None or not self.publisher.holds_checkpoint_lease():
             return False
-        return self._save_interval_says(0, event, state)
+        return self._save_interval.says(0, event, state)
 
     def _checkpoint_is_due(self, event: Event, state: CaptureSource) -> bool:
-        return self._save_interval_says(1, event, state)
+        return self._save_interval.says(1, event, state)
 
-    def _save_interval_says(self, which: int, event: Event, state: CaptureSource) -> bool:
-        """The save interval's rule (``which`` 0) or scheduler (1) at ``event``. Its text was checked on the
-        bus thread, but whether this run can follow it shows only here (a ``dur`` interval in a run whose
-        length in batches is unknown): then nothing is due, said once per interval. What a worker asked
-        for never raises into the training loop."""
+
+class _SaveInterval:
+    """The save interval a checkpoint worker's lease asks for: its rule (asked ahead, counting nothing) and
+    scheduler (at the event: it remembers the final batch), built once per interval. Its text was checked
+    on the bus thread, but whether this run can follow it shows only at an event (a ``dur`` interval in a
+    run whose length in batches is unknown): then nothing is due, said once per interval. What a worker
+    asked for never raises into the training loop."""
+
+    def __init__(self, leases: Leases):
+        self._leases = leases
+        self._built: Optional[tuple[str, Callable[[Any, Event], bool], Callable[[Any, Event], bool]]] = None
+        self._refused: Optional[str] = None  # the last interval this run could not follow
+
+    def says(self, which: int, event: Event, state: CaptureSource) -> bool:
+        """The rule's (``which`` 0) or the scheduler's (1) answer at ``event``."""
+        wanted = self._leases.checkpoint_options.get("save_interval", "1ep")
         try:
-            return self._save_rules()[which](state, event)
+            if self._built is None or self._built[0] != wanted:
+                events = {"batch_event": Event.BATCH_CHECKPOINT, "epoch_event": Event.EPOCH_CHECKPOINT}
+                self._built = (wanted, interval_rule(wanted, name="save_interval", **events),
+                               interval_scheduler(wanted, name="save_interval", **events))
+            return (self._built[1] if which == 0 else self._built[2])(state, event)
         except Exception as err:
-            wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
-            if self._interval_refused != wanted:
-                self._interval_refused = wanted
+            if self._refused != wanted:
+                self._refused = wanted
                 log.warning("the checkpoint worker's save_interval %r cannot be followed in this run (%s): no "
                             "checkpoint is staged for it", wanted, err)
             return False
-
-    def _save_rules(self) -> tuple[Callable[[Any, Event], bool], Callable[[Any, Event], bool]]:
-        """The save interval's rule (asked ahead, counting nothing) and scheduler (at the event: it remembers
-        the final batch), built once per interval."""
-        wanted = self.leases.checkpoint_options.get("save_interval", "1ep")
-        if self._save_interval is None or self._save_interval[0] != wanted:
-            events = {"batch_event": Event.BATCH_CHECKPOINT, "epoch_event": Event.EPOCH_CHECKPOINT}
-            self._save_interval = (wanted, interval_rule(wanted, name="save_interval", **events),
-                                   interval_scheduler(wanted, name="save_interval", **events))
-        return self._save_interval[1], self._save_interval[2]
