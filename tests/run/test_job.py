@@ -9,9 +9,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from eventbus.bus.journal import read_messages
+from eventbus.errors import ConfigError
+from eventbus.run.config import JobConfig
+from eventbus.run.discovery import check_run_folder
 from tests.support import REPO_ROOT
 
 SMALL = ["--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
@@ -51,8 +55,8 @@ def test_run_trains_with_daemons_then_resumes(tmp_path):
     assert "applied to its end" not in resumed.stderr  # the daemons' cursors held the first run: they join this one
     assert torch.load(latest, weights_only=True)["state"]["timestamp"]["batch"] == 18
 
-    reused = eventbus_run(tmp_path, "--max-duration", "4ba", "--run-name", "newcomer", "--daemons", "none")
-    assert reused.returncode == 2 and "continue it with --run-name newcomer --resume" in reused.stderr, reused.stderr
+    with pytest.raises(ConfigError, match="continue it with --run-name newcomer --resume"):  # it has a checkpoint
+        check_run_folder(JobConfig(run_name="newcomer", runs_dir=str(tmp_path / "runs")))
     # Resumed with a duration it has passed: said at once, and the next command goes past where it is.
     short = eventbus_run(tmp_path, "--max-duration", "12ba", "--run-name", "newcomer", "--resume", "--daemons", "none")
     assert short.returncode == 0, short.stderr[-3000:]
