@@ -329,8 +329,7 @@ def export(options: ExportOptions) -> int:
     finally:
         progress.close()
     if failure is None and _NAME in cursor.seqs:  # what closing the tracker left (a backlog) is kept too
-        cursor.record_many(str(cursor.run_id), [(_NAME, cursor.seqs[_NAME], wrapper.state_dict(),
-                                                 _NAME in cursor.ended)], cursor.journal)
+        cursor.record(str(cursor.run_id), _NAME, cursor.seqs[_NAME], wrapper.state_dict(), ended=_NAME in cursor.ended)
     seconds = time.perf_counter() - started
     before = f" ({done_before[0]} exported before)" if done_before[0] else ""
     held = f" ({counts.present} skipped: their key already held a value at that step)" if counts.present else ""
