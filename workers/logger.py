@@ -33,7 +33,8 @@ __all__ = ["MetricsFileLogger", "ProgressLogger", "TensorBoardLogger", "MLflowLo
 
 # What the progress display shows, and under which short name: a few keys, never every metric
 # (gradient norms alone are dozens of keys, and a line longer than the terminal wraps and scrolls).
-BAR_KEYS = {"loss/train/total": "loss", "throughput/samples_per_sec": "samples/s"}
+LOSS_KEY = "loss/train/total"
+BAR_KEYS = {LOSS_KEY: "loss", "throughput/samples_per_sec": "samples/s"}
 RUN_ETA_KEY = "time/remaining_estimate"  # hours, from the timing worker's RuntimeEstimator
 _UNKNOWN = object()
 
@@ -63,6 +64,7 @@ class ProgressLogger(LoggerDestination):
         self._epoch_total: Any = _UNKNOWN  # batches this epoch runs: worked out at its first batch_end
         self._done: dict[int, int] = {}  # off a terminal: each rank's batches of this epoch so far
         self._done_line: Optional[str] = None
+        self._loss_logged = False  # the trainer logs its loss (Composer, eventbus's Trainer); else the snapshot's
 
     def init(self, state: Any, logger: Logger) -> None:
         if self.interactive:  # a log record printed mid-bar would glue onto it: put it above the bar
@@ -72,6 +74,7 @@ class ProgressLogger(LoggerDestination):
         for key, value in metrics.items():
             if key in BAR_KEYS or key == RUN_ETA_KEY:
                 self._latest[key] = to_number(value)
+                self._loss_logged = self._loss_logged or key == LOSS_KEY
 
     def epoch_start(self, state: Any, logger: Logger) -> None:
         if not self.interactive:
@@ -88,6 +91,7 @@ class ProgressLogger(LoggerDestination):
         if self.interactive:
             if self._bar is None:  # joined mid-epoch (a restarted logger): open its bar now
                 self.epoch_start(state, logger)
+            self._snapshot_loss(state)
             self._bar.set_postfix_str(self._postfix("=", ", "), refresh=False)
             self._bar.update(int(state.timestamp.batch_in_epoch) - self._bar.n)
             return
@@ -104,6 +108,7 @@ class ProgressLogger(LoggerDestination):
             done = int(state.timestamp.batch_in_epoch)
             if done % self.log_interval == 0 or done == total:
                 title = f"epoch {int(state.timestamp.epoch) + 1} [batch {done}/{total if total else '?'}]"
+                self._snapshot_loss(state)
                 self._write(f"{title} {self._postfix(' ', '  ')}".rstrip())
         self._done[rank] = done
 
@@ -131,6 +136,14 @@ class ProgressLogger(LoggerDestination):
         if self._done_line is not None:
             self._write(self._done_line)
             self._done_line = None
+
+    def _snapshot_loss(self, state: Any) -> None:
+        """A trainer that logs no ``loss/train/total`` (a hand-written loop, Lightning, Hugging Face): the
+        loss its snapshot holds, read only where a line or a bar update is due."""
+        if not self._loss_logged:
+            loss = getattr(state, "loss", None)
+            if loss is not None:
+                self._latest[LOSS_KEY] = to_number(loss)
 
     def _postfix(self, equals: str, separator: str) -> str:
         parts = [f"{name}{equals}{_fmt(self._latest[key])}" for key, name in BAR_KEYS.items() if key in self._latest]

@@ -119,14 +119,19 @@ class BusAdapter:
         self.capture = open_bus(self.bus, state, run_folder=folder, hyperparameters=hyperparameters,
                                 checkpoint_source=checkpoint_source,
                                 header={"trainer": trainer, **(header or {})}, quiet=True)
-        if self.capture is not None and state.rank == 0:
+        if self.capture is None:
+            return
+        # A run never closed (a loop without ``with`` or ``close()``, a Hugging Face ``train()`` that raised or
+        # was interrupted: it calls no hook then) still ends on the bus at exit: the queued events journaled, the
+        # end published (followers exit), the socket files removed. The bus thread, a daemon thread, would
+        # otherwise die with them.
+        atexit.register(self.close)
+        if state.rank == 0:
             journal = f", journal {self.capture.publisher.journal_path}" if self.capture.publisher.journal_path else ""
             print(f"eventbus: {trainer} run {state.run_name} publishing on {self.address}{journal}",
                   file=sys.stderr, flush=True)
             if self.daemon_options is not None:  # one set for the job; the other ranks wait in the first collective
                 self.daemons = DaemonSet.start(self.daemon_options, self.capture.publisher, folder)
-                # A trainer that calls no hook on Ctrl-C (Hugging Face's): the run still ends for the daemons.
-                atexit.register(self.close)
 
     def publish(self, event: Event) -> None:
         """Capture one event of the current state (training thread; never blocks)."""
@@ -179,6 +184,7 @@ class BusAdapter:
         daemons it started to finish and say where their files are. Idempotent."""
         capture, self.capture = self.capture, None
         if capture is not None:
+            atexit.unregister(self.close)
             capture.close()
         daemons, self.daemons = self.daemons, None
         if daemons is not None:
@@ -187,4 +193,5 @@ class BusAdapter:
         if group is not None:
             import torch.distributed as dist
 
-            dist.destroy_process_group(group)
+            if dist.is_initialized():  # at exit the job may have destroyed its process groups already
+                dist.destroy_process_group(group)

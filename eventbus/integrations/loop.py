@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import numbers
 import os
 import pathlib
 import time
@@ -51,12 +52,14 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 
 import eventbus.distributed as distributed
+from eventbus.bus.journal import JOURNAL_NAME
 from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.naming import latest_path
 from eventbus.core.events import Event
 from eventbus.core.plain import plain_hyperparameters
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time, Timestamp, TimeUnit
+from eventbus.errors import ConfigError
 from eventbus.integrations.adapter import BusAdapter, RunState
 from eventbus.integrations.loop_checkpoint import LoopCheckpoint, unwrap_model, unwrap_optimizer
 from eventbus.runtime.supervisor import Daemons, DaemonsArgument
@@ -72,7 +75,7 @@ def start(model: torch.nn.Module, optimizers: Any = None, *, max_duration: Union
           run_folder: Union[str, os.PathLike[str], None] = None, bus: BusArgument = None,
           daemons: DaemonsArgument = None, hyperparameters: Optional[Mapping[str, Any]] = None,
           load_path: Union[str, os.PathLike[str], None] = None, resume: bool = False,
-          steps_per_epoch: Optional[int] = None, seed: Optional[int] = None) -> "LoopRun":
+          steps_per_epoch: Optional[int] = None, seed: Optional[int] = None, scaler: Any = None) -> "LoopRun":
     """Open a run for a hand-written loop (every rank calls it under torchrun).
 
     Args:
@@ -92,10 +95,12 @@ def start(model: torch.nn.Module, optimizers: Any = None, *, max_duration: Union
             RNG continue from it. ``resume=True``: the run folder's latest one, when there is one.
         steps_per_epoch: optimizer steps per epoch, when the loop has epochs (``state.dataloader_len``).
         seed: the seed the loop used, kept in the header and checkpoints.
+        scaler: the loop's AMP ``GradScaler`` (Accelerate's ``accelerator.scaler``): a step it skips (inf or
+            NaN gradients) still ends its batch, as in Composer, instead of being taken for accumulation.
     """
     return LoopRun(model, optimizers, max_duration=max_duration, schedulers=schedulers, run_name=run_name,
                    run_folder=run_folder, bus=bus, daemons=daemons, hyperparameters=hyperparameters,
-                   load_path=load_path, resume=resume, steps_per_epoch=steps_per_epoch, seed=seed)
+                   load_path=load_path, resume=resume, steps_per_epoch=steps_per_epoch, seed=seed, scaler=scaler)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -138,12 +143,17 @@ class LoopRun:
                  schedulers: Any, run_name: Optional[str], run_folder: Union[str, os.PathLike[str], None],
                  bus: BusArgument, daemons: DaemonsArgument, hyperparameters: Optional[Mapping[str, Any]],
                  load_path: Union[str, os.PathLike[str], None], resume: bool, steps_per_epoch: Optional[int],
-                 seed: Optional[int]):
+                 seed: Optional[int], scaler: Any = None):
         rank, world_size = _rank_and_world_size()
         name = run_name or new_run_name("loop")
         if world_size > 1:
             name = distributed.broadcast_object(name)  # every rank's stream names the same run
         self.run_folder = resolve_run_folder(name, run_folder)
+        if not resume and load_path is None and (self.run_folder / JOURNAL_NAME).exists():
+            # A second run appended to it would be taken for the same run: the daemons keep each step's
+            # first values and the checkpoints of the same step are overwritten.
+            raise ConfigError(f"run {name!r} already exists in {self.run_folder}: pass resume=True to continue "
+                              "it, or another run_name")
         self.optimizers = [unwrap_optimizer(o) for o in _as_list(optimizers)]
         self.schedulers = _as_list(schedulers)
         duration = check_max_duration(max_duration) if max_duration is not None else None
@@ -167,6 +177,8 @@ class LoopRun:
         self._window_loss: Any = None
         self._pending: list[Event] = []  # checkpoint events waiting for the loop's next mark
         self._hooks = [hook for o in self.optimizers for hook in self._watch(o)]
+        if scaler is not None:
+            self._hooks.append(_ScalerStep(scaler, self._scaler_stepped))
         self.adapter.open(self.state, hyperparameters=plain_hyperparameters(dict(hyperparameters or {})),
                           trainer="loop", checkpoint_source=self.checkpoint.state_dict,
                           header={"seed": seed} if seed is not None else None)
@@ -206,6 +218,7 @@ class LoopRun:
     def epoch(self) -> Iterator[None]:
         """One epoch: EPOCH_START (not repeated when resuming mid-epoch); EPOCH_END and EPOCH_CHECKPOINT
         when it ran to its end (``steps_per_epoch`` steps, or without that number, no stop mid-way)."""
+        self._check_open()
         self._flush()
         if int(self.state.timestamp.batch_in_epoch) == 0:
             self._publish(Event.EPOCH_START)
@@ -230,6 +243,7 @@ class LoopRun:
 
     def batch_start(self) -> None:
         """BATCH_START and BEFORE_TRAIN_BATCH at the first batch of an optimizer step."""
+        self._check_open()
         if self._in_step:
             return  # a further microbatch of the same optimizer step
         self._flush()
@@ -248,7 +262,11 @@ class LoopRun:
         state = self.state
         self._window_samples += samples
         self._window_tokens += tokens
-        if isinstance(loss, torch.Tensor):
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            if not isinstance(loss, numbers.Real) or isinstance(loss, bool):
+                raise TypeError(f"batch.loss must be a tensor or a number, got {type(loss).__name__}")
+            loss = torch.tensor(float(loss))  # a loss read with .item() already
+        if loss is not None:
             loss = loss.detach()
             self._window_loss = loss if self._window_loss is None else self._window_loss + loss
             state.loss = loss
@@ -277,6 +295,7 @@ class LoopRun:
     def evaluate(self, label: str = "eval", batches: Optional[int] = None) -> Iterator[Evaluation]:
         """One evaluation: EVAL_BEFORE_ALL and EVAL_START, EVAL_END with ``evaluation.metrics`` (also logged
         as Composer's ``metrics/<label>/<name>``), EVAL_AFTER_ALL; ``batches``: its length, if known."""
+        self._check_open()
         state = self.state
         evaluation = Evaluation(self, label)
         previous_len = state.dataloader_len
@@ -296,6 +315,7 @@ class LoopRun:
 
     def log(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
         """Metrics under the names given (tensors staged, never read here); step: ``timestamp.batch``."""
+        self._check_open()
         detached = {name: value.detach() if isinstance(value, torch.Tensor) else value  # not the autograd graph
                     for name, value in metrics.items()}
         self.adapter.log_metrics(detached, self.step if step is None else step)
@@ -330,6 +350,10 @@ class LoopRun:
         self.adapter.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _check_open(self) -> None:
+        if self._closed:  # its bus has ended: whatever came now would be published nowhere
+            raise RuntimeError(f"run {self.state.run_name} is closed; start another with loop.start()")
 
     def _publish(self, *events: Event) -> None:
         for event in events:
@@ -375,6 +399,31 @@ class LoopRun:
             self._stepped = True
 
         return [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
+
+    def _scaler_stepped(self) -> None:
+        self._stepped = True
+
+
+class _ScalerStep:
+    """The loop's GradScaler with its ``step`` counted: a step the scaler skipped never reaches the optimizer's
+    step hooks, and without this its batch would be taken for a microbatch of the next step."""
+
+    def __init__(self, scaler: Any, stepped: Any):
+        if not callable(getattr(scaler, "step", None)):
+            raise TypeError(f"scaler must be a GradScaler (with a step method), got {type(scaler).__name__}")
+        self.scaler = scaler
+        step = scaler.step
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(*args, **kwargs)
+            finally:
+                stepped()
+
+        scaler.step = counted  # on this instance only; remove() restores the class's
+
+    def remove(self) -> None:
+        self.scaler.__dict__.pop("step", None)
 
 
 def _rank_and_world_size() -> tuple[int, int]:

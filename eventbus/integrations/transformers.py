@@ -104,8 +104,8 @@ class EventBusCallback(transformers.TrainerCallback):
         self.trainer = trainer
         training_step = trainer.training_step  # the bound method, a subclass's override included
 
-        def step_and_keep_loss(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-            loss = training_step(model, inputs, num_items_in_batch)
+        def step_and_keep_loss(model: Any, inputs: Any, *more: Any) -> Any:  # 4.46 added num_items_in_batch
+            loss = training_step(model, inputs, *more)
             self._microbatch_done(loss, inputs)
             return loss
 

@@ -10,6 +10,7 @@ import logging
 import queue
 from typing import Any, Optional
 
+import numpy
 import pytest
 import torch
 
@@ -261,6 +262,9 @@ def test_captured_values_resolve_to_plain_values_the_same_way_at_every_value_of_
         assert resolve(Settings({1: torch.tensor(0.5)})) == {"1": 0.5}
         assert resolve({"loss": torch.tensor(0.25), 3: [torch.tensor(1.0)]}) == {"loss": 0.25, "3": [1.0]}
         assert resolve(Event.FIT_START) == Event.FIT_START and resolve(None) is None
+        # NumPy values logged by a user: numbers and lists, never their text.
+        assert resolve(numpy.float32(1.5)) == 1.5 and type(resolve(numpy.float32(1.5))) is float
+        assert resolve(numpy.arange(3)) == [0, 1, 2] and resolve({"n": numpy.int64(4)}) == {"n": 4}
 
 
 def test_a_save_interval_the_run_cannot_follow_stages_nothing_and_never_raises_into_training(tmp_path, caplog):

@@ -43,9 +43,13 @@ def resolve(value: Any) -> Any:
         if getattr(deferred, "__func__", None) is getattr(kind, "resolve", _ABSENT):  # the class's, not its own
             _learn(kind, kind.resolve)
         return deferred()
-    if hasattr(value, "tolist") and hasattr(value, "numel"):  # a host tensor captured by reference
-        _learn(kind, host_value)
-        return host_value(value)
+    if hasattr(value, "tolist"):
+        if hasattr(value, "numel"):  # a host tensor captured by reference
+            _learn(kind, host_value)
+            return host_value(value)
+        if kind.__module__ == "numpy":  # a NumPy scalar or array: its number, or nested lists
+            _learn(kind, _numpy_value)
+            return _numpy_value(value)
     if isinstance(value, dict):
         return {str(k): resolve(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -68,6 +72,11 @@ def host_value(tensor: Any) -> Any:
         while plain.__class__ is list:
             plain = plain[0]
     return plain
+
+
+def _numpy_value(value: Any) -> Any:
+    plain = value.tolist()
+    return plain if plain.__class__ in _PLAIN else resolve(plain)  # a list; an object array's items resolved too
 
 
 class PayloadBuilder:
