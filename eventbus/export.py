@@ -32,9 +32,9 @@ Nothing lost, nothing doubled, on two levels:
 
 Exit codes: 0 done; 1 the tracker failed, or did not take everything (down: its backlog
 is kept in the cursor, and ``--resume`` sends it first); 2 bad usage (unknown target,
-no journal); 3 the journal is damaged or holds records or values that cannot be exported (not valid messages,
-metrics that are not a map, a step that is not an integer, a metric whose value
-is a map, a list or anything else that is not a number, a bool, text or null:
+no journal); 3 the journal is damaged or of another version, or holds records or values that cannot be exported
+(not valid messages, metrics that are not a map, a step that is not an integer, a metric whose value is a map, a
+list or anything else that is not a number, a bool, text or null:
 :func:`~eventbus.trackers.points.metric_value_problem`, the same check for every
 target): every other record and value was exported, and one line counts and
 names what was lost or skipped. A skipped record or value is never handed to
@@ -42,12 +42,10 @@ the tracker, so ``--resume`` goes past it too.
 ``--follow`` polls the journal for new records (a live run) until the run's end
 message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed.
 
-Said, not failed (exit 0, one line each): values the tracker cannot hold (text
-in TensorBoard, a name MLflow rejects, a metric named ``step`` in metrics.jsonl),
-counted and named by the tracker; a journal read to its end whose run has no end
-message (cut short, the trainer died, or still running): where it ends. Neither
-is damage to the journal: the journal still holds the values, and what it holds
-was exported whole.
+Said, not failed (exit 0, one line each): values the tracker cannot hold (text in TensorBoard, a name
+MLflow rejects, a metric named ``step`` in metrics.jsonl), counted and named by the tracker; a journal
+read to its end whose run has no end message (cut short, the trainer died, or still running): where it
+ends. Neither is damage to the journal: it still holds the values, and what it holds was exported whole.
 """
 
 from __future__ import annotations
@@ -310,9 +308,11 @@ def export(options: ExportOptions) -> int:
     """Run one export; the exit code (see the module docstring). ConfigError: bad usage (exit 2)."""
     journal = resolve_journal(options.journal)
     first = asyncio.run(_first_message(journal, options.follow))
-    if first is None:
-        print(f"eventbus export: {journal} holds no message yet; nothing to export", file=sys.stderr)
-        return 0
+    if first is None:  # nothing readable: an empty journal, or one whose every record is lost or unread
+        lost = damage_summary(journal)
+        said = f"holds no message it can read: {lost}" if lost else "holds no message yet"
+        print(f"eventbus export: {journal} {said}; nothing to export", file=sys.stderr)
+        return 3 if lost else 0
     target = build_target(options, journal.parent, first.state)
     if (refusals := getattr(target.destination, "refused", None)) is not None:
         refusals.quiet = True  # said once in the closing lines, not as a log line per key meanwhile

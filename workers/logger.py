@@ -23,7 +23,14 @@ from typing import Any, Optional, Sequence, TextIO
 
 from eventbus import Event, LoggerDestination
 from eventbus.core.logger import Logger, to_number
-from eventbus.runtime.daemon import LOG_FORMAT, OneLineErrorParser, add_daemon_arguments, run_daemon, seconds
+from eventbus.runtime.daemon import (
+    LOG_FORMAT,
+    OneLineErrorParser,
+    add_daemon_arguments,
+    check_positive,
+    run_daemon,
+    seconds,
+)
 from eventbus.trackers.files import MetricsFileLogger
 from eventbus.trackers.mlflow import MLflowLogger
 from eventbus.trackers.tensorboard import TensorBoardLogger
@@ -266,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_destinations(args: argparse.Namespace) -> list[LoggerDestination]:
     """The destinations the options ask for: metrics files always, then console, TensorBoard, MLflow, W&B."""
     destinations: list[LoggerDestination] = [MetricsFileLogger(args.output, write_every=args.write_every)]
+    check_positive("--log-interval", args.log_interval)
     if not args.no_console:
         destinations.append(ProgressLogger(log_interval=args.log_interval, prefix="logger: "))
     if args.tensorboard:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 from eventbus import Callback, Event, burst_states
 from eventbus.core.logger import Logger
 from eventbus.core.time import TimeUnit
-from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, check_positive, run_daemon
 
 __all__ = ["SpeedMonitor", "RuntimeEstimator", "LRMonitor", "OptimizerMonitor", "MemoryMonitor", "main"]
 
@@ -331,6 +331,11 @@ def build_parser() -> OneLineErrorParser:
 
 def build_callbacks(args: argparse.Namespace) -> list[Callback]:
     """The monitors the options ask for (fresh objects each call: ``--follow`` builds them per run)."""
+    check_positive("--window-size", args.window_size)
+    check_positive("--skip-batches", args.skip_batches, zero_ok=True)
+    check_positive("--optimizer-interval", args.optimizer_interval, zero_ok=True)
+    if args.gpu_flops_available is not None:
+        check_positive("--gpu-flops-available", args.gpu_flops_available, most=1e21)  # a zettaflop: any device
     made: list[Callback] = [SpeedMonitor(args.window_size, args.gpu_flops_available, args.time_unit),
                             RuntimeEstimator(args.skip_batches, args.time_unit), LRMonitor(), MemoryMonitor()]
     if args.optimizer_interval > 0:

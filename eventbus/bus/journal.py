@@ -22,8 +22,7 @@ Guarantees for readers (:class:`JournalReader`):
   between the records around it;
 * a torn tail (a prefix of one record, as a crash mid-write leaves it) ends a
   segment silently: that record was never sent;
-* a symlink in place of a segment, or a segment of an earlier format, is reported as damage.
-
+* a symlink in place of a segment, or a segment of another format, is reported as damage.
 Memory: readers hold one record and a 1 MiB scan window; the writer's seq index is sparse.
 """
 
@@ -35,6 +34,7 @@ import dataclasses
 import errno
 import os
 import pathlib
+import re
 import struct
 import zlib
 from typing import BinaryIO, Iterator, Optional, Union
@@ -46,8 +46,9 @@ __all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "re
            "segment_paths", "JOURNAL_NAME", "DEFAULT_SEGMENT_BYTES"]
 
 JOURNAL_NAME = "events.journal"
-MAGIC = b"EVBJOURNAL4\n"  # a record per window (wire format 4), with its message count
-_EARLIER = (b"EVBJOURNAL1\n", b"EVBJOURNAL2\n", b"EVBJOURNAL3\n")  # earlier formats: reported, not read
+FORMAT = 4
+MAGIC = b"EVBJOURNAL%d\n" % FORMAT  # a record per window (wire format 4), with its message count
+_ANY_FORMAT = re.compile(rb"EVBJOURNAL(\d{1,3})\n")  # another version's: reported, not read
 SYNC = b"\xa5EvR"  # starts every record: what a reader looks for to resynchronise after damage
 _SEGMENT = struct.Struct("<12sQI")  # magic, writer token, segment ordinal within the writer
 _RECORD = struct.Struct("<4sIIQI")  # sync, length, crc32, first seq, count
@@ -79,10 +80,8 @@ def _segment_name(base: pathlib.Path, number: int) -> pathlib.Path:
 class JournalWriter:
     """Appends records to a new segment of the journal at ``path``; owned by the bus thread.
 
-    Records survive a crash of the training process once flushed; ``fsync`` also
-    survives a machine crash. Segment files are created exclusively and never
-    through a symlink. ``read_range`` serves this writer's records by seq.
-    """
+    Records survive a crash of the training process once flushed; ``fsync`` also survives a machine
+    crash. Segment files are created exclusively, never through a symlink. ``read_range`` serves by seq."""
 
     def __init__(self, path: PathLike, segment_bytes: Optional[int] = None):
         self.base = pathlib.Path(path)
@@ -359,9 +358,7 @@ class _Losses:
 
 class JournalReader:
     """Reads a journal's segments in order, resynchronising after damage (see the module docstring).
-
-    ``damage`` lists what the last :meth:`records` pass could not read; ``summary()`` says it in a line.
-    """
+    ``damage`` lists what the last :meth:`records` pass could not read; ``summary()`` says it in a line."""
 
     def __init__(self, path: PathLike):
         self.path = pathlib.Path(path)
@@ -410,9 +407,12 @@ class JournalReader:
             size = os.fstat(file.fileno()).st_size
             head = file.read(_SEGMENT.size)
             start, token, ordinal = 0, None, None
-            if head[:len(MAGIC)] in _EARLIER:
-                losses.damaged(Damage(str(path), 0, size, note=f"written by an earlier eventbus (journal format "
-                                      f"{head[10:11].decode()}): not read by this version"))
+            other = _ANY_FORMAT.match(head)
+            if other is not None and other.group(0) != MAGIC:  # another version's journal: said, not misread
+                version = int(other.group(1))
+                which, then = ("an earlier", "") if version < FORMAT else ("a newer", "; a newer eventbus reads it")
+                losses.damaged(Damage(str(path), 0, size, note=f"written by {which} eventbus (journal format "
+                                      f"{version}): not read by this version{then}"))
                 return
             if head.startswith(MAGIC) and len(head) == _SEGMENT.size:
                 _, token, ordinal = _SEGMENT.unpack(head)

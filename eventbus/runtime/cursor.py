@@ -6,6 +6,7 @@ see :mod:`eventbus.runtime.host`); a restarted host loads them and resumes after
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import threading
 from typing import Any, Optional, Sequence, Union
 
 from eventbus.core.atomic import write_atomic
+from eventbus.errors import ConfigError
 
 __all__ = ["Cursor"]
 
@@ -31,15 +33,38 @@ class Cursor:
         self.seqs: dict[str, int] = {}
         self.states: dict[str, Any] = {}
         self.ended: set[str] = set()  # callbacks that applied the run's end
+        self._claim: Optional[int] = None  # the lock file's descriptor, while this process holds it
         if self.path.exists():
             try:
-                data = json.loads(self.path.read_text())
+                text = self.path.read_bytes()
+            except OSError as err:
+                raise ConfigError(f"cannot read the cursor file {self.path}: {err.strerror or err}") from None
+            try:
+                data = json.loads(text)  # bytes: its encoding is detected, and bad bytes are a ValueError
                 self.run_id, self.seqs = data["run_id"], {k: int(v) for k, v in data["seqs"].items()}
-                self.journal = data.get("journal")
+                journal = data.get("journal")
+                self.journal = journal if isinstance(journal, str) else None
                 self.states = dict(data.get("states", {}))
                 self.ended = {str(name) for name in data.get("ended", [])}
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("cursor file %s is unreadable; starting without it", self.path)
+
+    def claim(self, who: str) -> None:
+        """Hold this cursor for this process (a lock file beside it, released at exit): two workers with one
+        identity would both apply every message (each line of a metrics file twice) and both answer for
+        the trainer's leases. ConfigError when another process holds it."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise ConfigError(f"cannot create {lock}: {err.strerror or err}") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise ConfigError(f"another worker already runs as {who} (it holds {lock}); give this one another "
+                              "--identity, or stop that one first") from None
+        self._claim = descriptor
 
     def resume_point(self, names: Sequence[str]) -> Optional[tuple[str, int]]:
         if self.run_id is None or not self.seqs:

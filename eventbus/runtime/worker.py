@@ -24,7 +24,8 @@ from eventbus.bus.subscribe.messages import Message
 from eventbus.bus.subscribe.subscriber import Subscriber
 from eventbus.core.callback import Callback
 from eventbus.core.events import Event
-from eventbus.errors import EventBusError
+from eventbus.core.run_folder import check_run_name
+from eventbus.errors import ConfigError, EventBusError
 from eventbus.runtime.console import say_line
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.declarations import capture_leases, staged_only_events, subscription
@@ -67,9 +68,14 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     current = list(make())
     cursor = None
     if identity:
+        check_run_name(identity, "--identity")  # its cursor's file name: no path
         directory = state_dir or pathlib.Path.home() / ".cache" / "eventbus" / "subscribers"
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"cannot use {str(directory)!r} as the state directory: {err.strerror or err}") from None
         cursor = Cursor(directory / f"{identity}.cursor.json")
+        cursor.claim(f"identity {identity!r} in {directory}")
     names = [type(cb).__name__ for cb in current]
     resume = cursor.resume_point(names) if cursor else None
     # A cursor whose run was applied to its end: said at the end, and only if no other run came (a daemon
@@ -79,6 +85,10 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
     journal = journal or (cursor.journal if cursor else None)
     handled, metrics = subscription(current)  # the publisher sends only these events
     if events:
+        unknown = sorted(set(events) - {event.value for event in Event})
+        if unknown:
+            raise ConfigError(f"--events: {', '.join(unknown)} is not an event; the events are "
+                              f"{', '.join(event.value for event in Event)}")
         handled = frozenset(Event(e) for e in events) & handled if handled is not None else \
             frozenset(Event(e) for e in events)
     subscriber = Subscriber(address, events=handled, metrics=metrics, start=start, identity=identity,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import os
 import pathlib
 import time
@@ -23,6 +24,8 @@ from eventbus.trackers.points import Refused
 from eventbus.trackers.step_ranges import StepRanges
 
 __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
+
+log = logging.getLogger(__name__)
 
 class MetricsFileLogger(LoggerDestination):
     """``metrics.jsonl``: one object per logged step with every key logged for it; ``metrics.csv`` beside it.
@@ -51,6 +54,7 @@ class MetricsFileLogger(LoggerDestination):
         self._columns: Optional[list[str]] = None  # the CSV's header; None: rewrite it at the next write
         self._known: set[str] = set()  # the same, as a set
         self._written_at = time.monotonic()
+        self._committed_size: Optional[int] = None  # the file's size at the restored commit, if restored
         self.path: Optional[pathlib.Path] = None
         self.refused = Refused("metrics.jsonl")  # a metric named "step" (the line's own key), a non-text key
 
@@ -69,15 +73,21 @@ class MetricsFileLogger(LoggerDestination):
         self.folder = folder
 
     def state_dict(self) -> dict[str, Any]:
-        """The folder and the steps still held back: a restarted worker loses neither."""
+        """The folder, the steps still held back and the file's size (the lines made are written first:
+        ``flush``): a restarted worker loses none of them and writes no line twice."""
         if self.folder is None:
             return {}
-        return {"folder": str(self.folder), "pending": {str(k): v for k, v in self._pending.items()}}
+        state: dict[str, Any] = {"folder": str(self.folder), "pending": {str(k): v for k, v in self._pending.items()}}
+        if self._file is not None and not self._lines:
+            state["size"] = self._file.tell()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.folder = state.get("folder", self.folder)
         self._held = None
         self._pending = {int(k): dict(v) for k, v in state.get("pending", {}).items()}
+        size = state.get("size")
+        self._committed_size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
 
     def _open(self) -> None:
         if self._file is not None:
@@ -87,6 +97,8 @@ class MetricsFileLogger(LoggerDestination):
         folder = pathlib.Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
+        _mend(self.path, self._committed_size, self._pending)
+        self._committed_size = None
         self._written = StepRanges(_steps_in(self.path))
         self._file = open(self.path, "a")
         self._columns = None  # the CSV is rewritten from the file at the first write
@@ -179,6 +191,44 @@ class MetricsFileLogger(LoggerDestination):
         self._file.close()
         self._file = None
         write_csv(self.path, self.path.with_suffix(".csv"))
+
+
+def _mend(path: pathlib.Path, committed_size: Optional[int], held: dict[int, Any]) -> None:
+    """Before appending to ``path``: cut a torn last line (its writer was killed mid-line), and take out the
+    lines written after the restored commit (``committed_size``) for steps that commit still held back: a
+    stopped worker's close wrote them, maybe before more of their metrics came. They are made again from
+    the restored steps and the messages applied again after the commit, so no value is lost."""
+    if not path.exists():
+        return
+    size = path.stat().st_size
+    if committed_size is not None and size < committed_size:
+        log.warning("%s is %d bytes shorter than when this worker last recorded its progress: lines written "
+                    "before then are lost (eventbus export rebuilds the file from the journal)", path,
+                    committed_size - size)
+    cut: Optional[int] = None  # where the lines to take out start
+    kept: list[bytes] = []  # the lines after ``cut`` that stay
+    offset = 0
+    with open(path, "rb") as lines:
+        for line in lines:
+            start, offset = offset, offset + len(line)
+            drop = not line.endswith(b"\n") or (committed_size is not None and start >= committed_size
+                                                 and _step_of(line) in held)
+            if drop and cut is None:
+                cut = start
+            elif not drop and cut is not None:
+                kept.append(line)
+    if cut is not None:
+        with open(path, "r+b") as out:
+            out.seek(cut)
+            out.truncate()
+            out.write(b"".join(kept))
+
+
+def _step_of(line: bytes) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def written_steps(path: pathlib.Path) -> set[int]:

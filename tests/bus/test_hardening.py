@@ -263,6 +263,25 @@ def test_a_segment_of_an_earlier_format_is_reported_and_the_rest_still_reads(tmp
     assert len(reader.damage) == 1 and "earlier eventbus (journal format 1)" in reader.damage[0].describe()
 
 
+def test_a_journal_of_a_newer_format_is_refused_as_such_not_misread(tmp_path):
+    """A newer eventbus's journal (format 5 here) is not read as this format's records: it is named, with
+    what reads it, and ``eventbus export`` exits 3 saying so, not 0 with "no message yet"."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "events.journal"
+    writer = JournalWriter(path)
+    writer.append(wire.encode("metrics", "run", 0, 1, None, 0.0, 0.0, {"step": 1}), 1)
+    writer.close()
+    path.write_bytes(b"EVBJOURNAL5\n" + path.read_bytes()[12:])  # the same records under a newer header
+    reader = JournalReader(path)
+    assert list(reader.records()) == []
+    assert "newer eventbus (journal format 5): not read by this version" in reader.damage[0].describe()
+    result = subprocess.run([sys.executable, "-m", "eventbus", "export", str(path), "--to", "jsonl", "--output",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3 and "newer eventbus" in result.stderr, result.stderr
+
+
 def test_the_replay_cache_is_bounded_in_bytes_and_older_seqs_replay_from_the_journal(tmp_path):
     """Large snapshots must not pin memory in the trainer: the cache keeps at most
     ``replay_cache_bytes``, and a subscriber joining from the beginning still gets every message."""

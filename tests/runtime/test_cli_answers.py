@@ -65,3 +65,26 @@ def test_the_logger_daemon_says_it_logs_to_wandb_too():
     text = " ".join(result.stdout.split())
     assert result.returncode == 0 and "TensorBoard, MLflow and Weights & Biases (W&B)" in text
     assert "--verbose" in text
+
+
+def test_a_worker_refuses_a_state_dir_it_cannot_use_an_unknown_event_and_a_second_worker_of_one_identity(tmp_path):
+    """One-line errors, exit 2, before anything is applied; a second worker under an identity another one runs
+    would apply every message again (each metrics line twice) and answer for the same leases."""
+    from eventbus.runtime.cursor import Cursor
+
+    worker = ["worker", "--connect", f"ipc://{tmp_path}/bus", "--callback", "tests.worker_callbacks:EventCollector"]
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "state" / "held.cursor.json").mkdir(parents=True)
+    holder = Cursor(tmp_path / "state" / "busy.cursor.json")
+    holder.claim("identity 'busy'")  # as the worker already running under it does
+    cases = {
+        ("--identity", "x", "--state-dir", str(tmp_path / "a-file")): "cannot use",
+        ("--identity", "held", "--state-dir", str(tmp_path / "state")): "cannot read the cursor file",
+        ("--identity", "../x", "--state-dir", str(tmp_path / "state")): "--identity must be a plain folder name",
+        ("--events", "batch_end", "NOT_AN_EVENT"): "NOT_AN_EVENT is not an event",
+        ("--identity", "busy", "--state-dir", str(tmp_path / "state")): "another worker already runs as identity 'busy'",
+    }
+    for args, said in cases.items():
+        result = eventbus(*worker, *args, cwd=REPO_ROOT)
+        assert result.returncode == 2 and said in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr

@@ -69,3 +69,38 @@ def test_a_restarted_metrics_file_logger_writes_no_step_twice_and_keeps_late_new
     steps = [row["step"] for row in rows]
     assert sorted(steps) == sorted({*range(0, 50), *range(60, 100), 55, 100}) and len(steps) == len(set(steps))
     assert {row["step"]: row["loss"] for row in rows}[10] == 10.0  # the file's line, not the late one
+
+
+@pytest.mark.fast
+def test_a_logger_stopped_and_restarted_keeps_the_metrics_that_came_for_its_held_steps_after_the_stop(tmp_path):
+    """A stopped worker commits (its held steps in the cursor), then closes, which writes those steps as
+    they were. Restarted from that commit, it applies the messages after it again: a metric that came
+    for a held step (another worker's throughput for it) still lands on that step's one line."""
+    first = MetricsFileLogger(tmp_path, hold_steps=3, write_every=0.0)
+    for step in range(1, 11):
+        first.log_metrics({"loss": float(step)}, step)
+    first.flush()  # the host's commit: lines made are written, then the state is saved
+    committed = json.loads(json.dumps(first.state_dict()))
+    first.close(None, None)  # the stop: the held steps 7-10 become lines, without their late metrics
+    again = MetricsFileLogger(tmp_path, hold_steps=3, write_every=0.0)
+    again.load_state_dict(committed)
+    again.log_metrics({"throughput": 9.5}, 9)  # applied again after the restart, or new
+    again.log_metrics({"loss": 11.0}, 11)
+    again.close(None, None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 12))
+    assert rows[8] == {"step": 9, "loss": 9.0, "throughput": 9.5}
+    csv_rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert len(csv_rows) == 12 and csv_rows[9].startswith("9,")
+
+
+@pytest.mark.fast
+def test_a_line_torn_by_a_killed_writer_is_cut_not_glued_to_the_next(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')  # killed mid-line
+    again = MetricsFileLogger(tmp_path, hold_steps=0, write_every=0.0)
+    for step in (2, 3):
+        again.log_metrics({"loss": float(step)}, step)
+    again.close(None, None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": step, "loss": float(step)} for step in (1, 2, 3)]

@@ -164,3 +164,19 @@ def Counted(monitor_class):
         monitor_class.batch_end(self, state, logger)
 
     return type(monitor_class.__name__, (monitor_class,), {"calls": 0, "batch_end": batch_end})
+
+
+@pytest.mark.parametrize("daemon, option, value", [
+    ("timing", "--window-size", "0"), ("timing", "--skip-batches", "-1"), ("timing", "--optimizer-interval", "-1"),
+    ("timing", "--gpu-flops-available", "nan"), ("timing", "--gpu-flops-available", "-1"),
+    ("logger", "--log-interval", "0"), ("logger", "--log-interval", "-5"),
+])
+def test_a_count_or_rate_out_of_range_is_refused_naming_its_option(daemon, option, value):
+    """Refused before the daemon starts (its one-line error), not a traceback at every batch later
+    (``--log-interval 0`` divided by zero at each one) or a nonsense figure."""
+    from eventbus.workers import logger, timing
+
+    module, build = (timing, timing.build_callbacks) if daemon == "timing" else (logger, logger.build_destinations)
+    args = module.build_parser().parse_args(["--connect", "ipc:///nowhere", option, value])
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        build(args)
