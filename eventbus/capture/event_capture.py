@@ -35,7 +35,7 @@ from eventbus.capture.staged import StagedWeights, stage
 from eventbus.checkpoint.staging import Staged, StagingBuffers
 from eventbus.core.engine import EventSink
 from eventbus.core.events import Event
-from eventbus.core.interval import interval_rule, interval_scheduler
+from eventbus.core.interval import interval_rule
 from eventbus.core.logger import LoggerDestination
 
 __all__ = ["EventCapture", "stage"]
@@ -106,6 +106,7 @@ class EventCapture(EventSink):
         self._agreed_stop = self._agreed_checkpoint = False
         self._announced: collections.deque[Staged] = collections.deque()  # staged by the trainer itself
         self._save_interval = _SaveInterval(self.leases)  # the checkpoint lease's, built once per interval
+        self._staged_batch = -1  # the batch of the last checkpoint staged: FIT_END stages one unless it is this one
         self._flops_of: tuple[Any, Any] = (None, None)  # a model, and its flops_per_batch or None
         # Last values captured, compared by identity (cheap).
         self._last_loss: Any = None
@@ -323,6 +324,8 @@ class EventCapture(EventSink):
         staged = self.staging.stage(source, dict(meta, rank=self.publisher.rank), wait)
         if staged is None:
             self._report_skipped(ts.batch.value)
+        else:
+            self._staged_batch = ts.batch.value
         return staged
 
     def _stage_shards(self, source: dict[str, Any], meta: dict[str, Any], wait: float) -> Optional[Staged]:
@@ -337,6 +340,7 @@ class EventCapture(EventSink):
             if self.publisher.rank == 0:
                 self._report_skipped(meta["batch"])
             return None
+        self._staged_batch = meta["batch"]
         return Staged({"shards": descriptors, "rank": 0, **meta}) if self.publisher.rank == 0 else None
 
     def _report_skipped(self, batch: int) -> None:
@@ -359,33 +363,35 @@ class EventCapture(EventSink):
         hand-written loop reads the random generators for it only then (numpy's cost ~45 us a read)."""
         if self.checkpoint_source is None or not self.publisher.holds_checkpoint_lease():
             return False
-        return self._save_interval.says(0, event, state)
+        return self._save_interval.due(event, state)
 
     def _checkpoint_is_due(self, event: Event, state: CaptureSource) -> bool:
-        return self._save_interval.says(1, event, state)
+        """The worker's interval at ``event``; at FIT_END, unless the final batch's checkpoint was staged (one
+        skipped there for want of a free buffer is staged now, waiting for one: the final state is kept)."""
+        if event is Event.FIT_END and state.timestamp.batch.value == self._staged_batch:
+            return False
+        return self._save_interval.due(event, state)
 
 
 class _SaveInterval:
-    """The save interval a checkpoint worker's lease asks for: its rule (asked ahead, counting nothing) and
-    scheduler (at the event: it remembers the final batch), built once per interval. Its text was checked
-    on the bus thread, but whether this run can follow it shows only at an event (a ``dur`` interval in a
-    run whose length in batches is unknown): then nothing is due, said once per interval. What a worker
+    """The save interval a checkpoint worker's lease asks for, its rule built once per interval. Its text was
+    checked on the bus thread, but whether this run can follow it shows only at an event (a ``dur`` interval
+    in a run whose length in batches is unknown): then nothing is due, said once per interval. What a worker
     asked for never raises into the training loop."""
 
     def __init__(self, leases: Leases):
         self._leases = leases
-        self._built: Optional[tuple[str, Callable[[Any, Event], bool], Callable[[Any, Event], bool]]] = None
+        self._built: Optional[tuple[str, Callable[[Any, Event], bool]]] = None
         self._refused: Optional[str] = None  # the last interval this run could not follow
 
-    def says(self, which: int, event: Event, state: CaptureSource) -> bool:
-        """The rule's (``which`` 0) or the scheduler's (1) answer at ``event``."""
+    def due(self, event: Event, state: CaptureSource) -> bool:
+        """Whether the interval falls at ``event`` (always at FIT_END), counting nothing."""
         wanted = self._leases.checkpoint_options.get("save_interval", "1ep")
         try:
             if self._built is None or self._built[0] != wanted:
-                events = {"batch_event": Event.BATCH_CHECKPOINT, "epoch_event": Event.EPOCH_CHECKPOINT}
-                self._built = (wanted, interval_rule(wanted, name="save_interval", **events),
-                               interval_scheduler(wanted, name="save_interval", **events))
-            return (self._built[1] if which == 0 else self._built[2])(state, event)
+                self._built = (wanted, interval_rule(wanted, name="save_interval", batch_event=Event.BATCH_CHECKPOINT,
+                                                     epoch_event=Event.EPOCH_CHECKPOINT))
+            return self._built[1](state, event)
         except Exception as err:
             if self._refused != wanted:
                 self._refused = wanted

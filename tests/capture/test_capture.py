@@ -267,6 +267,36 @@ def test_captured_values_resolve_to_plain_values_the_same_way_at_every_value_of_
         assert resolve(numpy.arange(3)) == [0, 1, 2] and resolve({"n": numpy.int64(4)}) == {"n": 4}
 
 
+def test_the_final_checkpoint_is_staged_at_fit_end_when_the_last_batch_s_was_skipped(tmp_path):
+    """A checkpoint due at the last batch is skipped while the worker still writes the one before (no free
+    buffer): FIT_END then stages the final state, waiting for a buffer, instead of taking the last batch's
+    as done and losing it. A final batch whose checkpoint was staged gets no second one at FIT_END."""
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path)), tmp_path / "run")
+    (tmp_path / "shm").mkdir()
+    publisher.staging = staging = StagingBuffers(publisher.run_id, max_buffers=1, directory=tmp_path / "shm")
+    capture = EventCapture(publisher, staging, lambda: {"model": {"w": torch.zeros(2)}})
+    source = toy_source()
+    publisher.leases.grant(["checkpoint"], ttl=60, interval=1, checkpoint_options={"save_interval": "1ba"})
+    for _ in range(3):  # batch 1 staged; 2 and 3 skipped: the worker has not acknowledged batch 1's yet
+        one_batch(source)
+        capture.publish(Event.BATCH_CHECKPOINT, source)
+    staged = [record.checkpoint for record in events(publisher) if record.checkpoint is not None]
+    assert [checkpoint.descriptor["batch"] for checkpoint in staged] == [1] and staging.skipped == 2
+    staging.release(staged[0].descriptor["buffer"])  # the worker wrote it
+    capture.publish(Event.FIT_END, source)
+    final = [record.checkpoint for record in events(publisher) if record.event == "fit_end"]
+    assert final[0] is not None and final[0].descriptor["batch"] == 3
+    staging.release(final[0].descriptor["buffer"])
+    one_batch(source)
+    capture.publish(Event.BATCH_CHECKPOINT, source)  # batch 4 staged at its batch
+    capture.publish(Event.FIT_END, source)
+    assert [record.checkpoint is not None for record in events(publisher)] == [True, False]
+
+
+def events(publisher: Publisher) -> list[EventRecord]:
+    return [record for record in queued(publisher) if isinstance(record, EventRecord)]  # not the skips' metrics
+
+
 def test_a_save_interval_the_run_cannot_follow_stages_nothing_and_never_raises_into_training(tmp_path, caplog):
     """A checkpoint worker may lease a ``dur`` interval (valid text, checked on the bus thread) for a run
     whose length in batches is unknown (an epoch duration, no dataloader length): no checkpoint is due,
