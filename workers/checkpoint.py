@@ -306,7 +306,12 @@ class CheckpointSaver(Callback):
     def _prune(self, state: Any) -> None:
         """Remove what retention no longer keeps: at once locally; with a remote folder, in the upload
         queue (after its upload), remotely and then locally."""
+        own = self._folder(state, int(getattr(state, "rank", 0))).resolve()
         with self._lock:
+            # Saves of another run, restored with the checkpoint this run started from (load_path): its
+            # files, never this run's to count or remove (Composer's saver leaves them too).
+            self.retention.saves = [save for save in self.retention.saves
+                                    if pathlib.Path(save.path).resolve().is_relative_to(own)]
             gone = self.retention.to_remove()
         for save in gone:
             if self._uploads is not None:

@@ -213,6 +213,26 @@ def test_in_process_saver_writes_on_the_training_thread(tmp_path):
         CheckpointSaver(runs_dir=tmp_path / "runs")._write(trainer.state, trainer.state_dict(), trainer.logger)
 
 
+def test_a_run_started_from_another_run_s_checkpoint_never_removes_that_run_s_files(tmp_path):
+    """The saver's state inside a checkpoint lists the files of the run that wrote it; a new run loading it
+    (``load_path``) keeps its own ``keep`` count and leaves the other run's checkpoints where they are."""
+    first = make_trainer(tmp_path, "3ba", **dict(CHECKPOINT_RUN, run_name="first"), bus=False,
+                         callbacks=[CheckpointSaver(save_interval="1ba", runs_dir=tmp_path / "runs")])
+    first.fit()
+    first.close()
+    written = sorted((tmp_path / "runs" / "first" / "checkpoints").glob("ep*.pt"))
+    assert [path.name for path in written] == ["ep0-ba1-rank0.pt", "ep0-ba2-rank0.pt", "ep0-ba3-rank0.pt"]
+    second = make_trainer(tmp_path, "6ba", **dict(CHECKPOINT_RUN, run_name="second"), bus=False,
+                          load_path=str(written[-1]),
+                          callbacks=[CheckpointSaver(save_interval="1ba", num_checkpoints_to_keep=1,
+                                                    runs_dir=tmp_path / "runs")])
+    second.fit()
+    second.close()
+    assert sorted((tmp_path / "runs" / "first" / "checkpoints").glob("ep*.pt")) == written
+    assert [path.name for path in (tmp_path / "runs" / "second" / "checkpoints").glob("ep*.pt")] == \
+        ["ep1-ba6-rank0.pt"]
+
+
 def test_a_worker_on_another_host_fetches_checkpoints_over_the_bus(tmp_path, spawn):
     """--transfer fetch: the worker never maps the trainer's shared memory; bytes come over tcp, to a
     worker with CURVE keys (on tcp, only an authenticated client may lease or fetch checkpoints)."""
