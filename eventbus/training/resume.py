@@ -82,6 +82,9 @@ class TrainerCheckpoint:
                 shutil.rmtree(local.parent, ignore_errors=True)
         if not os.path.isdir(path):
             return load_checkpoint_file(path)
+        if not os.path.exists(os.path.join(path, ".metadata")):  # a sharded checkpoint's folder has one
+            raise ConfigError(f"load_path {os.fspath(path)!r} is a folder, not a checkpoint: give a checkpoint "
+                              "file (ep<E>-ba<B>-rank0.pt) or a sharded checkpoint's folder")
         import torch.distributed.checkpoint as dcp
 
         target = self.checkpoint_state_dict()  # the structure to fill in, with this run's sharding
@@ -89,7 +92,7 @@ class TrainerCheckpoint:
             rng.setdefault("torch_epoch_start", torch.get_rng_state())
         try:
             dcp.load(target, checkpoint_id=path)
-        except Exception as err:
+        except (Exception, dcp.api.CheckpointException) as err:  # the latter is a BaseException
             raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err
         return target
 

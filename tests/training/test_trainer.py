@@ -146,6 +146,9 @@ def test_load_path_resumes_from_a_file(tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="not a readable checkpoint"):
         Trainer(make_model(), make_loader(), device="cpu", load_path=tmp_path / "garbage.pt")
+    (tmp_path / "checkpoints").mkdir()  # the folder of checkpoints, given for one of them
+    with pytest.raises(ConfigError, match="is a folder, not a checkpoint"):
+        Trainer(make_model(), make_loader(), device="cpu", load_path=tmp_path / "checkpoints")
 
 
 @pytest.mark.fast
