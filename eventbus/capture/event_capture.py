@@ -321,7 +321,10 @@ class EventCapture(EventSink):
             return self._stage_shards(source, meta, wait)
         if self.publisher.rank != 0:
             return None  # DDP: rank 0's state is the whole model; rank 0 stages the one file
-        staged = self.staging.stage(source, dict(meta, rank=self.publisher.rank), wait)
+        # The final checkpoint's wait ends when the worker's lease does (a worker killed meanwhile acknowledges
+        # nothing: the run would otherwise wait out the whole timeout).
+        staged = self.staging.stage(source, dict(meta, rank=self.publisher.rank), wait,
+                                    worth_waiting=self.publisher.holds_checkpoint_lease)
         if staged is None:
             self._report_skipped(ts.batch.value)
         else:

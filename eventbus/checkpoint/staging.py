@@ -146,11 +146,12 @@ class StagingBuffers:
 
     def stage(self, state_dict: dict[str, Any], meta: dict[str, Any], wait: float = 0.0, *,
               readers: Collection[str] = (), reader_alive: Optional[Callable[[str], bool]] = None,
-              max_held: Optional[int] = None) -> Optional[Staged]:
+              max_held: Optional[int] = None, worth_waiting: Callable[[], bool] = lambda: True) -> Optional[Staged]:
         """Copy ``state_dict`` into a free buffer; None (and ``skipped`` += 1) when every buffer is busy.
 
-        ``wait`` > 0 waits up to that many seconds for a buffer to be acknowledged instead: for the
-        last checkpoint of a run, when training is over and skipping it would lose the final state.
+        ``wait`` > 0 waits up to that many seconds for a buffer to be acknowledged instead, while
+        ``worth_waiting()`` (a worker that may acknowledge one is alive): for the last checkpoint of a run, when
+        training is over and skipping it would lose the final state.
         ``readers``: staged weights, held until each reader released it or ``reader_alive(reader)`` is
         False; None also when ``max_held`` buffers with readers are held already."""
         tensors: list[torch.Tensor] = []
@@ -162,7 +163,7 @@ class StagingBuffers:
             offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         buffer = self._acquire(offset, max_held if readers else None)
         deadline = time.monotonic() + wait
-        while buffer is None and time.monotonic() < deadline:
+        while buffer is None and time.monotonic() < deadline and worth_waiting():
             time.sleep(0.01)  # acks arrive on the bus thread; ZeroMQ's trackers are polled
             buffer = self._acquire(offset, max_held if readers else None)
         if buffer is None:

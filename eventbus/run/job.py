@@ -100,10 +100,12 @@ def run_job(args: argparse.Namespace) -> int:
     finally:
         trainer.close()  # publishes the end of the run: the daemons finish their work and exit
         stop_daemons(children)
+    # A daemon that died (killed, or failed) did not finish its part: said, and the command's exit says so.
+    failed = {name: child.returncode for name, child in zip(config.daemons, children) if child.returncode}
     if leader:
-        print_summary(trainer, config, time.perf_counter() - started, interrupted)
+        print_summary(trainer, config, time.perf_counter() - started, interrupted, failed)
     wait_for_namespace_peers(timeout=60.0)
-    return 130 if interrupted else 0
+    return 130 if interrupted else 1 if failed else 0
 
 
 def wait_for_namespace_peers(timeout: float) -> None:

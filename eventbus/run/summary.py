@@ -73,8 +73,11 @@ def nothing_to_train(trainer: Trainer, config: JobConfig) -> Optional[str]:
             f"(e.g. {_longer(config.max_duration, trainer.state.timestamp)})")
 
 
-def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupted: bool) -> None:
-    """The closing lines: batches, samples, tokens, time, eval results, and where everything is."""
+def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupted: bool,
+                  failed: Optional[dict[str, int]] = None) -> None:
+    """The closing lines: batches, samples, tokens, time, eval results, where everything is, and the daemons
+    that did not finish (``failed``: name -> exit code)."""
+    failed = failed or {}
     ts = trainer.state.timestamp
     folder = trainer.run_folder
     values = trainer.state.eval_metric_values.get("eval", {})
@@ -92,10 +95,18 @@ def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupt
         f"  metrics:     {metrics} and metrics.csv" if metrics.exists() else "",
         f"  journal:     {trainer.publisher.journal_path}",
         f"  checkpoints: {latest}" if latest.exists() else
-        ("  checkpoints: none saved (stopped before the first was due)" if "checkpoint" in config.daemons else ""),
+        (f"  checkpoints: none saved ({_none_saved(failed)})" if "checkpoint" in config.daemons else ""),
+        f"  daemons:     {', '.join(f'{name} exited {code}' for name, code in failed.items())} before the run's end "
+        "(its output is above)" if failed else "",
         f"  monitor:     eventbus monitor {trainer.publisher.journal_path}   "
         f"(live, while training: eventbus monitor {advertised(trainer.publisher.address)})",
         (f"  resume:      {resume_command(config, run_name)}" if interrupted else
          f"  train on:    {resume_command(config, run_name, longer)}" if longer else "") if latest.exists() else "",
     ]
     print("\n".join(line for line in lines if line != ""), flush=True)
+
+
+def _none_saved(failed: dict[str, int]) -> str:
+    if "checkpoint" in failed:
+        return f"the checkpoint daemon exited {failed['checkpoint']}"
+    return "stopped before the first was due"

@@ -293,6 +293,25 @@ def test_the_final_checkpoint_is_staged_at_fit_end_when_the_last_batch_s_was_ski
     assert [record.checkpoint is not None for record in events(publisher)] == [True, False]
 
 
+def test_the_final_checkpoint_waits_for_a_buffer_only_while_a_checkpoint_worker_is_there(tmp_path):
+    """The worker holding the only buffer was killed: its lease lapses, and FIT_END stops waiting for a buffer
+    it would never free (here the timeout is ten minutes: the test would hang without this)."""
+    config = BusConfig(address=bus_address(tmp_path), checkpoint_close_timeout=600.0)
+    publisher = Publisher(config, tmp_path / "run")
+    (tmp_path / "shm").mkdir()
+    publisher.staging = staging = StagingBuffers(publisher.run_id, max_buffers=1, directory=tmp_path / "shm")
+    capture = EventCapture(publisher, staging, lambda: {"model": {"w": torch.zeros(2)}})
+    source = toy_source()
+    publisher.leases.grant(["checkpoint"], ttl=3.0, interval=1, checkpoint_options={"save_interval": "1ba"})
+    one_batch(source)
+    capture.publish(Event.BATCH_CHECKPOINT, source)  # staged; never acknowledged: the worker is killed
+    one_batch(source)
+    capture.publish(Event.BATCH_CHECKPOINT, source)  # skipped
+    assert publisher.holds_checkpoint_lease()  # the killed worker's last lease has not lapsed yet
+    capture.publish(Event.FIT_END, source)  # waits only until it lapses
+    assert [record.checkpoint is not None for record in events(publisher)] == [True, False, False]
+
+
 def events(publisher: Publisher) -> list[EventRecord]:
     return [record for record in queued(publisher) if isinstance(record, EventRecord)]  # not the skips' metrics
 

@@ -89,6 +89,33 @@ def test_sigterm_stops_the_trainer_and_every_daemon_cleanly_as_ctrl_c_does(tmp_p
     assert not [path.name for path in journal.parent.iterdir() if path.is_socket()]
 
 
+def test_a_daemon_killed_mid_run_is_named_in_the_summary_and_the_exit_code(tmp_path):
+    """The checkpoint daemon SIGKILLed while the run trains: training finishes without waiting out the
+    final checkpoint's timeout (its lease lapses), the summary names the daemon and how it ended rather than
+    "stopped before the first was due", and ``eventbus run`` exits 1."""
+    job = subprocess.Popen([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "60ba",
+                            "--daemons", "checkpoint", "--save-interval", "20ba", "--run-name", "lost"], cwd=tmp_path,
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    try:
+        journal = tmp_path / "runs" / "lost" / "events.journal"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not journal.exists() or journal.stat().st_size < 20_000):
+            time.sleep(0.1)  # training, with the daemon attached
+        pids = subprocess.run(["pgrep", "-f", f"workers.checkpoint.*{tmp_path}"], capture_output=True,
+                              text=True).stdout.split()
+        assert pids
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        out, err = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    assert job.returncode == 1, err[-3000:]
+    assert "daemons:     checkpoint exited -9 before the run's end" in out
+    assert "none saved (stopped before" not in out and "Finished lost" in out
+    assert not leftover_daemons(tmp_path)
+
+
 def test_config_file_and_bad_options(tmp_path):
     (tmp_path / "job.toml").write_text('max-duration = "4ba"\neval_interval = "2ba"\ndaemons = "logger"\n'
                                        'run_name = "configured"\n')
