@@ -23,6 +23,7 @@ Guarantees for readers (:class:`JournalReader`):
 * a torn tail (a prefix of one record, as a crash mid-write leaves it) ends a
   segment silently: that record was never sent;
 * a symlink in place of a segment, or a segment of another format, is reported as damage.
+
 Memory: readers hold one record and a 1 MiB scan window; the writer's seq index is sparse.
 """
 

@@ -176,9 +176,8 @@ class LoopRun:
         self._window_samples = self._window_tokens = 0
         self._window_loss: Any = None
         self._pending: list[Event] = []  # checkpoint events waiting for the loop's next mark
-        self._hooks = [hook for o in self.optimizers for hook in self._watch(o)]
-        if scaler is not None:
-            self._hooks.append(_ScalerStep(scaler, self._scaler_stepped))
+        scaled = [_ScalerStep(scaler, self._scaler_stepped)] if scaler is not None else []  # checked first
+        self._hooks = [*scaled, *(hook for o in self.optimizers for hook in self._watch(o))]
         self.adapter.open(self.state, hyperparameters=plain_hyperparameters(dict(hyperparameters or {})),
                           trainer="loop", checkpoint_source=self.checkpoint.state_dict,
                           header={"seed": seed} if seed is not None else None)
@@ -415,10 +414,9 @@ class _ScalerStep:
         step = scaler.step
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return step(*args, **kwargs)
-            finally:
-                stepped()
+            result = step(*args, **kwargs)
+            stepped()  # stepped or skipped, the batch is done
+            return result
 
         scaler.step = counted  # on this instance only; remove() restores the class's
 

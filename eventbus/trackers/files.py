@@ -27,6 +27,7 @@ __all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
 
 log = logging.getLogger(__name__)
 
+
 class MetricsFileLogger(LoggerDestination):
     """``metrics.jsonl``: one object per logged step with every key logged for it; ``metrics.csv`` beside it.
 
