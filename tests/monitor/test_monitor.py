@@ -512,7 +512,7 @@ def test_monitor_in_a_real_terminal(tmp_path):
         assert exit_status(first) == "0"
         text = final_screen(first)
         assert "run watched · finished" in text and shown_batch(text) == (final, 200), text
-        assert f"{trainer.state.loss.item():.4g}" in text and "100.0%" in text
+        assert f"{trainer.state.loss.item():.4g}" in text and "100.0%" in text, text  # the whole frame if not
         # Back on the normal screen: the lines from before, then the last frame, left for reading.
         history = tmux("capture-pane", "-p", "-S", "-", "-t", first)
         assert history.index("what was on the terminal before") < history.rindex("run watched · finished")
