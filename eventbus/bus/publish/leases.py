@@ -63,6 +63,11 @@ class Leases:
         lease = self.captures.get(name)
         return lease is not None and lease[0] > time.monotonic()
 
+    def lapsed(self, name: str) -> bool:
+        """Leased once, and not renewed in time since: its holder is gone (a worker killed)."""
+        lease = self.captures.get(name)
+        return lease is not None and lease[0] <= time.monotonic()
+
     def due(self, name: str, batch: int) -> bool:
         """Leased, and ``batch`` is one of the lease's batches."""
         lease = self.captures.get(name)
