@@ -244,8 +244,7 @@ class BusThread(threading.Thread):
         staging = self.publisher.staging
         deadline = time.monotonic() + 0.2
         checkpoint_deadline = time.monotonic() + self.config.checkpoint_close_timeout
-        while True:  # a checkpoint worker that is gone (its lease lapsed) finishes nothing: not waited for. A rank
-            # it never leased from (FSDP: it fetches every rank's shards) is waited for as before.
+        while True:  # not for a checkpoint worker gone (its lease lapsed); one that never leased here still is
             writing = staging is not None and staging.busy() and not self.publisher.leases.lapsed("checkpoint")
             if time.monotonic() > (checkpoint_deadline if writing else deadline):
                 break
