@@ -55,7 +55,7 @@ class Cursor:
         the trainer's leases. ConfigError when another process holds it."""
         lock = self.path.with_name(self.path.name + ".lock")
         try:
-            descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            descriptor = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # never through a symlink
         except OSError as err:
             raise ConfigError(f"cannot create {lock}: {err.strerror or err}") from None
         try:

@@ -242,12 +242,11 @@ def _steps_in(path: pathlib.Path) -> Iterator[int]:
     """Each line's step, in the file's order (none if it does not exist; a torn line has none)."""
     if not path.exists():
         return
-    with open(path) as lines:
+    with open(path, "rb") as lines:
         for line in lines:
-            try:
-                yield int(json.loads(line)["step"])
-            except (ValueError, KeyError, TypeError):
-                continue
+            step = _step_of(line)
+            if step is not None:
+                yield step
 
 
 def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
