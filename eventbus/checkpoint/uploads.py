@@ -17,6 +17,15 @@ loads, so writing on (rather than pausing saves until the store heals) keeps a
 crash from losing the progress made during the outage. Each upload that works
 again retries the waiting ones, oldest first. ``checkpoint/upload_backlog`` says
 how many local checkpoints await upload after each result.
+
+A store that is down can take a minute to fail one upload (every attempt and
+its backoff). After such a failure, the uploads and remote removals queued in
+the next as many seconds are not tried: they wait as failed ones do, so the
+queue, retention and the end of the run are never held behind one slow failure
+after another (the thread spends at most about half its time on a store that
+keeps failing). Remote removals not done meanwhile are retried once the store
+works again. At the end, the newest checkpoint still waiting gets one attempt
+if the pause kept it from any.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ __all__ = ["Uploader"]
 log = logging.getLogger(__name__)
 
 _STOP = None
+# After a failed remote call that took T seconds, the next T seconds' calls wait (at most this long).
+MAX_PAUSE_SECONDS = 300.0
 
 
 class Uploader:
@@ -55,6 +66,9 @@ class Uploader:
         self.released: set[str] = set()  # of those, the ones retention let go: kept only for their upload
         self._folders: dict[str, RemoteFolder] = {}
         self._pending: list[dict[str, Any]] = []  # queued uploads, for the worker's state_dict
+        self._paused_until, self._failed_for = 0.0, 0.0  # the store failed slowly: calls before then wait
+        self._owed: list[tuple[str, str]] = []  # remote removals not done while the store failed: (url, name)
+        self._ending = False  # close() asked to stop: the newest waiting upload had its last chance
         self._lock = threading.Lock()
         self._queue: queue.Queue[Optional[dict[str, Any]]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -112,7 +126,7 @@ class Uploader:
         while True:
             task = self._queue.get()
             if task is _STOP:
-                if self._queue.empty():
+                if self._queue.empty() and not self._last_chance():
                     return
                 self._queue.put(_STOP)  # uploads retried after close() asked to stop: finish them first
                 continue
@@ -124,19 +138,25 @@ class Uploader:
     def _upload(self, task: dict[str, Any]) -> None:
         local, folder = pathlib.Path(task["local"]), self.folder(task["url"])
         started = time.perf_counter()
+        paused = self._paused() if not task.get("last_chance") else None
         try:
             if not local.exists():
                 raise FileNotFoundError(f"{local} is gone")
+            if paused:
+                raise StoreFailing(paused)
             folder.put(local, local.name)
             if task["latest"]:
                 folder.put_text(task["latest"] + SYMLINK_SUFFIX, local.name)
         except Exception as err:
-            self.failed[str(local)] = task
+            if not paused:
+                self._pause_after(started)
+            self.failed[str(local)] = dict(task, tried=not paused)
             log.error("checkpoint %s not uploaded to %s: %s: %s; the local file is kept (%d await upload)", local,
                       folder.url, type(err).__name__, err, len(self.failed))
             self._report({"checkpoint/upload_error": f"{local.name}: {type(err).__name__}: {err}"[:1000],
                           "checkpoint/upload_backlog": len(self.failed)}, task["batch"])
         else:
+            self._paused_until = 0.0
             log.info("uploaded checkpoint %s to %s", local, folder.url_of(local.name))
             self.failed.pop(str(local), None)
             self._report({"checkpoint/uploaded/path": folder.url_of(local.name),
@@ -148,16 +168,50 @@ class Uploader:
             with self._lock:
                 self._pending = [t for t in self._pending if t is not task]
 
+    def _paused(self) -> Optional[str]:
+        """Why a remote call is not tried now, or None: the store failed slowly a moment ago."""
+        left = self._paused_until - time.perf_counter()
+        if left <= 0:
+            return None
+        return f"its last call failed after {self._failed_for:.0f}s; nothing is tried there for {left:.0f}s more"
+
+    def _pause_after(self, started: float) -> None:
+        """A remote call that began at ``started`` failed: wait as long as it took before the next."""
+        now = time.perf_counter()
+        self._failed_for = now - started
+        self._paused_until = now + min(self._failed_for, MAX_PAUSE_SECONDS)
+
+    def _last_chance(self) -> bool:
+        """At the end: queue the newest waiting upload once more if the pause kept it from any attempt."""
+        if self._ending or not self.failed:
+            return False
+        self._ending = True
+        path, task = next(reversed(self.failed.items()))
+        if task.get("tried", True) or not pathlib.Path(path).exists():
+            return False
+        del self.failed[path]
+        task = dict(task, last_chance=True)
+        with self._lock:
+            self._pending.append(task)
+        self._queue.put(task)
+        if path in self.released:
+            self.released.discard(path)
+            self._queue.put({"op": "remove", "url": task["url"], "local": path})
+        return True
+
     def _retry_backlog(self) -> None:
-        """The store works again: queue the uploads that gave up, oldest first, each followed by its
-        removal when retention had let it go."""
+        """The store works again: queue the remote removals it missed, then the uploads that gave up,
+        oldest first, each followed by its removal when retention had let it go."""
+        for url, name in self._owed:
+            self._queue.put({"op": "remove", "url": url, "local": name, "owed": True})
+        self._owed.clear()
         for path, task in list(self.failed.items()):
             del self.failed[path]
             released = path in self.released
             self.released.discard(path)
             if not pathlib.Path(path).exists():
                 continue
-            task = dict(task, latest=None)  # ``latest`` names the newer checkpoint just uploaded: keep it so
+            task = dict(task, latest=None, last_chance=False)  # ``latest`` names the newer one just uploaded
             with self._lock:
                 self._pending.append(task)
             self._queue.put(task)
@@ -183,12 +237,21 @@ class Uploader:
             self.released.add(str(local))
             self._bound_backlog(int(self.failed[str(local)]["batch"]))
             return
+        started, paused = time.perf_counter(), self._paused()
         try:
+            if paused:
+                raise StoreFailing(paused)
             self.folder(task["url"]).remove(local.name)
         except Exception as err:
-            log.error("retention: could not remove %s from %s: %s: %s", local.name, task["url"],
-                      type(err).__name__, err)
-        _remove_local(local)
+            if not paused:
+                self._pause_after(started)
+            again = not task.get("owed")  # an owed removal that fails again is given up
+            if again:
+                self._owed.append((task["url"], local.name))
+            log.error("retention: could not remove %s from %s: %s: %s%s", local.name, task["url"],
+                      type(err).__name__, err, "; retried once the remote folder works again" if again else "")
+        if not task.get("owed"):
+            _remove_local(local)
 
     def _report(self, metrics: dict[str, Any], step: int) -> None:
         if self.report is not None:
@@ -196,6 +259,10 @@ class Uploader:
                 self.report(metrics, step)
             except Exception as err:  # the run may be over: the log line above says it all
                 log.debug("upload result not reported: %s", err)
+
+
+class StoreFailing(Exception):
+    """A remote call left for later: the store failed slowly a moment ago (its name is in the log line)."""
 
 
 def _remove_local(path: pathlib.Path) -> None:

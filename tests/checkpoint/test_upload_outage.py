@@ -1,0 +1,116 @@
+"""An object store that goes down while checkpoints upload: a real S3-compatible server (moto's) stopped and
+started again under the real checkpoint worker. Each upload to the stopped server fails slowly (connection
+refused, retried by botocore: ~5 s an attempt), as a real outage does."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+import urllib.request
+
+import pytest
+
+from eventbus import Callback
+from tests.checkpoint.test_checkpoint_best import start_worker
+from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
+from tests.support import free_port, make_trainer
+
+s3fs = pytest.importorskip("s3fs", reason="the s3 extra: pip install 'eventbus[s3]'")
+moto_server = pytest.importorskip("moto.server", reason="test dependency: pip install 'moto[server]'")
+
+BUCKET = "ckpts"
+
+
+class Store:
+    """moto's server on a fixed port, stopped and started again as an outage would (moto keeps its
+    buckets in the process, so what was uploaded before is there after)."""
+
+    def __init__(self, port: int):
+        self.port, self.endpoint, self.server = port, f"http://127.0.0.1:{port}", None
+
+    def start(self) -> None:
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture
+def store(monkeypatch):
+    store = Store(free_port())
+    store.start()
+    urllib.request.urlopen(urllib.request.Request(f"{store.endpoint}/moto-api/reset", method="POST"), timeout=30)
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": store.endpoint}.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True).mkdir(BUCKET)
+    yield store
+    store.stop()
+
+
+class Outage(Callback):
+    """Stops the store once the worker uploaded batch ``down``'s checkpoint (staged after that batch's end,
+    so waited for at the next), and starts it again after batch ``up``, once a remote removal failed."""
+
+    def __init__(self, store: Store, worker, down: int, up: int):
+        self.store, self.worker, self.down, self.up = store, worker, down, up
+
+    def batch_end(self, state, logger):
+        time.sleep(0.1)  # paced as a real step
+        batch = int(state.timestamp.batch)
+        if batch == self.down + 1:
+            self.worker.wait_for(f"-ba{self.down}-rank0.pt to s3://")  # its upload done (not "not uploaded to")
+            self.store.stop()
+        if batch == self.up:
+            self.worker.wait_for("retention: could not remove")
+            self.store.start()
+
+
+def outage_run(tmp_path, spawn, store, down: int, up: int, *args: str):
+    worker = start_worker(tmp_path, spawn, "--save-interval", "1ba", "--keep", "2", "--upload-attempts", "1",
+                          "--folder", f"s3://{BUCKET}/{{run_name}}/checkpoints", *args)
+    trainer = make_trainer(tmp_path, "2ep", **CHECKPOINT_RUN, callbacks=[Outage(store, worker, down, up)])
+    wait_for_lease(trainer)
+    trainer.fit()
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+    return worker, tmp_path / "runs" / "ckpt" / "checkpoints"
+
+
+def not_uploaded(worker, tried: bool) -> list[str]:
+    """The checkpoints the worker reported as not uploaded: those it tried, or those it left for later."""
+    return [pathlib.Path(line.split("checkpoint ")[1].split(" ")[0]).name for line in worker.stderr
+            if " not uploaded to " in line and ("StoreFailing" in line) != tried]
+
+
+def test_after_an_outage_every_kept_checkpoint_is_uploaded_and_every_released_one_removed_there_too(
+        tmp_path, spawn, store):
+    worker, local = outage_run(tmp_path, spawn, store, 2, 5)
+
+    assert not_uploaded(worker, tried=True), "no upload failed while the store was down"
+    kept = sorted(p.name for p in local.glob("ep*.pt"))
+    assert kept == ["ep1-ba7-rank0.pt", "ep1-ba8-rank0.pt"]
+    remote = s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True)
+    folder = f"{BUCKET}/ckpt/checkpoints"
+    # Those uploaded before the outage and let go by retention during it are gone there too, not left behind.
+    assert sorted(pathlib.Path(p).name for p in remote.ls(folder)) == [*kept, "latest-rank0.pt.symlink"]
+    for name in kept:
+        assert remote.cat_file(f"{folder}/{name}") == (local / name).read_bytes()
+    assert remote.cat_file(f"{folder}/latest-rank0.pt.symlink") == b"ep1-ba8-rank0.pt"
+
+
+def test_while_the_store_stays_down_the_end_tries_the_newest_checkpoint_not_every_one_in_turn(
+        tmp_path, spawn, store):
+    worker, local = outage_run(tmp_path, spawn, store, 1, -1, "--upload-backlog", "2")
+
+    tried, left = not_uploaded(worker, tried=True), not_uploaded(worker, tried=False)
+    # Each ~5 s failure pauses the uploads as long: the queue is not worked through one slow failure after
+    # another (every checkpoint saved during the outage tried in turn), but the newest checkpoint, what a
+    # resume loads, still gets its attempt at the end.
+    assert left and len(set(tried)) < len(set(tried) | set(left))
+    newest = max(tried + left, key=lambda name: int(name.split("-ba")[1].split("-")[0]))
+    assert tried[-1] == newest == "ep1-ba8-rank0.pt"
+    assert len(list(local.glob("ep*.pt"))) == 4  # --keep 2 + --upload-backlog 2, kept for their upload
