@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
+import shlex
 import sys
 from typing import Optional, Union
 
-from eventbus.checkpoint.naming import CHECKPOINTS, latest_name, latest_path, remote_latest_name
+from eventbus.checkpoint.naming import CHECKPOINTS, FILENAME, latest_name, latest_path, remote_latest_name
+from eventbus.checkpoint.readable import checkpoint_file_problem, shown_checkpoint
 from eventbus.core.run_folder import resolve_run_folder
 from eventbus.errors import ConfigError
 from eventbus.run.config import JobConfig
@@ -32,6 +35,10 @@ def check_run_folder(config: JobConfig) -> None:
             latest_checkpoint(config)
             how = f"continue it with --run-name {config.run_name} --resume, or choose a new --run-name"
         except ConfigError:  # stopped before its first checkpoint: --resume would find none
+            if latest_path(folder).is_symlink():  # it had one: --resume says what is left and how to load it
+                raise ConfigError(f"run {config.run_name!r} already exists in {folder}; its {latest_name()} link "
+                                  f"is dangling: --run-name {config.run_name} --resume says how to continue it, "
+                                  "or choose a new --run-name") from None
             how = (f"it holds no checkpoint to resume from (it stopped before its first); choose a new --run-name, "
                    f"or remove {folder} to use the name again")
         raise ConfigError(f"run {config.run_name!r} already exists in {folder}; {how}")
@@ -50,10 +57,38 @@ def latest_checkpoint(config: JobConfig) -> tuple[str, Union[str, pathlib.Path]]
         remote = _remote_latest(config, folder.name)
         if remote is not None:
             return folder.name, remote
+        if latest.is_symlink():  # dangling: this run has checkpoints, never skipped for an older run's
+            raise ConfigError(_dangling(folder.name, latest))
     where = f"run {config.run_name!r}" if config.run_name else f"any run under {runs}"
     also = f" or {_remote_folder(config, '<run>')}/{remote_latest_name()}" if config.save_folder else ""
     raise ConfigError(f"--resume: no checkpoint found for {where} "
                       f"(expected <run>/{CHECKPOINTS}/{latest_name()}{also})")
+
+
+def _dangling(run_name: str, link: pathlib.Path) -> str:
+    """Why a dangling ``latest`` link stops a resume, and how to resume from the newest checkpoint left."""
+    target = os.readlink(link)
+    return (f"--resume: run {run_name!r}: its latest-checkpoint link {link} is dangling: it points to {target}, "
+            f"which does not exist (deleted or moved); {_fallback(link, exclude=link.parent / target)}")
+
+
+_CHECKPOINT_FILE = re.compile("^" + re.escape(FILENAME).replace(r"\{epoch\}", r"(\d+)").replace(r"\{batch\}", r"(\d+)")
+                              .replace(r"\{rank\}", "0") + "$")
+
+
+def _fallback(link: pathlib.Path, exclude: pathlib.Path) -> str:
+    """The newest loadable checkpoint left beside ``link`` (not ``exclude``), and how to resume from it."""
+    found = sorted(((int(m[1]), int(m[2]), p) for p in link.parent.iterdir()
+                    if (m := _CHECKPOINT_FILE.match(p.name)) and p.is_file() and not p.is_symlink()), reverse=True)
+    usable = [p for *_, p in found if os.path.abspath(p) != os.path.abspath(exclude) and
+              checkpoint_file_problem(p) is None]
+    if not usable:
+        return (f"no other checkpoint is left in {link.parent}: nothing to resume from; start a new run "
+                "(another --run-name)")
+    newest = usable[0]
+    return (f"the newest checkpoint left is {newest}: to resume from it, point the link at it "
+            f"(ln -sfn {shlex.quote(newest.name)} {shlex.quote(str(link))}) and run with --resume again, "
+            f"or load it in Python with Trainer(load_path={str(newest)!r})")
 
 
 def _remote_folder(config: JobConfig, run_name: str) -> str:
@@ -83,6 +118,11 @@ def resume_from(config: JobConfig) -> tuple[pathlib.Path, Optional[pathlib.Path]
     file, and the temporary folder it was downloaded into when it is in the remote save folder (the
     caller removes it once it is loaded)."""
     config.run_name, latest = latest_checkpoint(config)
+    if not isinstance(latest, str):  # checked before anything starts; an older checkpoint is offered
+        problem = checkpoint_file_problem(latest)
+        if problem is not None:
+            raise ConfigError(f"--resume: run {config.run_name!r}: its latest checkpoint {shown_checkpoint(latest)} "
+                              f"is not a readable checkpoint: {problem}; {_fallback(latest, latest.resolve())}")
     print(f"eventbus run: resuming {config.run_name} from "
           f"{latest if isinstance(latest, str) else latest.resolve()}", file=sys.stderr, flush=True)
     if not isinstance(latest, str):

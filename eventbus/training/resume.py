@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 import torch
 
 import eventbus.distributed as distributed
+from eventbus.checkpoint.readable import checkpoint_file_problem, shown_checkpoint
 from eventbus.checkpoint.remote import is_url
 from eventbus.core.time import Timestamp
 from eventbus.errors import ConfigError
@@ -190,11 +191,22 @@ def load_checkpoint_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
     """A checkpoint saved with ``torch.save``, read as plain data only (``weights_only``)."""
     if not os.path.exists(path):
         raise ConfigError(f"load_path {os.fspath(path)!r} does not exist")
+    problem = checkpoint_file_problem(path)  # torch's own words for these are a bare errno or miniz internals
+    if problem is not None:
+        raise ConfigError(f"load_path {shown_checkpoint(path)} is not a readable checkpoint: {problem}")
     try:
         with torch.serialization.safe_globals(_numpy_array_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ConfigError(f"load_path {os.fspath(path)!r} is not a readable checkpoint: {err}") from err
+        raise ConfigError(f"load_path {shown_checkpoint(path)} is not a readable checkpoint: "
+                          f"{_load_failure(err)}") from err
+
+
+def _load_failure(err: Exception) -> str:
+    """torch.load's error, on one line (the CLI's error is one line)."""
+    if isinstance(err, EOFError) or "truncated" in str(err):  # a legacy (pickle) checkpoint cut short
+        return "the file is truncated: it ends before the checkpoint does (a save or copy cut short)"
+    return " ".join(f"{type(err).__name__}: {err}".split())
 
 
 def by_class_name(objects: Sequence[Any]) -> dict[str, Any]:
