@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from eventbus import Callback, Event, Time
 from eventbus.checkpoint.files import remove_stale_temp_files, save_atomically, save_sharded_atomically
 from eventbus.checkpoint.handle import TRANSFERS
-from eventbus.checkpoint.naming import FILENAME, FOLDER, LATEST_FILENAME
+from eventbus.checkpoint.naming import FILENAME, FOLDER, LATEST_FILENAME, check_templates
 from eventbus.checkpoint.remote import is_url, parse_storage_options
 from eventbus.checkpoint.retention import MODES, Retention, parse_monitor
 from eventbus.checkpoint.uploads import Uploader
@@ -40,7 +40,7 @@ from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
 from eventbus.core.run_folder import announced_run_folder
 from eventbus.errors import ConfigError
-from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, run_daemon
+from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, check_positive, run_daemon
 
 __all__ = ["CheckpointSaver", "main"]
 
@@ -98,8 +98,14 @@ class CheckpointSaver(Callback):
     ):
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
-        if keep_best and not monitor:
+        if keep_best > 0 and not monitor:
             raise ConfigError("keep-best needs a monitor: the metric to rank checkpoints by")
+        # Refused now, not at the first save or upload (or never, leaving a run without checkpoints).
+        check_templates(folder, filename, latest_filename)
+        if num_checkpoints_to_keep != -1:  # -1 keeps all; 0 would remove each checkpoint once written
+            check_positive("keep (-1 for all)", num_checkpoints_to_keep)
+        check_positive("upload-attempts", upload_attempts)
+        check_positive("upload-backlog", upload_backlog, zero_ok=True)
         self._monitor = parse_monitor(monitor) if monitor else None
         self.remote_folder = folder if is_url(folder) else None
         self.folder = FOLDER if self.remote_folder else folder

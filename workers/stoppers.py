@@ -10,6 +10,7 @@ and reports the reason. In process they stop the live State directly.
 from __future__ import annotations
 
 import argparse
+import math
 import operator
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -130,9 +131,10 @@ class ThresholdStopper(Callback):
 
 
 def _parse_rule(text: str, parts: int, flag: str) -> list[str]:
+    """The rule's fields; none may be empty (an empty monitor or label matches no metric: it never stops)."""
     fields = text.split(":")
-    if len(fields) != parts:
-        raise ValueError(f"{flag} {text!r}: expected {parts} fields separated by ':'")
+    if len(fields) != parts or not all(field.strip() for field in fields):
+        raise ValueError(f"{flag} {text!r}: expected {parts} non-empty fields separated by ':'")
     return fields
 
 
@@ -157,6 +159,8 @@ def build_stoppers(args: argparse.Namespace) -> list[Callback]:
     for rule in args.threshold_stop:
         monitor, label, threshold = _parse_rule(rule, 3, "--threshold-stop")
         limit = _number(float, threshold, rule, "--threshold-stop", "THRESHOLD")
+        if not math.isfinite(limit):  # nan: no value ever passes it; inf: every value does, at the first check
+            raise ValueError(f"--threshold-stop {rule!r}: THRESHOLD must be a finite number, got {threshold!r}")
         stoppers.append(ThresholdStopper(monitor, label, limit))
     if not stoppers:
         raise ValueError("nothing to do: pass --early-stop and/or --threshold-stop")
