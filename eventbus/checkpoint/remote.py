@@ -133,16 +133,38 @@ class RemoteFolder:
             raise
 
     def probe(self) -> None:
-        """Reach the folder once, without retries, when a worker starts: refused credentials are a
-        ConfigError then, not at the first upload; an unreachable store is only a warning (the
-        uploads retry, and training goes on either way)."""
+        """Reach the folder once, without retries, when a worker starts: refused or missing credentials and
+        a missing bucket are a ConfigError then, not at the first upload; an unreachable store is only a
+        warning (the uploads retry, and training goes on either way); a missing folder or prefix is fine
+        (the first upload makes it). ``fs.info``, not ``fs.exists``: s3fs's ``exists`` answers False for
+        a missing bucket and, on a bucket alone, for any error, credentials included."""
         try:
-            self.fs.exists(self.root)
+            self._look_up()
+        except ConfigError:
+            raise
         except Exception as err:
             if not _transient(err) or isinstance(err, PermissionError):
                 raise ConfigError(f"{self.url}: access refused: {_first_line(err)} (check the credentials)") \
                     from None
             log.warning("%s is not reachable now (%s); uploads will retry", self.url, _first_line(err))
+
+    def _look_up(self) -> None:
+        """``info`` of the folder, then (when it is not there) of its bucket on an object store, whose
+        'not found' for a prefix cannot tell a missing bucket from a prefix no upload made yet."""
+        try:
+            self.fs.info(self.root)
+            return
+        except FileNotFoundError:
+            if not hasattr(self.fs, "split_path"):  # real folders (file://, sftp://): made before each upload
+                return
+        bucket = str(self.fs.split_path(self.root)[0])
+        if not bucket:
+            return
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:
+            raise ConfigError(f"{self.url}: bucket {bucket!r} does not exist (it is never created: check the name "
+                              f"and the endpoint)") from None
 
     def child(self, name: str) -> str:
         return f"{self.root}/{name}"
