@@ -322,9 +322,10 @@ class CheckpointSaver(Callback):
         for save in gone:
             if self._uploads is not None:
                 self._uploads.remove(self._remote_url(state, int(getattr(state, "rank", 0))), save.path)
+                log.info("retention: checkpoint %s to be removed once its upload is done", save.path)
             else:
                 _remove(pathlib.Path(save.path))
-            log.info("retention: removed checkpoint %s", save.path)
+                log.info("retention: removed checkpoint %s", save.path)
 
 
 def _size(path: pathlib.Path) -> int:

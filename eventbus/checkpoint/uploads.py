@@ -250,6 +250,8 @@ class Uploader:
                 self._owed.append((task["url"], local.name))
             log.error("retention: could not remove %s from %s: %s: %s%s", local.name, task["url"],
                       type(err).__name__, err, "; retried once the remote folder works again" if again else "")
+        else:
+            log.info("retention: removed checkpoint %s from %s", local.name, task["url"])
         if not task.get("owed"):
             _remove_local(local)
 
