@@ -47,6 +47,8 @@ __all__ = ["CheckpointSaver", "main"]
 log = logging.getLogger(__name__)
 # At FIT_END the worker waits this long for queued uploads (inside the trainer's 30 s drain_timeout).
 UPLOADS_AT_FIT_END_SECONDS = 20.0
+# Stopped mid-run (SIGTERM, Ctrl-C), the worker waits at most this long for an upload in flight.
+UPLOADS_AT_STOP_SECONDS = 5.0
 
 
 def _format(template: str, state: Any, rank: int, **extra: Any) -> str:
@@ -146,7 +148,7 @@ class CheckpointSaver(Callback):
         with self._lock:
             return {"saved": self.saved, "last_batch_saved": self.last_batch_saved,
                     "retention": self.retention.state_dict(),
-                    "uploads": self._uploads.pending() if self._uploads is not None else []}
+                    "uploads": self._uploads.waiting() if self._uploads is not None else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_batch_saved = int(state.get("last_batch_saved", -1))
@@ -154,9 +156,11 @@ class CheckpointSaver(Callback):
             self.retention.load_state_dict(state["retention"])
         else:  # written before retention kept batches and values
             self.retention.load_state_dict({"saves": [{"path": p, "batch": -1} for p in state.get("saved", [])]})
-        for task in state.get("uploads", []):
-            if self._uploads is not None and os.path.exists(task["local"]):  # queued when the worker stopped
+        for task in state.get("uploads", []):  # queued, or failed and kept for a retry, when the worker stopped
+            if self._uploads is not None and os.path.exists(task["local"]):
                 self._uploads.upload(task["url"], task["local"], int(task["batch"]), task.get("latest"))
+                if task.get("released"):  # retention let it go: removed once uploaded (or kept as the backlog)
+                    self._uploads.remove(task["url"], task["local"])
 
     def fit_start(self, state: Any, logger: Logger) -> None:
         self._fit_ended = False  # a new fit (its worker sees no checkpoint event until one is staged)
@@ -196,8 +200,8 @@ class CheckpointSaver(Callback):
             with self._lock:
                 self.retention.finish()
             self._prune(state)
-        if self._uploads is not None:
-            self._uploads.close()
+        if self._uploads is not None:  # stopped mid-run, what is not uploaded yet is in the state: not waited for
+            self._uploads.close(None if self._fit_ended else UPLOADS_AT_STOP_SECONDS, last_chance=self._fit_ended)
 
     def _report(self, metrics: dict[str, Any], step: int) -> None:
         """Upload results, logged out of process only (in process the trainer's logger is not thread-safe)."""

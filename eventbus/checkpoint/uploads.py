@@ -92,8 +92,17 @@ class Uploader:
         self._submit({"op": "remove", "url": url, "local": local})
 
     def pending(self) -> list[dict[str, Any]]:
+        """The uploads queued or running."""
         with self._lock:
             return [dict(task) for task in self._pending]
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """Every upload not done yet, for the worker's state_dict (a restarted worker queues them again):
+        those queued or running, then those that failed and wait for a retry, each with ``released``
+        when retention let it go (to be removed once uploaded)."""
+        failed, released = dict(self.failed), frozenset(self.released)  # each copied in one step (GIL)
+        return self.pending() + [{"url": task["url"], "local": path, "batch": task["batch"], "latest": task["latest"],
+                                  "released": path in released} for path, task in failed.items()]
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued upload has ended (done or given up, its result reported); False when
@@ -105,10 +114,12 @@ class Uploader:
             time.sleep(0.02)
         return True
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Finish what is queued (uploads retry within their own limits), then stop the thread."""
+    def close(self, timeout: Optional[float] = None, last_chance: bool = True) -> None:
+        """Finish what is queued (uploads retry within their own limits), then stop the thread; with
+        ``last_chance``, the newest upload the pause kept from any attempt gets one (the run's end)."""
         if self._thread is None:
             return
+        self._ending = self._ending or not last_chance
         self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():

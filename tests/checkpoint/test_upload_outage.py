@@ -5,13 +5,14 @@ refused, retried by botocore: ~5 s an attempt), as a real outage does."""
 from __future__ import annotations
 
 import pathlib
+import signal
 import time
 import urllib.request
 
 import pytest
 
 from eventbus import Callback
-from tests.checkpoint.test_checkpoint_best import start_worker
+from tests.checkpoint.test_checkpoint_best import on_disk, paced_trainer, start_worker
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
 from tests.support import free_port, make_trainer
 
@@ -114,3 +115,38 @@ def test_while_the_store_stays_down_the_end_tries_the_newest_checkpoint_not_ever
     newest = max(tried + left, key=lambda name: int(name.split("-ba")[1].split("-")[0]))
     assert tried[-1] == newest == "ep1-ba8-rank0.pt"
     assert len(list(local.glob("ep*.pt"))) == 4  # --keep 2 + --upload-backlog 2, kept for their upload
+
+
+def test_a_worker_restarted_during_an_outage_still_uploads_what_waited_and_then_applies_retention(tmp_path, spawn):
+    """Stopped (SIGTERM) while the store fails, the worker keeps in its state the checkpoints that wait for
+    their upload; restarted once the store works, it uploads them, and removes those retention let go."""
+    blocker = tmp_path / "store"  # a file where the store's folder must go: every upload fails at once
+    blocker.write_text("not a folder")
+    args = ("--save-interval", "1ba", "--keep", "2", "--upload-attempts", "1",
+            "--folder", f"file://{blocker}/{{run_name}}/checkpoints")
+    trainer = paced_trainer(tmp_path, "10ba", "5ba")
+    worker = start_worker(tmp_path, spawn, *args)
+    wait_for_lease(trainer)
+    trainer.fit(duration="5ba")
+    worker.wait_for("-ba5-rank0.pt not uploaded")
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+    assert len(on_disk(tmp_path)) == 5  # --keep 2, and three more kept for their upload
+    blocker.unlink()  # the store works again
+    worker = start_worker(tmp_path, spawn, *args)
+    wait_for_lease(trainer)
+    trainer.fit(duration="5ba")
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    kept = on_disk(tmp_path)  # none left behind: those released before the stop were uploaded, then removed
+    assert sorted(batch_of(name) for name in kept) == [9, 10]
+    remote = blocker / "ckpt" / "checkpoints"
+    assert {p.name for p in remote.iterdir()} == kept | {"latest-rank0.pt.symlink"}
+    assert batch_of((remote / "latest-rank0.pt.symlink").read_text()) == 10
+    uploaded = [line for line in worker.stderr if "uploaded checkpoint" in line and "-ba1-rank0.pt" in line]
+    assert uploaded, "the first checkpoint, which waited for its upload when the worker stopped, was not uploaded"
+
+
+def batch_of(name: str) -> int:
+    return int(name.split("-ba")[1].split("-")[0])
