@@ -148,7 +148,8 @@ class CheckpointSaver(Callback):
         with self._lock:
             return {"saved": self.saved, "last_batch_saved": self.last_batch_saved,
                     "retention": self.retention.state_dict(),
-                    "uploads": self._uploads.waiting() if self._uploads is not None else []}
+                    "uploads": self._uploads.waiting() if self._uploads is not None else [],
+                    "remote_removals": self._uploads.owed() if self._uploads is not None else []}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_batch_saved = int(state.get("last_batch_saved", -1))
@@ -156,6 +157,8 @@ class CheckpointSaver(Callback):
             self.retention.load_state_dict(state["retention"])
         else:  # written before retention kept batches and values
             self.retention.load_state_dict({"saves": [{"path": p, "batch": -1} for p in state.get("saved", [])]})
+        if self._uploads is not None:
+            self._uploads.owe(state.get("remote_removals", []))
         for task in state.get("uploads", []):  # queued, or failed and kept for a retry, when the worker stopped
             if self._uploads is not None and os.path.exists(task["local"]):
                 self._uploads.upload(task["url"], task["local"], int(task["batch"]), task.get("latest"))

@@ -114,6 +114,15 @@ class Uploader:
             time.sleep(0.02)
         return True
 
+    def owed(self) -> list[list[str]]:
+        """The remote removals not done while the store failed, as ``[url, name]``: for the worker's state."""
+        return [list(removal) for removal in list(self._owed)]
+
+    def owe(self, removals: list[list[str]]) -> None:
+        """Remote removals a stopped worker owed: done once an upload works (a restarted worker's state)."""
+        self._owed.extend((str(entry[0]), str(entry[1])) for entry in removals
+                          if isinstance(entry, (list, tuple)) and len(entry) == 2)
+
     def close(self, timeout: Optional[float] = None, last_chance: bool = True) -> None:
         """Finish what is queued (uploads retry within their own limits), then stop the thread; with
         ``last_chance``, the newest upload the pause kept from any attempt gets one (the run's end)."""

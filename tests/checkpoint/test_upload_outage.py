@@ -148,5 +148,30 @@ def test_a_worker_restarted_during_an_outage_still_uploads_what_waited_and_then_
     assert uploaded, "the first checkpoint, which waited for its upload when the worker stopped, was not uploaded"
 
 
+def test_remote_removals_a_stopped_worker_owed_are_done_by_the_restarted_one(tmp_path, spawn, store):
+    """Retention let go of a checkpoint already uploaded while the store was down: its remote copy's removal,
+    owed when the worker stopped (SIGTERM), is done by the restarted worker once the store works."""
+    args = ("--save-interval", "1ba", "--keep", "2", "--upload-attempts", "1", "--folder",
+            f"s3://{BUCKET}/{{run_name}}/checkpoints")
+    worker = start_worker(tmp_path, spawn, *args)
+    trainer = make_trainer(tmp_path, "6ba", **CHECKPOINT_RUN, callbacks=[Outage(store, worker, 2, -1)])
+    wait_for_lease(trainer)
+    trainer.fit(duration="3ba")
+    worker.wait_for("retention: could not remove")  # the first checkpoint's remote copy: owed
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+    store.start()
+    worker = start_worker(tmp_path, spawn, *args)
+    wait_for_lease(trainer)
+    trainer.fit(duration="3ba")
+    trainer.close()
+    assert worker.finish() == 0, "\n".join(worker.stderr)
+
+    kept = on_disk(tmp_path)
+    assert sorted(batch_of(name) for name in kept) == [5, 6]
+    remote = s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True)
+    assert {pathlib.Path(p).name for p in remote.ls(f"{BUCKET}/ckpt/checkpoints")} == kept | {"latest-rank0.pt.symlink"}
+
+
 def batch_of(name: str) -> int:
     return int(name.split("-ba")[1].split("-")[0])
