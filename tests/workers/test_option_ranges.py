@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from eventbus.workers import checkpoint, stoppers
+
 CHECKPOINT = [
     (["--filename", ""], "filename must be a file name"),
     (["--filename", "../ep{epoch}.pt"], "filename must be a file name"),
@@ -42,11 +44,25 @@ def refused(spawn, tmp_path, daemon: str, args: list[str]) -> str:
     return worker.stderr[0]
 
 
+def test_each_daemon_refuses_them_in_one_line_before_connecting(spawn, tmp_path):
+    assert "filename must be a file name" in refused(spawn, tmp_path, "checkpoint", ["--filename", "../x.pt"])
+    assert "THRESHOLD must be a finite number" in refused(spawn, tmp_path, "stoppers",
+                                                          ["--threshold-stop", "loss/train/total:train:nan"])
+
+
+CONNECT = ["--connect", "ipc:///nonexistent/bus"]  # never reached: refused first
+
+
+# The rest built in process, as the daemon builds them before connecting (the test above: what it then prints).
 @pytest.mark.parametrize(("args", "message"), CHECKPOINT, ids=[" ".join(args) for args, _ in CHECKPOINT])
-def test_the_checkpoint_daemon_refuses_names_and_counts_it_cannot_use(spawn, tmp_path, args, message):
-    assert message in refused(spawn, tmp_path, "checkpoint", args)
+def test_the_checkpoint_daemon_refuses_names_and_counts_it_cannot_use(args, message):
+    with pytest.raises(ValueError) as refused_with:  # ConfigError is one: the daemon says either in one line
+        checkpoint.build_saver(checkpoint.build_parser().parse_args([*CONNECT, *args]))
+    assert message in str(refused_with.value)
 
 
 @pytest.mark.parametrize(("args", "message"), STOPPERS, ids=[" ".join(args) for args, _ in STOPPERS])
-def test_the_stoppers_daemon_refuses_rules_that_would_never_or_always_stop(spawn, tmp_path, args, message):
-    assert message in refused(spawn, tmp_path, "stoppers", args)
+def test_the_stoppers_daemon_refuses_rules_that_would_never_or_always_stop(args, message):
+    with pytest.raises(ValueError) as refused_with:
+        stoppers.build_stoppers(stoppers.build_parser().parse_args([*CONNECT, *args]))
+    assert message in str(refused_with.value)
