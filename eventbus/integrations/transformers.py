@@ -75,6 +75,8 @@ class EventBusCallback(transformers.TrainerCallback):
         self._step_samples = 0
         self._tokens_seen = 0
         self._stopped_by_bus = False
+        self._training = False  # inside train(): evaluate() and predict() outside it are not published
+        self._resumed_mid_epoch = False  # train() resumed inside an epoch: its EPOCH_START was published before
         self._evaluating = False  # between the first prediction step of an evaluation and its on_evaluate
         self._evaluated = False  # an evaluation ended since the last training hook (EVAL_AFTER_ALL due)
         self._pending: list[Event] = []  # checkpoint events waiting for HF's evaluation of that step/epoch
@@ -177,18 +179,25 @@ class EventBusCallback(transformers.TrainerCallback):
             run.dataloader_len = Time(self._steps_per_epoch, TimeUnit.BATCH)
         if run.max_duration is None and state.max_steps > 0:
             run.max_duration = Time(int(state.max_steps), TimeUnit.BATCH)
-        if state.global_step > 0:  # resumed: HF restored its counters before this hook
+        resumed = state.global_step > 0  # HF restored its counters before this hook
+        if resumed:
             epoch = int(state.epoch)
             in_epoch = state.global_step - epoch * self._steps_per_epoch if self._steps_per_epoch else 0
             run.timestamp = Timestamp(epoch=epoch, batch=state.global_step, batch_in_epoch=max(in_epoch, 0))
+            self._resumed_mid_epoch = in_epoch > 0
         self._tokens_seen = int(state.num_input_tokens_seen or 0)
         run.dataloader_label = "train"
+        self._training, self._evaluating, self._evaluated = True, False, False  # what evaluate() left is not ours
         self._publish(Event.FIT_START)
-        self._publish(Event.ITERATION_START)
+        if not resumed:  # Composer's ITERATION_START: once, on a fresh run
+            self._publish(Event.ITERATION_START)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._live:
+        if self._live and self._training:
             self._flush()
+            if self._resumed_mid_epoch:  # Composer does not repeat EPOCH_START when a fit resumes mid-epoch
+                self._resumed_mid_epoch = False
+                return
             self._publish(Event.EPOCH_START)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -251,7 +260,7 @@ class EventBusCallback(transformers.TrainerCallback):
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """After each evaluation batch (HF has no hook before one): EVAL_BATCH_END."""
-        if not self._live:
+        if not self._live or not self._training:
             return
         run = self.state
         assert run is not None
@@ -268,7 +277,7 @@ class EventBusCallback(transformers.TrainerCallback):
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Optional[Mapping[str, Any]] = None,
                     **kwargs: Any) -> None:
-        if not self._live:
+        if not self._live or not self._training:
             return
         run = self.state
         assert run is not None
@@ -284,10 +293,11 @@ class EventBusCallback(transformers.TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[Mapping[str, Any]] = None,
                **kwargs: Any) -> None:
         """What HF logged (loss, grad_norm, learning_rate, eval_*, ...) under its names, step = global_step."""
-        if self._live and logs:
+        if self._live and self._training and logs:
             self.adapter.log_metrics({k: v for k, v in logs.items() if _is_number(v)}, step=int(state.global_step))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._training = False
         if not self._live:
             return
         self._flush()

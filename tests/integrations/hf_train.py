@@ -1,9 +1,10 @@
 """A small Hugging Face Trainer job publishing on the bus (run by tests/integrations/test_transformers.py,
 alone or under ``torchrun``). Writes ``<out>/rank<N>.json`` with what the trainer itself did.
 
-Usage: python hf_train.py OUT BUS RUN_NAME [--epochs N] [--sleep S] [--hold-at B] [--stop-at B]
+Usage: python hf_train.py OUT BUS RUN_NAME [--epochs N] [--sleep S] [--hold-at B] [--stop-at B] [--evaluate-first]
   --hold-at B: at step B, wait until the file OUT/release exists (a monitor attaches meanwhile).
   --stop-at B: at step B, wait until a worker's stop request has reached this rank (deterministic stop).
+  --evaluate-first: ``evaluate()`` and ``predict()`` before ``train()`` (neither is published).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--hold-at", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--evaluate-first", action="store_true")
     options = parser.parse_args()
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,9 @@ def main() -> None:
             model=Net(options.sleep), args=args, train_dataset=dataset(16, 0), eval_dataset=dataset(8, 1),
             callbacks=[gates, EventBusCallback(bus=options.bus, run_name=options.run_name)])
         gates.bus = EventBusCallback.attach(trainer)
+        if options.evaluate_first:
+            trainer.evaluate()
+            trainer.predict(dataset(8, 2))
         trainer.train()
     rank = args.process_index
     (out / f"rank{rank}.json").write_text(json.dumps({

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.support import REPO_ROOT, bus_address
 
@@ -65,7 +66,7 @@ def test_a_transformers_run_reaches_workers_logger_monitor_and_export(tmp_path, 
     # The job holds at step 2 until the monitor has looked, and at step 10 until the worker's stop
     # request (sent on seeing step 9) has arrived: the stop step is then exact, however loaded the machine.
     trainer = spawn(SCRIPT, "out", bus, "hf", "--epochs", "3", "--sleep", "0.03", "--hold-at", "2",
-                    "--stop-at", str(stop_at), env=ENV)
+                    "--stop-at", str(stop_at), "--evaluate-first", env=ENV)
 
     trainer.wait_for("publishing on", timeout=120)
     for process in (seed, composer):  # importing Composer takes a while on a loaded machine
@@ -95,6 +96,7 @@ def test_a_transformers_run_reaches_workers_logger_monitor_and_export(tmp_path, 
     rows = [json.loads(line) for line in (tmp_path / "runs" / "hf" / "metrics.jsonl").read_text().splitlines()]
     logged = {(entry["step"], key): value for entry in result["log_history"] for key, value in entry.items()
               if key != "step"}
+    assert not any(row["step"] == 0 for row in rows)  # the evaluation before train() is not published
     series = {(row["step"], key): value for row in rows for key, value in row.items() if key != "step"}
     for name in ("loss", "grad_norm", "learning_rate", "eval_loss", "train_loss"):
         wanted = {step: value for (step, key), value in logged.items() if key == name}
@@ -149,3 +151,29 @@ def test_torchrun_two_ranks_publish_and_stop_at_the_same_step(tmp_path, spawn):
         assert all(loss is not None for _, loss in batch_ends)
         assert [name for name, _, _ in events].count("epoch_end") == stop_at // 2
         assert events[-1][0] == "fit_end"
+
+
+def test_a_run_resumed_mid_epoch_publishes_no_second_iteration_or_epoch_start(tmp_path):
+    """``train(resume_from_checkpoint=...)`` inside an epoch: Composer fires ITERATION_START once, on a fresh
+    run, and does not repeat EPOCH_START when a fit resumes mid-epoch."""
+    import transformers
+
+    from eventbus.integrations.transformers import EventBusCallback
+    from tests.integrations.hf_train import Net, dataset
+
+    def run(name: str, **resume) -> list[str]:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], save_strategy="steps", save_steps=2,
+            disable_tqdm=True, per_device_train_batch_size=4, num_train_epochs=2)
+        torch.manual_seed(0)
+        trainer = transformers.Trainer(model=Net(0.0), args=args, train_dataset=dataset(16, 0),
+                                       callbacks=[EventBusCallback(run_name=name, run_folder=tmp_path / name)])
+        trainer.train(**resume)
+        return [(name, batch) for name, batch, _ in _journal_events(tmp_path / name / "events.journal")]
+
+    run("first")
+    resumed = run("resumed", resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-6"))  # step 2 of epoch 2
+    names = [name for name, _ in resumed]
+    assert names[:4] == ["init", "fit_start", "batch_start", "before_train_batch"], names
+    assert names.count("epoch_start") == 0 and names.count("epoch_end") == 1
+    assert [batch for name, batch in resumed if name == "batch_end"] == [7, 8]
