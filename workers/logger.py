@@ -148,7 +148,8 @@ class ProgressLogger(LoggerDestination):
         """A trainer that logs no ``loss/train/total`` (a hand-written loop, Lightning, Hugging Face): the
         loss its snapshot holds, read only where a line or a bar update is due."""
         if not self._loss_logged:
-            loss = getattr(state, "loss", None)
+            # The step's total, where the trainer keeps one: ``loss`` is its last microbatch's share alone.
+            loss = (getattr(state, "total_loss_dict", None) or {}).get(LOSS_KEY, getattr(state, "loss", None))
             if loss is not None:
                 self._latest[LOSS_KEY] = to_number(loss)
 

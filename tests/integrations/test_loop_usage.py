@@ -73,17 +73,22 @@ def test_a_loss_given_as_a_number_reaches_the_snapshot(tmp_path):
     assert losses[0] == 0.5 and losses[1] != losses[1]  # NaN, for the health daemon to see
 
 
-async def test_the_logger_s_progress_lines_show_the_loss_of_a_loop_that_logs_none(tmp_path):
+@pytest.mark.parametrize("microbatches", [1, 2])
+async def test_the_logger_s_progress_lines_show_the_loss_of_a_loop_that_logs_none(tmp_path, microbatches):
     """A loop (like Lightning and Hugging Face) logs no ``loss/train/total``: the progress line shows the loss
-    its snapshot holds."""
+    its snapshot holds, the step's whole loss under gradient accumulation (not its last microbatch's share)."""
     model, optimizer = model_and_optimizer()
     with loop.start(model, optimizer, max_duration="4ba", run_folder=tmp_path, bus=f"ipc://{tmp_path}/bus",
                     steps_per_epoch=4) as run:
         with run.epoch():
             for value in (4.0, 3.0, 2.0, 1.25):
-                with run.batch(samples=8) as batch:
-                    optimizer.step()
-                    batch.loss = torch.tensor(value)
+                for microbatch in range(microbatches):
+                    with run.batch(samples=8) as batch:
+                        model(torch.randn(8, 4)).sum().backward()
+                        if microbatch == microbatches - 1:
+                            optimizer.step()
+                            optimizer.zero_grad()
+                        batch.loss = torch.tensor(value / microbatches)  # each microbatch's share
     stream = io.StringIO()
     await CallbackHost([ProgressLogger(stream=stream, log_interval=2)]).run(journal_messages(tmp_path / "events.journal"))
     assert re.findall(r"\[batch (\d)/4\] loss (\S+)", stream.getvalue()) == [("2", "3"), ("4", "1.25")]
