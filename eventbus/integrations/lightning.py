@@ -93,6 +93,7 @@ class EventBusCallback(pl.Callback):
         self._epoch_ended = False  # EPOCH_END published before this epoch's end-of-epoch validation
         self._published: dict[str, Any] = {}  # logged metric name -> the value object last published
         self._metrics_due: Optional[int] = None  # the optimizer step whose logged metrics are not published yet
+        self._epoch_metrics_due: Optional[int] = None  # the last step of an epoch whose aggregates come later
 
     # ------------------------------------------------------------------ opening and closing
 
@@ -123,7 +124,7 @@ class EventBusCallback(pl.Callback):
         if self._checkpoint_io is not None:
             self._checkpoint_io.attach(self)
         self._last_step = trainer.global_step
-        self._published, self._metrics_due = {}, None
+        self._published, self._metrics_due, self._epoch_metrics_due = {}, None, None
         self.adapter.publish(Event.INIT)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -170,6 +171,7 @@ class EventBusCallback(pl.Callback):
         if self.state is None:
             return
         self._epoch_ended = False
+        self._publish_epoch_metrics(trainer)
         self.state.dataloader_len = _steps_per_epoch(trainer)
         self._publish(Event.EPOCH_START)
 
@@ -234,6 +236,7 @@ class EventBusCallback(pl.Callback):
         if self.state is None:
             return
         self._publish_due_metrics(trainer)
+        self._epoch_metrics_due = trainer.global_step  # its on_epoch=True values: computed after this hook
         if not _epoch_completed(trainer):
             return  # stopped mid-epoch: Composer fires no EPOCH_END (nor EPOCH_CHECKPOINT)
         if not self._epoch_ended:
@@ -246,7 +249,7 @@ class EventBusCallback(pl.Callback):
         if self.state is None:
             return
         self._publish_due_metrics(trainer)
-        self._log_new_metrics(trainer.logged_metrics, trainer.global_step)  # the last epoch's aggregates
+        self._publish_epoch_metrics(trainer)  # the last epoch's aggregates
         self._publish(Event.FIT_END)
 
     # ------------------------------------------------------------------ validation
@@ -317,6 +320,13 @@ class EventBusCallback(pl.Callback):
         if step is not None:
             computed = getattr(getattr(trainer, "_logger_connector", None), "_logged_metrics", None)
             self._log_new_metrics(computed if isinstance(computed, dict) else trainer.logged_metrics, step)
+
+    def _publish_epoch_metrics(self, trainer: pl.Trainer) -> None:
+        """The values logged with ``on_epoch=True``, at the epoch's last step: Lightning computes them after
+        ``on_train_epoch_end``, before the next epoch starts (or training ends)."""
+        step, self._epoch_metrics_due = self._epoch_metrics_due, None
+        if step is not None:
+            self._log_new_metrics(trainer.logged_metrics, step)
 
     def _log_new_metrics(self, logged: Mapping[str, Any], step: int) -> dict[str, Any]:
         """What the user logged since the last call, under its logged names (values by reference).

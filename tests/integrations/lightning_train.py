@@ -32,6 +32,7 @@ class Regression(pl.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.layer(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=False)
+        self.log("train_loss_mean", loss, on_step=False, on_epoch=True)  # computed after the epoch's last hook
         self.logged.append((self.trainer.global_step, loss.detach()))
         return loss
 

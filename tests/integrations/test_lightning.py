@@ -118,6 +118,8 @@ def test_metrics_jsonl_holds_what_the_user_logged_value_for_value(lightning_run)
     assert {step: m["train_loss"] for step, m in by_step.items() if "train_loss" in m} == logged
     assert by_step[6]["val_loss"] == lightning_run["result"]["val_loss"]  # the last epoch's, at its step
     assert "val_loss" in by_step[3] and "val_loss" not in by_step[2]
+    # Values logged on_epoch: at their epoch's last step, as Lightning's own loggers have them.
+    assert [step for step, m in sorted(by_step.items()) if "train_loss_mean" in m] == [3, 6]
     # Composer's own monitors, hosted out of process, sent back throughput and the learning rate.
     assert any(key.startswith("throughput/batches_per_sec") for m in by_step.values() for key in m)
     lrs = {step: m["lr-SGD/group0"] for step, m in by_step.items() if "lr-SGD/group0" in m}
