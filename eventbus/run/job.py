@@ -131,7 +131,7 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
     opened and removes the run folder it made, so no half-made run is left behind."""
     assert config.run_name is not None
     folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
-    fresh = not folder.exists()
+    fresh = _claim(folder)
     trainer: Optional[Trainer] = None
     children: list[subprocess.Popen] = []
     try:
@@ -149,6 +149,17 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+def _claim(folder: pathlib.Path) -> bool:
+    """Make the run folder; True when this process made it. Only then may a failed start remove it: another
+    ``eventbus run`` given the same name at the same moment may have made it, and trains into it."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        return False
+    return True
 
 
 def _reap_orphans() -> None:

@@ -116,6 +116,20 @@ def test_a_daemon_killed_mid_run_is_named_in_the_summary_and_the_exit_code(tmp_p
     assert not leftover_daemons(tmp_path)
 
 
+def test_two_runs_given_the_same_name_at_once_one_trains_and_the_other_touches_nothing(tmp_path):
+    """Both find the name free; one binds the run's bus, the other is refused: that one's failed start must
+    not remove the folder it did not make, with the first run training into it."""
+    command = [sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "6ba", "--daemons", "none",
+               "--run-name", "same"]
+    runs = [subprocess.Popen(command, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT))) for _ in range(2)]
+    outputs = [run.communicate(timeout=240) for run in runs]
+    codes = sorted(run.returncode for run in runs)
+    assert codes == [0, 2], outputs
+    ends = [m for m in read_messages(tmp_path / "runs" / "same" / "events.journal") if m.kind == "end"]
+    assert len(ends) == 1, outputs  # the run that trained ended in its journal, which is still there
+
+
 def test_config_file_and_bad_options(tmp_path):
     (tmp_path / "job.toml").write_text('max-duration = "4ba"\neval_interval = "2ba"\ndaemons = "logger"\n'
                                        'run_name = "configured"\n')
