@@ -338,3 +338,22 @@ def test_a_record_whose_count_is_not_its_windows_is_named_and_skipped(tmp_path):
     assert "1 unreadable record(s) skipped (seq 2: the record says seqs 2..4" in last, last
     lines = [json.loads(line) for line in (journal.parent / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{"step": 2, "x": 2.0}]  # every other record exported
+
+
+FULL_DISK = """
+import resource, signal, sys
+from eventbus import Trainer
+from tests.support import make_loader, make_model
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk fails
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))  # the journal's first record won't fit
+Trainer(make_model(), make_loader(), max_duration="2ba", device="cpu", run_name="full")
+"""
+
+
+def test_a_journal_that_cannot_be_written_at_the_start_is_an_error_not_a_hang(tmp_path):
+    """The bus thread's first journal write failing (a full disk) was never reported to ``start()``: the
+    trainer waited for the bus forever."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert done.returncode == 1
+    assert "ConfigError: cannot start the bus on" in done.stderr and "File too large" in done.stderr, done.stderr

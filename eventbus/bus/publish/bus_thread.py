@@ -88,34 +88,6 @@ class BusThread(threading.Thread):
             raise ConfigError(f"cannot start the bus on {self.publisher.address}: {self._start_error}") \
                 from self._start_error
 
-    def _open(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, Optional[JournalWriter]]:
-        pub = context.socket(zmq.XPUB)  # a PUB that says whether anyone subscribes (History sends only then)
-        router = context.socket(zmq.ROUTER)
-        for sock in (pub, router):
-            if self._keys is not None:
-                self._keys.apply(sock)
-            # A subscriber sends only subscriptions on PUB, and every request is small: ZeroMQ drops
-            # a peer that sends a larger frame before any of it is buffered here.
-            sock.setsockopt(zmq.MAXMSGSIZE, LARGEST_REQUEST_BYTES + 64 * 1024)
-        pub.setsockopt(zmq.SNDHWM, self.config.send_hwm)
-        pub.setsockopt(zmq.LINGER, 2000)
-        pub.bind(self.publisher.address)
-        router.setsockopt(zmq.LINGER, 1000)
-        # Per client: requests queued (then ZeroMQ stops reading it), replies it has not read (then a
-        # send raises instead of queueing or blocking: ROUTER_MANDATORY with a zero send timeout).
-        router.setsockopt(zmq.RCVHWM, self.config.request_hwm)
-        router.setsockopt(zmq.SNDHWM, self.config.reply_hwm)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.SNDTIMEO, 0)
-        router.bind(self.publisher.service_address)
-        self._bound_at = time.monotonic()
-        for address in (self.publisher.address, self.publisher.service_address):
-            owner_only(address)
-        self._monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in (pub, router)]
-        journal_path = self.publisher.journal_path
-        journal = JournalWriter(journal_path, segment_bytes=self.config.journal_segment_bytes) if journal_path else None
-        return pub, router, journal
-
     def run(self) -> None:
         # A context of its own: the CURVE authenticator guards exactly this publisher's sockets.
         context = zmq.Context()
@@ -123,7 +95,8 @@ class BusThread(threading.Thread):
         try:
             if self._keys is not None:
                 authenticator = self._keys.start_authenticator(context)
-            self._pub, self._router, journal = self._open(context)
+            self._pub, self._router, journal, self._monitors = _open(self.publisher, self.config, self._keys, context)
+            self._bound_at = time.monotonic()
         except Exception as err:  # reported to the training thread by start()
             self._start_error = err
             if authenticator is not None:
@@ -139,26 +112,38 @@ class BusThread(threading.Thread):
                                        self.config.max_message_bytes, self._publish_hyperparameters,
                                        trusted=is_trusted_endpoint(publisher.service_address, self._keys is not None),
                                        stops=publisher.stops)
-        self._emit(Kind.HEADER, None, resolve(self._header))
+        try:
+            self._emit(Kind.HEADER, None, resolve(self._header))
+        except Exception as err:  # the journal's first write failed (a full disk): start() says so, as for a bind
+            self._start_error = err
+            self._close(journal, authenticator, context)
+            self._bound.set()
+            return
         self._bound.set()
         try:
             self._loop()
         except Exception:
             log.exception("the bus thread failed; events after this point are not published")
         finally:
-            self._count_disconnects()  # those ZeroMQ reported since the last turn: none goes uncounted
-            for sock, monitor in zip((self._pub, self._router), self._monitors):
-                sock.disable_monitor()
-                monitor.close(linger=0)
-            for address in (publisher.address, publisher.service_address):
-                remove_socket_file(address)  # before the close: a trainer restarted on it binds a new one
-            self._pub.close()
-            self._router.close()
+            self._close(journal, authenticator, context)
+
+    def _close(self, journal: Optional[JournalWriter], authenticator: Any, context: zmq.Context) -> None:
+        self._count_disconnects()  # those ZeroMQ reported since the last turn: none goes uncounted
+        for sock, monitor in zip((self._pub, self._router), self._monitors):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        for address in (self.publisher.address, self.publisher.service_address):
+            remove_socket_file(address)  # before the close: a trainer restarted on it binds a new one
+        self._pub.close()
+        self._router.close()
+        try:
             if journal is not None:
                 journal.close()
-            if authenticator is not None:
-                authenticator.stop()
-            context.term()
+        except OSError as err:  # a full disk: what reached it is there; the sockets and context still close
+            log.error("the journal could not be closed: %s", err)
+        if authenticator is not None:
+            authenticator.stop()
+        context.term()
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -362,3 +347,33 @@ class BusThread(threading.Thread):
         self._history.flush_and_send(self._pub)
         self._stats.published, self._stats.sent = self._history.published, self._history.sent
         self._stats.replay_cache_bytes = self._history.cache_bytes
+
+
+def _open(publisher: "Publisher", config: Any, keys: Any,
+          context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, Optional[JournalWriter], list[zmq.Socket]]:
+    """The bus's bound sockets, its journal, and the monitors of the sockets' disconnects."""
+    pub = context.socket(zmq.XPUB)  # a PUB that says whether anyone subscribes (History sends only then)
+    router = context.socket(zmq.ROUTER)
+    for sock in (pub, router):
+        if keys is not None:
+            keys.apply(sock)
+        # A subscriber sends only subscriptions on PUB, and every request is small: ZeroMQ drops
+        # a peer that sends a larger frame before any of it is buffered here.
+        sock.setsockopt(zmq.MAXMSGSIZE, LARGEST_REQUEST_BYTES + 64 * 1024)
+    pub.setsockopt(zmq.SNDHWM, config.send_hwm)
+    pub.setsockopt(zmq.LINGER, 2000)
+    pub.bind(publisher.address)
+    router.setsockopt(zmq.LINGER, 1000)
+    # Per client: requests queued (then ZeroMQ stops reading it), replies it has not read (then a
+    # send raises instead of queueing or blocking: ROUTER_MANDATORY with a zero send timeout).
+    router.setsockopt(zmq.RCVHWM, config.request_hwm)
+    router.setsockopt(zmq.SNDHWM, config.reply_hwm)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.SNDTIMEO, 0)
+    router.bind(publisher.service_address)
+    for address in (publisher.address, publisher.service_address):
+        owner_only(address)
+    monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in (pub, router)]
+    journal_path = publisher.journal_path
+    journal = JournalWriter(journal_path, segment_bytes=config.journal_segment_bytes) if journal_path else None
+    return pub, router, journal, monitors
