@@ -8,13 +8,16 @@ the run for every daemon (also on Ctrl-C, exit code 130), then prints the summar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.run.config import JobConfig, config_from_args
@@ -91,20 +94,22 @@ def run_job(args: argparse.Namespace) -> int:
     said = nothing_to_train(trainer, config) if config.resume and leader else None
     if said is not None:
         print(said, file=sys.stderr, flush=True)
-    interrupted = False
-    try:
-        trainer.fit()
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\neventbus run: interrupted; stopping the trainer and the daemons cleanly", file=sys.stderr, flush=True)
-    finally:
-        trainer.close()  # publishes the end of the run: the daemons finish their work and exit
-        stop_daemons(children)
-    # A daemon that died (killed, or failed) did not finish its part: said, and the command's exit says so.
-    failed = {name: child.returncode for name, child in zip(config.daemons, children) if child.returncode}
-    if leader:
-        print_summary(trainer, config, time.perf_counter() - started, interrupted, failed)
-    wait_for_namespace_peers(timeout=60.0)
+    with _stop_signals() as stop:  # the first Ctrl-C or SIGTERM stops training; later ones do not cut the end
+        try:
+            trainer.fit()
+        except KeyboardInterrupt:
+            print("\neventbus run: interrupted; stopping the trainer and the daemons cleanly", file=sys.stderr,
+                  flush=True)
+        finally:
+            stop.ending = True
+            trainer.close()  # publishes the end of the run: the daemons finish their work and exit
+            stop_daemons(children)
+        # A daemon that died (killed, or failed) did not finish its part: said, and the command's exit says so.
+        failed = {name: child.returncode for name, child in zip(config.daemons, children) if child.returncode}
+        interrupted = bool(stop.asked)
+        if leader:
+            print_summary(trainer, config, time.perf_counter() - started, interrupted, failed)
+        wait_for_namespace_peers(timeout=60.0)
     return 130 if interrupted else 1 if failed else 0
 
 
@@ -149,6 +154,39 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
         raise
+
+
+class _StopSignals:
+    """Ctrl-C and SIGTERM during training and its end: the first one during training raises
+    KeyboardInterrupt (training stops, the run ends cleanly); any other is said and recorded, not raised.
+    Raised while the run ends, it left the journal without the run's end and printed no summary."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.ending = False
+        self._said = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.asked.append(signum)
+        if len(self.asked) == 1 and not self.ending:
+            raise KeyboardInterrupt
+        if not self._said:
+            self._said = True
+            print("\neventbus run: stopping: finishing the run's end first", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[_StopSignals]:
+    stop = _StopSignals()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _claim(folder: pathlib.Path) -> bool:

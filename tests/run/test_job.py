@@ -66,7 +66,8 @@ def test_run_trains_with_daemons_then_resumes(tmp_path):
 
 def test_sigterm_stops_the_trainer_and_every_daemon_cleanly_as_ctrl_c_does(tmp_path):
     """A plain ``kill`` (SIGTERM) ends the run as Ctrl-C does (that path is the first-hour tests'): the
-    journal ends with the run's end, the daemons finish and exit, no socket file is left."""
+    journal ends with the run's end, the daemons finish and exit, no socket file is left; asked again
+    while it ends, it still finishes the end."""
     job = subprocess.Popen([sys.executable, "-m", "eventbus", "run", *SMALL, "--max-duration", "50ep",
                             "--run-name", "interrupted"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
@@ -77,11 +78,14 @@ def test_sigterm_stops_the_trainer_and_every_daemon_cleanly_as_ctrl_c_does(tmp_p
             time.sleep(0.2)  # well into training, daemons attached
         assert len(leftover_daemons(tmp_path)) >= 2  # logger and checkpoint (and timing)
         job.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        job.send_signal(signal.SIGTERM)  # asked again, impatient: the run's end is still finished
         out, err = job.communicate(timeout=120)
     finally:
         job.kill()
     assert job.returncode == 130, err[-3000:]
     assert "interrupted; stopping the trainer and the daemons cleanly" in err
+    assert "stopping: finishing the run's end first" in err, out
     assert "Stopped interrupted" in out
     assert not leftover_daemons(tmp_path)
     assert (tmp_path / "runs" / "interrupted" / "metrics.jsonl").stat().st_size > 0
