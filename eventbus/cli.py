@@ -162,7 +162,8 @@ def _add_export_command(commands: Any) -> None:
         description="Write a finished run (or, with --follow, a live one) from its journal into TensorBoard, "
                     "MLflow, W&B, CSV or JSONL. Points the tracker already holds are skipped, so running it "
                     "again doubles nothing; --resume continues an interrupted export after its last "
-                    "committed message. Exit codes: 0 done, 1 tracker failure, 2 bad usage, 3 damaged journal.")
+                    "committed message. Exit codes: 0 done, 1 tracker failure, 2 bad usage, 3 damaged journal, "
+                    "130 interrupted (continue with --resume).")
     export.add_argument("journal", type=pathlib.Path, help="the run folder or its events.journal")
     export.add_argument("--to", required=True, choices=TARGETS, metavar="TARGET",
                         help=f"where to: {', '.join(TARGETS)}")

@@ -40,7 +40,8 @@ target): every other record and value was exported, and one line counts and
 names what was lost or skipped. A skipped record or value is never handed to
 the tracker, so ``--resume`` goes past it too.
 ``--follow`` polls the journal for new records (a live run) until the run's end
-message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed.
+message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed (exit 130: continue with
+``--resume``).
 
 Said, not failed (exit 0, one line each): values the tracker cannot hold (text in TensorBoard, a name
 MLflow rejects, a metric named ``step`` in metrics.jsonl), counted and named by the tracker; a journal
@@ -342,7 +343,7 @@ def export(options: ExportOptions) -> int:
     if wrapper.interrupted:
         print(f"eventbus export: interrupted; {summary}; committed up to seq {cursor.seqs.get(_NAME, 0)} "
               f"(continue with --resume)", file=sys.stderr, flush=True)
-        return 0
+        return 130  # not "done": ``export ... && upload`` must not take a part for the whole
     items, values = unsent(target.destination)
     if items:
         print(f"eventbus export: {options.target} did not take {values} metric points ({items} items); {summary}; "
