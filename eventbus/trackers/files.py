@@ -183,6 +183,9 @@ class MetricsFileLogger(LoggerDestination):
 
     def close(self, state: Any, logger: Logger) -> None:
         if self._file is None and not self._pending:
+            jsonl = pathlib.Path(self.folder) / "metrics.jsonl" if self.folder is not None else None
+            if jsonl is not None and jsonl.exists() and not jsonl.with_suffix(".csv").exists():
+                write_csv(jsonl, jsonl.with_suffix(".csv"))  # nothing new, and no metrics.csv (removed): made again
             return
         self._open()
         for step in sorted(self._pending):
