@@ -94,10 +94,12 @@ def run_job(args: argparse.Namespace) -> int:
     said = nothing_to_train(trainer, config) if config.resume and leader else None
     if said is not None:
         print(said, file=sys.stderr, flush=True)
+    interrupted = False
     with _stop_signals() as stop:  # the first Ctrl-C or SIGTERM stops training; later ones do not cut the end
         try:
             trainer.fit()
         except KeyboardInterrupt:
+            interrupted = True
             print("\neventbus run: interrupted; stopping the trainer and the daemons cleanly", file=sys.stderr,
                   flush=True)
         finally:
@@ -106,7 +108,7 @@ def run_job(args: argparse.Namespace) -> int:
             stop_daemons(children)
         # A daemon that died (killed, or failed) did not finish its part: said, and the command's exit says so.
         failed = {name: child.returncode for name, child in zip(config.daemons, children) if child.returncode}
-        interrupted = bool(stop.asked)
+        interrupted = interrupted or bool(stop.asked)
         if leader:
             print_summary(trainer, config, time.perf_counter() - started, interrupted, failed)
         wait_for_namespace_peers(timeout=60.0)
