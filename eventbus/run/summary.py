@@ -98,6 +98,8 @@ def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupt
         (f"  checkpoints: none saved ({_none_saved(failed)})" if "checkpoint" in config.daemons else ""),
         f"  daemons:     {', '.join(f'{name} exited {code}' for name, code in failed.items())} before the run's end "
         "(its output is above)" if failed else "",
+        f"  bus:         failed ({trainer.publisher.failure}); training stopped: nothing after it was published"
+        if trainer.publisher.failure is not None else "",
         f"  monitor:     eventbus monitor {trainer.publisher.journal_path}   "
         f"(live, while training: eventbus monitor {advertised(trainer.publisher.address)})",
         (f"  resume:      {resume_command(config, run_name)}" if interrupted else

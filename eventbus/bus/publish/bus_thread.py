@@ -122,8 +122,12 @@ class BusThread(threading.Thread):
         self._bound.set()
         try:
             self._loop()
-        except Exception:
+        except OSError as err:  # a full disk: one line, and training stops at its next batch's end
+            log.error("the bus thread failed: %s; events after this point are not published", err)
+            self.publisher.failed(err)
+        except Exception as err:
             log.exception("the bus thread failed; events after this point are not published")
+            self.publisher.failed(err)
         finally:
             self._close(journal, authenticator, context)
 

@@ -57,6 +57,10 @@ class Leases:
             self.checkpoint_options = dict(checkpoint_options)
         self.captures = captures
 
+    def revoke_all(self) -> None:
+        """No one can receive what the leases capture any more (the bus failed): capture none of it."""
+        self.captures, self.weights_holders = {}, {}
+
     # ---------------------------------------------------------------- training thread
 
     def holds(self, name: str) -> bool:

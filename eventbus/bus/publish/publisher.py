@@ -64,6 +64,7 @@ class Publisher:
         self._doorbell = Doorbell(self._stats)
         self._thread: Optional[BusThread] = None
         self._closed = False
+        self.failure: Optional[BaseException] = None  # what stopped the bus thread mid-run, if anything
 
     def endpoint(self) -> dict[str, Any]:
         """How subscribers reach this rank (listed in rank 0's run header)."""
@@ -115,6 +116,13 @@ class Publisher:
         if any(self.hyperparameters.get(k, object()) != v for k, v in hyperparameters.items()):
             self.hyperparameters.update(hyperparameters)
             self.put(HyperparametersRecord(dict(hyperparameters)))
+
+    def failed(self, error: BaseException) -> None:
+        """The bus thread stopped on ``error`` (a full disk, say). Nothing after it is published: no metrics,
+        no checkpoints, so training stops at its next batch's end rather than go on unrecorded."""
+        self.failure = error
+        self.leases.revoke_all()  # no gradient norms, checkpoints or weights captured for no one
+        self.stops.request(f"the bus failed ({error}): nothing after this point could be published")
 
     def subscribers(self, within: float = 15.0) -> list[str]:
         """Subscribers whose heartbeat arrived in the last ``within`` seconds (workers send one every
