@@ -240,8 +240,6 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         values["max_duration"] = LONG_DURATION
     config = JobConfig(**values)  # every key is a field (flags by construction, files checked)
     validate_config(config)
-    if "checkpoint" in config.daemons:  # the bundled model's checkpoints come at this interval only
-        check_save_interval(config.save_interval)
     return config
 
 
@@ -280,6 +278,7 @@ def validate_config(config: JobConfig) -> None:
     check_max_duration(config.max_duration)
     for name in ("eval_interval", "save_interval"):  # the checkpoint daemon's interval too: it would fail late
         interval_scheduler(getattr(config, name), name=name.replace("_", "-"))
+    _check_intervals_act(config)
     if config.bus is not None and not config.bus.startswith(("ipc://", "tcp://")):
         raise ConfigError(f"bus must be ipc://PATH or tcp://HOST:PORT, got {config.bus!r}")
     _check_bus_is_guarded(config.bus)
@@ -290,15 +289,22 @@ def validate_config(config: JobConfig) -> None:
     _check_model_and_device(config)
 
 
-def check_save_interval(interval: str, option: str = "save-interval") -> None:
-    """``eventbus run``'s checkpoint daemon at an interval of 0 (never) would save nothing, and the run would
-    end saying no checkpoint was due yet: refused, with the way to run without checkpoints. (For a trainer
-    that stages its own checkpoints, such as Lightning's, 0 is how the daemon writes only those.)"""
+def _check_intervals_act(config: JobConfig) -> None:
+    """An interval of 0 means never: the bundled model would never be evaluated, and the checkpoint daemon
+    (of ``eventbus run`` or ``eventbus daemons``) would save nothing, the run ending with no checkpoint due
+    yet. Refused, saying what to do instead. (For a trainer that stages its own checkpoints, such as
+    Lightning's, 0 is how the checkpoint daemon writes only those: that one is started on its own.)"""
     from eventbus.core.time import TimeUnit, ensure_time
 
-    if ensure_time(interval, TimeUnit.EPOCH, name=option).value == 0:
-        raise ConfigError(f"{option}: {interval!r} saves no checkpoint; to run without checkpoints, leave the "
-                          "checkpoint daemon out (--daemons logger,timing,health)")
+    def never(option: str) -> bool:
+        return ensure_time(getattr(config, option), TimeUnit.EPOCH, name=option).value == 0
+
+    if never("eval_interval"):
+        raise ConfigError(f"eval-interval: {config.eval_interval!r} never evaluates; give how often to evaluate, "
+                          "e.g. '1ep' or '100ba'")
+    if "checkpoint" in config.daemons and never("save_interval"):
+        raise ConfigError(f"save-interval: {config.save_interval!r} saves no checkpoint; to run without "
+                          "checkpoints, leave the checkpoint daemon out (--daemons logger,timing,health)")
 
 
 def _check_model_and_device(config: JobConfig) -> None:

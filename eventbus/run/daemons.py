@@ -18,7 +18,7 @@ from eventbus.run.config import DAEMONS, JobConfig, validate_config
 from eventbus.run.supervise import daemons_of
 from eventbus.runtime.supervisor import DaemonSet, stop_daemons
 
-__all__ = ["add_daemons_arguments", "run_daemons"]
+__all__ = ["add_daemons_arguments", "daemons_config", "run_daemons"]
 
 _WHO = "eventbus daemons"
 
@@ -40,14 +40,8 @@ def add_daemons_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_daemons(args: argparse.Namespace) -> int:
     """Start the daemons, wait until the run has ended and they exited; the exit code (130 on Ctrl-C)."""
-    names = [name.strip() for name in args.daemons.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(DAEMONS))
-    if unknown:
-        raise ConfigError(f"daemons: unknown {', '.join(unknown)}; choose from {', '.join(DAEMONS)}")
+    config = daemons_config(args)
     address, folder = _address_and_folder(args.target)
-    config = JobConfig(daemons=names, save_interval=args.save_interval, keep=args.keep,
-                       tensorboard=args.tensorboard, verbose=args.verbose)
-    validate_config(config)  # the same checks as eventbus run's: an interval the daemon would refuse fails here
     daemons = DaemonSet.spawn(daemons_of(config), address, folder, who=_WHO)
     print(f"{_WHO}: following {address}; they exit when the run ends (Ctrl-C stops them)", file=sys.stderr,
           flush=True)
@@ -64,6 +58,19 @@ def run_daemons(args: argparse.Namespace) -> int:
     journal = folder / "events.journal"
     codes = daemons.finish(journal if journal.exists() else None, who=_WHO)
     return 1 if any(code != 0 for code in codes) else 0
+
+
+def daemons_config(args: argparse.Namespace) -> JobConfig:
+    """The daemons' options, checked as ``eventbus run`` checks them (ConfigError before anything starts):
+    an interval that would never act, or one the daemon would refuse only once it runs, fails here."""
+    names = [name.strip() for name in args.daemons.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(DAEMONS))
+    if unknown:
+        raise ConfigError(f"daemons: unknown {', '.join(unknown)}; choose from {', '.join(DAEMONS)}")
+    config = JobConfig(daemons=names, save_interval=args.save_interval, keep=args.keep,
+                       tensorboard=args.tensorboard, verbose=args.verbose)
+    validate_config(config)
+    return config
 
 
 def _address_and_folder(target: str) -> tuple[str, pathlib.Path]:

@@ -22,7 +22,10 @@ from eventbus.core.run_folder import resolve_run_folder
 from eventbus.errors import ConfigError
 from eventbus.run.config import JobConfig
 
-__all__ = ["check_run_folder", "latest_checkpoint", "resume_from"]
+__all__ = ["RUN_LOCK", "check_run_folder", "latest_checkpoint", "resume_from"]
+
+#: Held (flock) by the ``eventbus run`` training in the folder, for as long as it runs; it stays behind.
+RUN_LOCK = ".run.lock"
 
 
 def check_run_folder(config: JobConfig) -> None:
@@ -30,7 +33,7 @@ def check_run_folder(config: JobConfig) -> None:
     if config.resume or config.run_name is None or int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 made the folder the other ranks share
     folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
-    if folder.exists() and any(folder.iterdir()):
+    if folder.exists() and any(e.name != RUN_LOCK for e in folder.iterdir()) and not _waiting_daemons_only(folder):
         try:
             latest_checkpoint(config)
             how = f"continue it with --run-name {config.run_name} --resume, or choose a new --run-name"
@@ -42,6 +45,25 @@ def check_run_folder(config: JobConfig) -> None:
             how = (f"it holds no checkpoint to resume from (it stopped before its first); choose a new --run-name, "
                    f"or remove {folder} to use the name again")
         raise ConfigError(f"run {config.run_name!r} already exists in {folder}; {how}")
+
+
+# What `eventbus daemons` started before its run makes in the run folder: the daemons' state folder
+# (supervisor.daemon_command's --state-dir) holding each one's cursor lock (Cursor.claim), nothing else yet.
+_DAEMONS_STATE = ".workers"
+_CURSOR_LOCK = ".cursor.json.lock"
+
+
+def _waiting_daemons_only(folder: pathlib.Path) -> bool:
+    """Only daemons waiting for this run were here: their cursors' lock files, no cursor (a daemon writes
+    its cursor once it applied a run's message: a run was there then), no journal, metrics or checkpoint."""
+    for entry in folder.iterdir():
+        if entry.name == RUN_LOCK:
+            continue
+        if entry.name != _DAEMONS_STATE or entry.is_symlink() or not entry.is_dir():
+            return False
+        if not all(p.name.endswith(_CURSOR_LOCK) and p.is_file() and not p.is_symlink() for p in entry.iterdir()):
+            return False
+    return True
 
 
 def latest_checkpoint(config: JobConfig) -> tuple[str, Union[str, pathlib.Path]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import pathlib
 import shutil
@@ -20,15 +21,16 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
+from eventbus.errors import ConfigError
 from eventbus.run.config import JobConfig, config_from_args
-from eventbus.run.discovery import check_run_folder, resume_from
+from eventbus.run.discovery import RUN_LOCK, check_run_folder, resume_from
 from eventbus.run.summary import nothing_to_train, print_summary
 from eventbus.run.supervise import start_daemons, stop_daemons, wait_for_subscribers
 
 if TYPE_CHECKING:
     from eventbus.training.trainer import Trainer
 
-__all__ = ["build_trainer", "job_hyperparameters", "run_job"]
+__all__ = ["build_trainer", "job_hyperparameters", "run_job", "take_run_folder"]
 
 # The options that shape what is trained, logged as the run's hyperparameters (the trainer logs its own:
 # max_duration, seed, precision, device, the optimizer's name, the parameter count).
@@ -105,14 +107,16 @@ def run_job(args: argparse.Namespace) -> int:
         finally:
             stop.ending = True
             trainer.close()  # publishes the end of the run: the daemons finish their work and exit
-            stop_daemons(children)
+            bus_failure = trainer.publisher.failure if trainer.publisher is not None else None
+            # A bus that failed (a full disk) published no end: the daemons are stopped, not waited for.
+            stop_daemons(children, timeout=5.0 if bus_failure is not None else 60.0)
         # A daemon that died (killed, or failed) did not finish its part: said, and the command's exit says so.
         failed = {name: child.returncode for name, child in zip(config.daemons, children) if child.returncode}
         interrupted = interrupted or bool(stop.asked)
         if leader:
             print_summary(trainer, config, time.perf_counter() - started, interrupted, failed)
         wait_for_namespace_peers(timeout=60.0)
-    return 130 if interrupted else 1 if failed else 0
+    return 130 if interrupted else 1 if failed or bus_failure is not None else 0
 
 
 def wait_for_namespace_peers(timeout: float) -> None:
@@ -137,8 +141,7 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
     """The trainer and its daemons, ready to train; a start that fails (or is interrupted) closes what it
     opened and removes the run folder it made, so no half-made run is left behind."""
     assert config.run_name is not None
-    folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
-    fresh = _claim(folder)
+    folder, fresh = take_run_folder(config)
     trainer: Optional[Trainer] = None
     children: list[subprocess.Popen] = []
     try:
@@ -191,6 +194,20 @@ def _stop_signals() -> Iterator[_StopSignals]:
             signal.signal(sig, handler)
 
 
+def take_run_folder(config: JobConfig) -> tuple[pathlib.Path, bool]:
+    """The run folder, made (True) or found, and held for this process's life. Refused (ConfigError, with
+    nothing made or removed) when another ``eventbus run`` of this name holds it, or made it since it was
+    checked and trained into it."""
+    assert config.run_name is not None
+    folder = resolve_run_folder(config.run_name, runs_dir=config.runs_dir)
+    fresh = _claim(folder)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 holds the folder the ranks share
+        _hold(folder, config.run_name)
+        if not fresh:
+            check_run_folder(config)
+    return folder, fresh
+
+
 def _claim(folder: pathlib.Path) -> bool:
     """Make the run folder; True when this process made it. Only then may a failed start remove it: another
     ``eventbus run`` given the same name at the same moment may have made it, and trains into it."""
@@ -200,6 +217,19 @@ def _claim(folder: pathlib.Path) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def _hold(folder: pathlib.Path, run_name: str) -> None:
+    """Lock the run folder for this process's life: another ``eventbus run`` of the same name at the same
+    moment is refused here, before it can train into the folder or remove it."""
+    fd = os.open(folder / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"run {run_name!r} is being trained by another eventbus run; choose another --run-name") \
+            from None
+    # The descriptor stays open: the lock goes with the process.
 
 
 def _reap_orphans() -> None:

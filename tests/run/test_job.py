@@ -16,6 +16,7 @@ from eventbus.bus.journal import read_messages
 from eventbus.errors import ConfigError
 from eventbus.run.config import JobConfig
 from eventbus.run.discovery import check_run_folder
+from eventbus.run.job import take_run_folder
 from tests.support import REPO_ROOT
 
 SMALL = ["--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
@@ -159,3 +160,37 @@ def test_an_option_that_cannot_work_is_refused_before_anything_starts(tmp_path):
         assert refused.returncode == 2 and said in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_disk_that_fills_mid_run_stops_the_run_and_says_so(tmp_path):
+    """The bus thread died on a full disk: training went on unrecorded, the daemons were waited for a minute,
+    and the command exited 0. Now training stops, the summary says why, and the exit code is 1."""
+    limit = "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); " \
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (48_000, resource.RLIM_INFINITY)); " \
+            "sys.argv[0] = 'eventbus'; runpy.run_module('eventbus', run_name='__main__')"
+    ran = subprocess.run([sys.executable, "-c", limit, "run", *SMALL, "--max-duration", "100000ba",
+                          "--daemons", "timing", "--run-name", "fills"], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert "bus:         failed ([Errno 27] File too large); training stopped" in ran.stdout, ran.stdout
+    batches = int(ran.stdout.split("Stopped fills: " if "Stopped fills" in ran.stdout else "Finished fills: ")[1]
+                  .split(" batches")[0])
+    assert batches < 100_000
+    assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
+
+
+def test_a_run_folder_taken_by_another_run_of_the_name_is_refused_and_left_alone(tmp_path):
+    """Two runs of one name both find it free; the one that comes second to the folder is refused, whether the
+    other still trains in it or already finished there (before, it trained into the other's journal)."""
+    config = JobConfig(run_name="same", runs_dir=str(tmp_path / "runs"))
+    folder, fresh = take_run_folder(config)  # the first run: it made the folder and holds it
+    assert fresh and folder == tmp_path / "runs" / "same"
+    with pytest.raises(ConfigError, match="run 'same' is being trained by another eventbus run"):
+        take_run_folder(config)
+    assert folder.is_dir()
+    other = tmp_path / "other-runs"
+    (other / "done").mkdir(parents=True)
+    (other / "done" / "events.journal").write_bytes(b"a run that trained and ended here meanwhile")
+    with pytest.raises(ConfigError, match="run 'done' already exists"):
+        take_run_folder(JobConfig(run_name="done", runs_dir=str(other)))
+    assert (other / "done" / "events.journal").read_bytes() == b"a run that trained and ended here meanwhile"
