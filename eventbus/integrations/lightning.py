@@ -5,9 +5,12 @@
 :class:`EventBusCallback` maps Lightning's hooks onto Composer's Events (in Composer's order where the
 hooks allow; see the README's Lightning table) and publishes each through
 :mod:`eventbus.integrations.adapter`, the path :class:`eventbus.Trainer` uses. Composer's ``BATCH_*``
-events are per optimizer step: under gradient accumulation Lightning's batch hooks run per microbatch,
-and ``BATCH_END`` is published where ``trainer.global_step`` advanced. A worker's ``stop_training()``
-becomes ``trainer.should_stop`` at that step, on every rank at the same step.
+events are per batch trained: under gradient accumulation Lightning's batch hooks run per microbatch,
+and ``BATCH_END`` is published where ``trainer.global_step`` advanced; under manual optimization every
+``training_step`` is one batch, however many optimizer steps it takes (a GAN's two advance
+``global_step`` by 2). A worker's ``stop_training()`` becomes ``trainer.should_stop`` at that step, on
+every rank at the same step. The timestamp is saved in Lightning's checkpoints (this callback's
+``state_dict``), so that ``fit(ckpt_path=...)`` continues its samples too.
 
 :class:`EventBusCheckpointIO` (``Trainer(plugins=[...])``) stages each checkpoint Lightning saves into
 shared memory (one copy of the state, the whole stall) and the checkpoint worker writes it at the path
@@ -90,6 +93,8 @@ class EventBusCallback(pl.Callback):
         self._window_samples = 0  # samples of the microbatches since the last optimizer step
         self._window_loss: Any = None
         self._in_window = False
+        self._after_train_batch = self._manual = False  # AFTER_TRAIN_BATCH sent for this batch; manual optimization
+        self._saved: Optional[Mapping[str, Any]] = None  # the timestamp a checkpoint restored (load_state_dict)
         self._epoch_ended = False  # EPOCH_END published before this epoch's end-of-epoch validation
         self._published: dict[str, Any] = {}  # logged metric name -> the value object last published
         self._metrics_due: Optional[int] = None  # the optimizer step whose logged metrics are not published yet
@@ -159,8 +164,8 @@ class EventBusCallback(pl.Callback):
         # After the restore (fit(ckpt_path=...)): the loops already hold the saved progress.
         self._last_step = trainer.global_step
         self._last_step_time = time.perf_counter()
-        if trainer.global_step or trainer.current_epoch:
-            state.timestamp = Timestamp(epoch=trainer.current_epoch, batch=trainer.global_step)
+        self._manual = not pl_module.automatic_optimization
+        state.timestamp, self._saved = _resumed_timestamp(trainer, self._saved, self._manual), None
         state.optimizers = list(trainer.optimizers)
         state.schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         state.max_duration = _max_duration(trainer)
@@ -186,7 +191,7 @@ class EventBusCallback(pl.Callback):
         state.batch = batch
         self._window_samples += _batch_size(batch)
         if not self._in_window:  # the first microbatch of an optimizer step: Composer's batch begins
-            self._in_window = True
+            self._in_window, self._after_train_batch = True, False
             self._publish(Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -197,7 +202,9 @@ class EventBusCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
-        self._publish(Event.AFTER_TRAIN_BATCH)
+        if not self._after_train_batch:  # once a batch: manual optimization may step several optimizers
+            self._after_train_batch = True
+            self._publish(Event.AFTER_TRAIN_BATCH)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -210,15 +217,16 @@ class EventBusCallback(pl.Callback):
             # Lightning divides each microbatch's loss by accumulate_grad_batches: their sum is the step's loss.
             self._window_loss = loss if self._window_loss is None else self._window_loss + loss
             state.loss = loss
-        step = trainer.global_step
-        if step == self._last_step:
+        if trainer.global_step == self._last_step and not self._manual:
             return  # a microbatch without an optimizer step (gradient accumulation)
-        now = time.perf_counter()
-        for _ in range(step - self._last_step):  # the step's wall-clock time: SpeedMonitor's throughput reads it
-            state.advance_batch(samples=self._window_samples * state.world_size,
-                                duration=datetime.timedelta(seconds=now - self._last_step_time))
-            self._last_step_time = now
-        self._last_step = step
+        self._last_step = trainer.global_step
+        if not self._after_train_batch:  # manual optimization: a batch that stepped no optimizer
+            self._publish(Event.AFTER_TRAIN_BATCH)
+        now = time.perf_counter()  # the batch's wall-clock time: SpeedMonitor's throughput reads it
+        state.advance_batch(samples=self._window_samples * state.world_size,
+                            duration=datetime.timedelta(seconds=now - self._last_step_time))
+        self._last_step_time = now
+        step = int(state.timestamp.batch)
         if self._window_loss is not None:
             state.loss = self._window_loss
             state.total_loss_dict = {"loss/train/total": self._window_loss}
@@ -236,7 +244,7 @@ class EventBusCallback(pl.Callback):
         if self.state is None:
             return
         self._publish_due_metrics(trainer)
-        self._epoch_metrics_due = trainer.global_step  # its on_epoch=True values: computed after this hook
+        self._epoch_metrics_due = int(self.state.timestamp.batch)  # its on_epoch=True values: computed later
         if not _epoch_completed(trainer):
             return  # stopped mid-epoch: Composer fires no EPOCH_END (nor EPOCH_CHECKPOINT)
         if not self._epoch_ended:
@@ -295,7 +303,7 @@ class EventBusCallback(pl.Callback):
         state = self.state
         assert state is not None
         # The epoch-level values are computed between on_validation_epoch_end and here: EVAL_END carries them.
-        values = self._log_new_metrics(trainer.logged_metrics, trainer.global_step)
+        values = self._log_new_metrics(trainer.logged_metrics, int(state.timestamp.batch))
         if values:
             state.eval_metric_values = {**state.eval_metric_values, EVAL_LABEL: values}
         self._publish(Event.EVAL_END, Event.EVAL_AFTER_ALL)
@@ -304,6 +312,12 @@ class EventBusCallback(pl.Callback):
 
     def _evaluating(self, trainer: pl.Trainer) -> bool:
         return self.state is not None and self.adapter is not None and not trainer.sanity_checking
+
+    def state_dict(self) -> dict[str, Any]:  # saved in Lightning's checkpoints: its loops hold no sample count
+        return {"timestamp": self.state.timestamp.state_dict()} if self.state is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = state_dict.get("timestamp")  # applied in on_train_start, once the loops are restored
 
     # ------------------------------------------------------------------ helpers
 
@@ -347,14 +361,16 @@ class EventBusCallback(pl.Callback):
         capture = adapter.capture if adapter is not None else None
         if capture is None or state is None or not capture.publisher.holds_checkpoint_lease():
             return None
-        ts = state.timestamp
-        meta = {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value,
-                "token": ts.token.value, "event": "checkpoint_io", "run_name": state.run_name,
-                "rank": state.rank, "target": path, "format": "torch"}
-        staged = capture.staging.stage(checkpoint, meta)
+        staged = capture.staging.stage(checkpoint, _checkpoint_meta(state, path))
         if staged is not None:
             capture.announce_checkpoint(staged)  # rides on the next checkpoint event, to the worker
         return staged
+
+
+def _checkpoint_meta(state: RunState, path: str) -> dict[str, Any]:
+    ts = state.timestamp
+    return {"batch": ts.batch.value, "epoch": ts.epoch.value, "sample": ts.sample.value, "token": ts.token.value,
+            "event": "checkpoint_io", "run_name": state.run_name, "rank": state.rank, "target": path, "format": "torch"}
 
 
 def _same_value(old: Any, new: Any) -> bool:
@@ -370,6 +386,31 @@ def _find_plugin(trainer: pl.Trainer) -> Optional[EventBusCheckpointIO]:
     while io is not None and not isinstance(io, EventBusCheckpointIO):
         io = getattr(io, "checkpoint_io", None)  # unwrap Lightning's wrappers (AsyncCheckpointIO)
     return io
+
+
+def _resumed_timestamp(trainer: pl.Trainer, saved: Optional[Mapping[str, Any]], manual: bool) -> Timestamp:
+    """Where ``fit(ckpt_path=...)`` resumes (0 for a fresh fit): the ``saved`` timestamp, moved on to the
+    epoch Lightning resumes in; counted from Lightning's loops (samples unknown: 0) when the checkpoint
+    holds none of the callback's state, or one taken at another batch than Lightning's."""
+    progress: Any = trainer.fit_loop.epoch_loop.batch_progress  # the batches trained, in all and in the epoch
+    if not (progress.total.processed or trainer.current_epoch):
+        return Timestamp()
+    epoch = trainer.current_epoch
+    # An epoch's last batch done: Lightning resumes at the next epoch, without its on_train_epoch_start.
+    in_epoch = progress.current.processed if progress.current.processed < trainer.num_training_batches else 0
+    if manual:
+        batch = progress.total.processed
+    else:  # Composer's batches are optimizer steps: accumulated microbatches count once
+        batch, in_epoch = trainer.global_step, -(-in_epoch // trainer.accumulate_grad_batches)
+    timestamp = Timestamp.from_state_dict(dict(saved)) if saved else Timestamp()
+    while int(timestamp.epoch) < epoch:
+        timestamp = timestamp.to_next_epoch()
+    if (int(timestamp.epoch), int(timestamp.batch), int(timestamp.batch_in_epoch)) != (epoch, batch, in_epoch):
+        if saved:
+            log.warning("eventbus: the checkpoint's timestamp (batch %d) is not Lightning's (batch %d): "
+                        "samples counted from 0", int(timestamp.batch), batch)
+        timestamp = Timestamp(epoch=epoch, batch=batch, batch_in_epoch=in_epoch)
+    return timestamp
 
 
 def _max_duration(trainer: pl.Trainer) -> Optional[Time]:

@@ -45,6 +45,27 @@ class Regression(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)}
 
 
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization, a GAN's two optimizers: batch 0 steps both, batch 1 none (gradients kept), 2 the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        stepped = ((0, 1), (), (0,))[batch_idx]
+        for index, (layer, optimizer) in enumerate(zip(self.layers, self.optimizers())):
+            self.manual_backward(torch.nn.functional.mse_loss(layer(x), y))
+            if index in stepped:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(layer.parameters(), lr=0.05) for layer in self.layers]
+
+
 class Script(pl.Callback):
     """What the test drives: hold at a step until a file appears; wait for the checkpoint worker."""
 
@@ -91,6 +112,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="ModelCheckpoint folder (every 2 steps, top 1) with EventBusCheckpointIO")
     parser.add_argument("--wait-checkpoint-worker", action="store_true")
     parser.add_argument("--resume")
+    parser.add_argument("--manual-run", help="then fit TwoOptimizers for 3 batches as this run (runs/<name>/)")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4 * args.batches * args.devices, 8), torch.randn(4 * args.batches * args.devices, 1))
@@ -117,6 +139,12 @@ def main() -> None:
               "lr": trainer.optimizers[0].param_groups[0]["lr"]}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     print(f"rank {trainer.global_rank} done at step {trainer.global_step}", flush=True)
+    if args.manual_run:  # in this process: Lightning is imported already
+        manual = pl.Trainer(max_epochs=1, callbacks=[EventBusCallback(run_name=args.manual_run)], accelerator="cpu",
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        manual.fit(TwoOptimizers(), DataLoader(TensorDataset(torch.randn(12, 8), torch.randn(12, 1)), batch_size=4))
+        print(f"manual run done at step {manual.global_step}", flush=True)
 
 
 if __name__ == "__main__":

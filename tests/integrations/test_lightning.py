@@ -57,7 +57,8 @@ def finished(process: Process, timeout: float = 300) -> str:
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory):
     """Two epochs of 6 batches, gradient accumulation 2 (3 optimizer steps an epoch), validation each
-    epoch; workers started first; the run holds at step 2 while a monitor attaches."""
+    epoch; workers started first; the run holds at step 2 while a monitor attaches. Then, in the same
+    process, a manual-optimization fit of 3 batches on a bus of its own (``runs/gan``)."""
     folder = tmp_path_factory.mktemp("lightning")
     bus = f"ipc://{folder}/bus"
     processes = [
@@ -70,7 +71,7 @@ def lightning_run(tmp_path_factory):
     ]
     try:
         following(*processes)
-        trainer = run_script(folder, "--bus", bus, "--accumulate", "2", "--hold-at", "2")
+        trainer = run_script(folder, "--bus", bus, "--accumulate", "2", "--hold-at", "2", "--manual-run", "gan")
         trainer.wait_for("held", timeout=300)
         monitor = subprocess.run([sys.executable, "-m", "eventbus", "monitor", bus, "--once"], cwd=folder,
                                  env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), COLUMNS="160"),
@@ -101,6 +102,25 @@ def test_events_are_published_in_composers_order_per_optimizer_step(lightning_ru
     assert batches == [1, 2, 3, 4, 5, 6] == list(range(1, lightning_run["result"]["global_step"] + 1))
     # The sanity check's validation is not published: two evaluations, one per epoch.
     assert sum(name == "eval_start" for name, _ in events) == 2
+
+
+def test_manual_optimization_counts_a_batch_per_training_step(lightning_run):
+    """Two optimizers stepped by hand: both, none, the first only (``global_step`` 2, 2, 3). Each
+    ``training_step`` is one batch, as in Composer; AFTER_TRAIN_BATCH once a batch."""
+    assert "manual run done at step 3" in lightning_run["outputs"]["trainer"]
+    messages = [m for m in journal_messages(lightning_run["folder"] / "runs" / "gan" / "events.journal")
+                if m.kind == "event"]
+    start, backward = ["after_dataloader", "batch_start", "before_train_batch"], ["before_backward", "after_backward"]
+    end = ["batch_end", "batch_checkpoint"]
+    assert [m.event for m in messages] == [
+        "init", "fit_start", "iteration_start", "epoch_start",
+        *start, *backward, "after_train_batch", *backward, *end,  # before the first optimizer step
+        *start, *backward, *backward, "after_train_batch", *end,  # no step: at the batch's end
+        *start, *backward, "after_train_batch", *backward, *end,
+        "epoch_end", "epoch_checkpoint", "fit_end"]
+    stamps = [m.payload["ts"] for m in messages if m.event == "batch_end"]
+    assert [(ts["batch"], ts["batch_in_epoch"], ts["sample"], ts["sample_in_epoch"]) for ts in stamps] == [
+        (1, 1, 4, 4), (2, 2, 8, 8), (3, 3, 12, 12)]
 
 
 def test_the_seeds_epoch_monitor_prints_every_epoch(lightning_run):
@@ -180,6 +200,15 @@ def test_a_worker_stops_the_run_and_its_checkpoints_resume_it(tmp_path):
     assert "on the training thread: no checkpoint worker on the bus" in output  # not lost: written here
     # Rotated as Lightning rotates: the file it resumed from stays.
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=16.ckpt", saved[0].name]
+    # Its timestamps go on from the checkpoint's, samples and in-epoch counts too (8 batches of 4 an epoch).
+    step = checkpoint["global_step"]
+    stamps = {m.event: m.payload["ts"] for m in journal_messages(tmp_path / "runs" / "again" / "events.journal")
+              if m.kind == "event" and m.event in ("fit_start", "batch_end")}
+    assert (stamps["fit_start"]["batch"], stamps["fit_start"]["sample"]) == (step, 4 * step)
+    ends = [(ts["batch"], ts["batch_in_epoch"], ts["sample"], ts["sample_in_epoch"])
+            for m in journal_messages(tmp_path / "runs" / "again" / "events.journal")
+            if m.kind == "event" and m.event == "batch_end" for ts in [m.payload["ts"]]]
+    assert ends == [(b, (b - 1) % 8 + 1, 4 * b, 4 * ((b - 1) % 8 + 1)) for b in range(step + 1, 17)]
 
 
 def test_two_ddp_ranks_publish_and_stop_at_the_same_step(tmp_path):
