@@ -167,13 +167,17 @@ async def _follow(subscriber: Any, run: WatchedRun, screen: Screen, refresh: flo
 
 
 async def _show_journal(path: pathlib.Path, run: WatchedRun, screen: Screen) -> int:
-    """A journal's run as of its last record: one plain frame."""
+    """A journal's run as of its last record: one plain frame; EventBusError when none of its records
+    can be read (another version's journal, damage throughout)."""
     from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary
 
     run.journal_mode = True
     stream = JournalStream(path)
     async for message in stream.messages():
         run.feed(message)
+    lost = None if run.messages else damage_summary(path) or stream.skipped.summary()
+    if lost is not None:  # records there, none readable: an error, not a blank frame (an empty journal is not)
+        raise EventBusError(f"{path} holds no message it can read: {lost}")
     run.source_note = f"journal {path} ({run.messages} messages)"
     screen.draw(run.view(ascii_only=screen.ascii_only))
     # Which run this is, by name and id: a journal may hold more than one (a resumed run).

@@ -102,10 +102,12 @@ class MLflowLogger(LoggerDestination):
         if self.run_name is None:
             return
         self.outbox.put(["end"])
-        if not self.outbox.flush(force=True):
-            raise RuntimeError(f"MLflow at {self.tracking_uri} did not take {len(self.outbox.items)} queued "
-                               f"items by the end of the run; they are in the worker's cursor, and "
-                               f"`eventbus export RUN --to mlflow --mlflow-uri URI` sends what MLflow lacks")
+        if not self.outbox.flush(force=True):  # said in one line: an outage is not a bug to trace back
+            items, values = self.unsent()
+            run = announced_run_folder(state) if state is not None else "RUN"
+            log.error("MLflow at %s is down at the end of the run: %d metric values (%d items) not sent, kept in "
+                      "the cursor; `eventbus export %s --to mlflow --mlflow-uri %s` sends what MLflow lacks from "
+                      "the journal", self.tracking_uri, values, items, run, self.tracking_uri)
 
     def _send(self, item: list[Any]) -> None:
         """One queued item to MLflow; raises while it does not answer (the item stays queued)."""

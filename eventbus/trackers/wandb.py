@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.core.run_folder import announced_run_folder
+from eventbus.errors import ConfigError
 from eventbus.trackers.outbox import Outbox
 
 __all__ = ["WandBLogger", "persisted_steps"]
@@ -75,6 +76,32 @@ class WandBLogger(LoggerDestination):
         self._persisted = -1  # steps at or below it are in W&B already: never logged again
         self._disabled = False
         self._restored = False
+        self._check_credentials()
+
+    def _check_credentials(self) -> None:
+        """Online W&B with no API key anywhere W&B looks cannot work: a one-line ConfigError now, rather
+        than an outage retried all run long (or a login prompt in a daemon)."""
+        if "settings" in self.init_kwargs:
+            return  # the caller's own W&B settings (a key, a mode): wandb.init decides
+        try:
+            from wandb.errors import AuthenticationError
+            from wandb.sdk import wandb_setup
+            from wandb.sdk.lib.wbauth import authenticate
+        except ImportError:
+            return  # no wandb (_open says so), or one too old to ask: wandb.init decides
+        try:
+            settings = wandb_setup.singleton().settings
+            if (self.init_kwargs.get("mode") or settings.mode) in ("offline", "dryrun", "disabled"):
+                return
+            found = authenticate.authenticate_session(host=settings.base_url, source="eventbus", prompt=False,
+                                                      update_session=False)
+        except AuthenticationError as err:  # a key in a wrong format
+            raise ConfigError(f"W&B: {err}") from None
+        except Exception:  # W&B's own (private) lookup changed in another version: wandb.init decides
+            return
+        if found is None:
+            raise ConfigError(f"W&B: no API key for {settings.base_url}: set WANDB_API_KEY or run `wandb login`, "
+                              "or log offline (WANDB_MODE=offline)")
 
     def init(self, state: Any, logger: Logger) -> None:
         rank = int(getattr(state, "rank", 0) or 0)

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 import pytest
 
 from eventbus import Callback, Trainer
-from eventbus.bus.journal import read_messages
+from eventbus.bus import wire
+from eventbus.bus.journal import _SEGMENT, JournalWriter, read_messages
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.monitor.app import main
 from eventbus.monitor.chart import chart
@@ -326,6 +327,26 @@ def test_bad_targets_are_one_line_errors(tmp_path, capsys):
     assert exited.value.code == 0 and "usage: eventbus monitor" in help_text and "Press q (or Ctrl-C) to quit" in help_text
     missing = monitor_command("runs/nothing/events.journal", cwd=tmp_path)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+
+def test_a_journal_with_no_readable_message_is_a_one_line_error(tmp_path, capsys):
+    """Records there but none readable (another version's journal, damage throughout, every record refused):
+    exit 2 saying why, not a blank frame and 0. An empty journal is a run that has written nothing yet (above)."""
+    writer = JournalWriter(tmp_path / "events.journal")
+    for seq in (1, 2, 3):  # metrics messages without their metrics: each record is refused when read
+        writer.append(wire.encode("metrics", "run", 0, seq, None, 0.0, 0.0, {"step": seq}), seq)
+    writer.close()
+    data = (tmp_path / "events.journal").read_bytes()
+    cases = {"older.journal": (b"EVBJOURNAL3\n" + data[12:], "earlier eventbus (journal format 3)"),
+             "scrambled.journal": (data[:_SEGMENT.size] + bytes(b ^ 0x5A for b in data[_SEGMENT.size:]),
+                                   "damaged bytes at offset"),
+             "refused.journal": (data, "unreadable record(s) skipped")}
+    for name, (content, why) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        assert main([str(tmp_path / name)]) == 2, name
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"eventbus monitor: error: {tmp_path / name} holds no message it can read") and why in err
 
 
 # ------------------------------------------------------------------ live runs

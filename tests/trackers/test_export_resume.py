@@ -1,7 +1,7 @@
 """``eventbus export --resume`` where a plain cursor is not enough: a tracker that was down at the end
 (its backlog lives in the cursor, not in the journal's position) and a journal that holds several runs
 (a run resumed into its folder). Real exports in real processes; W&B in its offline mode, or really
-failing (online with no API key)."""
+failing (online, with a key, against an address where nothing listens)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,19 @@ import sys
 
 import pytest
 
-from tests.support import REPO_ROOT, make_trainer
+from tests.support import REPO_ROOT, free_port, make_trainer
 from tests.trackers.test_export import export, finished_run, journal_metrics
 
 
 def wandb_env(tmp_path, mode: str) -> dict:
-    """W&B writing only under the test's folder; "online" with no API key anywhere: every call raises."""
+    """W&B writing only under the test's folder; "online" at a server that is down: every call raises
+    (after W&B's own wait, cut to 0.1 s)."""
     home = tmp_path / "home"
     env = {key: value for key, value in os.environ.items() if key != "WANDB_API_KEY"}
     env.update(PYTHONPATH=str(REPO_ROOT), HOME=str(home), WANDB_MODE=mode, WANDB_SILENT="true", WANDB_CONFIG_DIR=str(home / "config"),
                WANDB_CACHE_DIR=str(home / "cache"), WANDB_DATA_DIR=str(home / "data"))
+    if mode == "online":
+        env.update(WANDB_API_KEY="0" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}", WANDB_INIT_TIMEOUT="0.1")
     return env
 
 
@@ -76,5 +79,13 @@ def test_resume_on_a_journal_of_several_runs_continues_after_the_last_commit(tmp
     last = resumed.stderr.strip().splitlines()[-1]
     assert "exported before" in last and " 0 metric points" in last and "skipped:" not in last, last
     assert (out / "metrics.jsonl").read_text() == written
-    steps = [json.loads(line)["step"] for line in written.splitlines()]
-    assert len(steps) == len(set(steps)) and set(steps) == set(journal_metrics(run)[0])
+    # The cursor names the journal's last run, not its first: the folder holds this journal's export all the same.
+    plain = export(tmp_path, str(run), "--to", "jsonl", "--output", str(out))
+    assert plain.returncode == 0 and " 0 metric points" in plain.stderr, plain.stderr
+    # Each (step, key) once: the runs' steps overlap, and the second run's keys that the first lacked at a
+    # step (its epoch's end, where the first run logged one metric and ended) get a line of their own.
+    pairs = collections.Counter((line["step"], key) for line in map(json.loads, written.splitlines())
+                                for key in line if key != "step")
+    expected = journal_metrics(run)[0]
+    assert set(pairs) == {(step, key) for step, keys in expected.items() for key in keys}
+    assert set(pairs.values()) == {1}

@@ -8,11 +8,14 @@ while the run goes on, and started again on the same port and store.
 from __future__ import annotations
 
 import json
+import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from eventbus import Callback
+from eventbus.trackers.mlflow import MLflowLogger
 from tests.support import BackgroundTrainer, free_port
 
 pytest.importorskip("mlflow.server", reason="the MLflow tracking server comes with the full mlflow package")
@@ -70,3 +73,25 @@ def test_mlflow_down_mid_run_loses_nothing_doubles_nothing_and_holds_up_nothing(
     history = client.get_metric_history(run.info.run_id, "loss/train/total")
     assert sorted(m.step for m in history) == sorted(losses), "a step was lost or sent twice"
     assert all(abs(m.value - losses[m.step]) < 1e-6 for m in history)
+
+
+def test_mlflow_down_at_the_end_of_a_run_says_so_in_one_line_and_keeps_every_point(monkeypatch, caplog):
+    """No server at the URI (a closed port): what MLflow did not take is said in one line, not raised (the
+    logger daemon printed it as a traceback), and stays queued for the cursor."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as MLflowLogger sets them, undone after the test
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    uri = f"http://127.0.0.1:{free_port()}"
+    state = SimpleNamespace(run_name="down", header={"run_folder": "/runs/down"})
+    logger = MLflowLogger(uri)
+    logger.init(state, None)
+    for step in range(3):
+        logger.log_metrics({"loss": 1.0 / (step + 1), "accuracy": 0.5}, step)
+    with caplog.at_level(logging.ERROR, logger="eventbus.trackers.mlflow"):
+        logger.close(state, None)
+    (record,) = [record for record in caplog.records if record.name == "eventbus.trackers.mlflow"]
+    said = record.getMessage()
+    assert record.exc_info is None and "\n" not in said
+    assert f"MLflow at {uri} is down" in said and "6 metric values" in said and "kept in the cursor" in said
+    assert f"eventbus export /runs/down --to mlflow --mlflow-uri {uri}" in said
+    queued = logger.state_dict()["queued"]
+    assert [item[1] for item in queued if item[0] == "metrics"] == [0, 1, 2], "a point was lost"

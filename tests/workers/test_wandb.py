@@ -145,3 +145,21 @@ def _last_step(cursor) -> int:
         return int(json.loads(cursor.read_text())["states"]["WandBLogger"]["last_step"])
     except (OSError, ValueError, KeyError, TypeError):
         return -1
+
+
+def test_online_wandb_without_an_api_key_is_a_one_line_error_at_start_and_offline_needs_none(tmp_path, spawn):
+    """No key is a setting to fix, said at once (exit 2), not an outage retried all run long."""
+    home = tmp_path / "home"  # no stored credentials: no netrc, no W&B settings, an empty key
+    env = {"HOME": str(home), "NETRC": str(home / "netrc"), "WANDB_CONFIG_DIR": str(home / "config"),
+           "WANDB_API_KEY": "", "WANDB_IDENTITY_TOKEN_FILE": "", "WANDB_MODE": "online", "WANDB_SILENT": "true"}
+    args = ["-m", "eventbus.workers.logger", "--connect", bus_address(tmp_path), "--no-console", "--wandb",
+            "--wandb-project", "eventbus-tests"]
+    online = spawn(*args, env=env)
+    offline = spawn(*args, env={**env, "WANDB_MODE": "offline"})
+    assert online.finish(timeout=60) == 2
+    errors = [line for line in online.stderr if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(online.stderr), "\n".join(online.stderr)
+    assert "no API key" in errors[0] and "WANDB_API_KEY" in errors[0] and "wandb login" in errors[0]
+    assert "offline" in errors[0]
+    offline.wait_for("waiting: no trainer serves")  # past building its destinations: it waits for the run
+    assert offline.proc.poll() is None, "\n".join(offline.stderr)
