@@ -163,6 +163,7 @@ def _add_export_command(commands: Any) -> None:
                     "MLflow, W&B, CSV or JSONL. Points the tracker already holds are skipped, so running it "
                     "again doubles nothing; --resume continues an interrupted export after its last "
                     "committed message. Exit codes: 0 done, 1 tracker failure, 2 bad usage, 3 damaged journal, "
+                    "4 --follow: the trainer is gone (no record, no answer for 30 s), "
                     "130 interrupted (continue with --resume).")
     export.add_argument("journal", type=pathlib.Path, help="the run folder or its events.journal")
     export.add_argument("--to", required=True, choices=TARGETS, metavar="TARGET",

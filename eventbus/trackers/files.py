@@ -3,6 +3,10 @@
 Lines are kept in memory and written together: every ``write_every`` seconds while
 metrics arrive, whenever the host commits (:meth:`MetricsFileLogger.flush`, called
 before a message is recorded as applied) and at close. Both files grow as the run goes.
+
+What is held is known per key: a step's line written before all its metrics came (``eventbus export``
+of a live run ends mid-step) gets a second line for that step with the keys it lacked, nothing else;
+``metrics.csv`` merges a step's lines into its one row.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import os
 import pathlib
 import time
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Iterable, Iterator, Optional, TextIO
 
 from eventbus.core.atomic import write_atomic
 from eventbus.core.logger import Logger, LoggerDestination, to_number
@@ -23,13 +27,14 @@ from eventbus.core.run_folder import announced_run_folder
 from eventbus.trackers.points import Refused
 from eventbus.trackers.step_ranges import StepRanges
 
-__all__ = ["MetricsFileLogger", "write_csv", "written_steps"]
+__all__ = ["MetricsFileLogger", "write_csv", "written_keys", "written_steps"]
 
 log = logging.getLogger(__name__)
 
 
 class MetricsFileLogger(LoggerDestination):
-    """``metrics.jsonl``: one object per logged step with every key logged for it; ``metrics.csv`` beside it.
+    """``metrics.jsonl``: one object per logged step with every key logged for it (a second one with the keys
+    that came after its line was written); ``metrics.csv`` beside it, one row per step.
 
     A step's line is made once no metric for it has arrived over the last
     ``hold_steps`` steps (or at the end), so metrics that other workers send
@@ -47,8 +52,11 @@ class MetricsFileLogger(LoggerDestination):
         self.hold_steps = hold_steps
         self.write_every = write_every
         self._pending: dict[int, dict[str, Any]] = {}
-        self._written = StepRanges()  # in the file, or in ``_lines`` until the next write
-        self._held: Optional[set[int]] = None  # the steps the file had before this logger wrote to it
+        self._written = StepRanges()  # the steps with a line, in the file or in ``_lines`` until the next write
+        # The same, per set of keys a line held (runs of steps log the same keys: a few sets, one add a line):
+        # a step's line may lack keys another line adds.
+        self._keys: dict[frozenset[str], StepRanges] = {}
+        self._held: Optional[dict[str, set[int]]] = None  # each key's steps in the file before this logger wrote
         self._file: Optional[TextIO] = None
         self._lines: list[str] = []  # made, not yet written
         self._rows: list[dict[str, Any]] = []  # the same, for the CSV
@@ -70,7 +78,7 @@ class MetricsFileLogger(LoggerDestination):
             return
         if (self._pending or self._file is not None) and self.folder is not None:
             self.close(state, logger)  # also what it made and has not written yet
-        self._pending, self._written, self._held, self.path = {}, StepRanges(), None, None
+        self._pending, self._written, self._keys, self._held, self.path = {}, StepRanges(), {}, None, None
         self.folder = folder
 
     def state_dict(self) -> dict[str, Any]:
@@ -100,18 +108,35 @@ class MetricsFileLogger(LoggerDestination):
         self.path = folder / "metrics.jsonl"
         _mend(self.path, self._committed_size, self._pending)
         self._committed_size = None
-        self._written = StepRanges(_steps_in(self.path))
+        self._written, self._keys = StepRanges(), {}
+        for step, keys in _lines_in(self.path):
+            self._note_written(step, keys)
         self._file = open(self.path, "a")
         self._columns = None  # the CSV is rewritten from the file at the first write
 
     def held_steps(self, key: str) -> Optional[set[int]]:
-        """The steps ``metrics.jsonl`` held before this logger appended to it, read once (on first use);
-        a step's line holds every key logged for it, so any key counts."""
+        """The steps at which ``metrics.jsonl`` held ``key`` before this logger appended to it, read once
+        (on first use): per key, as a line written mid-step (a live run exported) lacks the step's later keys."""
         if self.folder is None:
             return None
         if self._held is None:
-            self._held = written_steps(pathlib.Path(self.folder) / "metrics.jsonl")
-        return self._held
+            self._held = written_keys(pathlib.Path(self.folder) / "metrics.jsonl")
+        return self._held.get(key, set())
+
+    def _note_written(self, step: int, keys: Iterable[str]) -> None:
+        self._written.add(step)
+        keyset = frozenset(keys)
+        steps = self._keys.get(keyset)
+        if steps is None:
+            steps = self._keys[keyset] = StepRanges()
+        steps.add(step)
+
+    def _lacks(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``metrics`` no line holds for ``step`` yet."""
+        if step not in self._written:
+            return metrics
+        held = set().union(*(keyset for keyset, steps in self._keys.items() if step in steps))
+        return {k: v for k, v in metrics.items() if k not in held}
 
     def holds_hyperparameters(self) -> bool:
         """False: ``hyperparameters.json`` is merged by content, so logging the same ones again
@@ -135,7 +160,8 @@ class MetricsFileLogger(LoggerDestination):
     def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
         self._open()
         step = int(step or 0)
-        if step in self._written:
+        metrics = self._lacks(step, metrics)  # a step with a line: only the keys it lacks, on a line of their own
+        if not metrics:
             return
         line = self._pending.get(step)
         if line is None:
@@ -153,13 +179,15 @@ class MetricsFileLogger(LoggerDestination):
             self.flush()
 
     def _make_line(self, step: int) -> None:
-        metrics = self._pending.pop(step)
+        metrics = self._lacks(step, self._pending.pop(step))  # restored from a saved state_dict: maybe in the file
+        if not metrics:
+            return
         if step in self._written:
-            return  # restored from a saved state_dict, but already in the file
+            self._columns = None  # a second line for the step: the CSV is rewritten, its lines merged in one row
         row = {"step": step, **metrics}
         self._lines.append(json.dumps(row, default=str) + "\n")
         self._rows.append(row)
-        self._written.add(step)
+        self._note_written(step, metrics)
 
     def flush(self) -> None:
         """The lines made so far reach both files, in one write each (called before each cursor commit)."""
@@ -238,23 +266,35 @@ def _step_of(line: bytes) -> Optional[int]:
 def written_steps(path: pathlib.Path) -> set[int]:
     """The steps already in a ``metrics.jsonl`` (none if it does not exist). A torn last line,
     from a writer killed mid-line, does not count: its step is written again."""
-    return set(_steps_in(path))
+    return {step for step, _ in _lines_in(path)}
 
 
-def _steps_in(path: pathlib.Path) -> Iterator[int]:
-    """Each line's step, in the file's order (none if it does not exist; a torn line has none)."""
+def written_keys(path: pathlib.Path) -> dict[str, set[int]]:
+    """Each key's steps already in a ``metrics.jsonl`` (as :func:`written_steps`, per key)."""
+    held: dict[str, set[int]] = {}
+    for step, keys in _lines_in(path):
+        for key in keys:
+            held.setdefault(key, set()).add(step)
+    return held
+
+
+def _lines_in(path: pathlib.Path) -> Iterator[tuple[int, list[str]]]:
+    """Each line's step and keys, in the file's order (none if it does not exist; a torn line has none)."""
     if not path.exists():
         return
     with open(path, "rb") as lines:
         for line in lines:
-            step = _step_of(line)
-            if step is not None:
-                yield step
+            try:
+                row = json.loads(line)
+                step = int(row["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            yield step, [key for key in row if key != "step"]
 
 
 def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
     """One row per step, one column per key ever logged (empty where a step lacks it)."""
-    rows = []
+    rows: dict[int, dict[str, Any]] = {}  # a step's lines merged: a line written mid-step, then its rest
     with open(jsonl) as source:
         for line in source:
             try:
@@ -263,11 +303,11 @@ def write_csv(jsonl: pathlib.Path, target: pathlib.Path) -> None:
                 continue
             # A line this logger did not write (a torn one, an edited file) has no integer step: no row.
             if isinstance(row, dict) and type(row.get("step")) is int:
-                rows.append(row)
-    columns = ["step"] + sorted({key for row in rows for key in row} - {"step"})
+                rows.setdefault(row["step"], {}).update(row)
+    columns = ["step"] + sorted({key for row in rows.values() for key in row} - {"step"})
     out = io.StringIO(newline="")
     writer = csv.DictWriter(out, fieldnames=columns)
     writer.writeheader()
-    for row in sorted(rows, key=lambda r: r["step"]):
-        writer.writerow(row)
+    for step in sorted(rows):
+        writer.writerow(rows[step])
     write_atomic(target, out.getvalue(), fsync=False)

@@ -21,8 +21,8 @@ Nothing lost, nothing doubled, on two levels:
 * **Read-back**: the export asks the destination what it already holds
   (:meth:`~eventbus.core.logger.LoggerDestination.held_steps`,
   ``holds_hyperparameters``) and skips those points: (tag, step) pairs in the
-  TensorBoard event files, each key's metric history in the MLflow run, the steps
-  in ``metrics.jsonl``. This covers what the cursor cannot: points written after
+  TensorBoard event files, each key's metric history in the MLflow run, each key's
+  steps in ``metrics.jsonl``. This covers what the cursor cannot: points written after
   the last commit by an export that was killed, and points a live logger already
   delivered. So a plain rerun (without ``--resume``) re-reads the journal but
   sends nothing new, and a ``--resume`` after a SIGKILL sends each point exactly
@@ -41,7 +41,9 @@ names what was lost or skipped. A skipped record or value is never handed to
 the tracker, so ``--resume`` goes past it too.
 ``--follow`` polls the journal for new records (a live run) until the run's end
 message, or SIGINT/SIGTERM: both stop cleanly with the cursor committed (exit 130: continue with
-``--resume``).
+``--resume``); or until the trainer is gone (exit 4, after one line: no new record and no answer to a
+ping for :data:`~eventbus.export.trainer.TRAINER_SILENT` seconds; a killed trainer writes no end message).
+An output folder holds one run's points (read back by step), so another run's export there is refused (exit 2).
 
 Said, not failed (exit 0, one line each): values the tracker cannot hold (text in TensorBoard, a name
 MLflow rejects, a metric named ``step`` in metrics.jsonl), counted and named by the tracker; a journal
@@ -61,12 +63,15 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from eventbus.bus.journal import JOURNAL_NAME, Position, segment_paths
+from eventbus.bus.journal import JOURNAL_NAME, segment_paths
+from eventbus.bus.schema import Kind
 from eventbus.bus.subscribe.journal_stream import JournalStream, damage_summary, journal_messages
 from eventbus.bus.subscribe.messages import Message
 from eventbus.core.events import Event
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.errors import ConfigError
+from eventbus.export.progress import Progress
+from eventbus.export.trainer import TrainerWatch
 from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.host import CallbackHost
 from eventbus.trackers.outbox import unsent
@@ -76,7 +81,6 @@ __all__ = ["TARGETS", "ExportOptions", "export", "resolve_journal"]
 
 TARGETS = ("tensorboard", "mlflow", "wandb", "csv", "jsonl")
 POLL_SECONDS = 0.2  # --follow: how often a live journal is looked at for new records
-PLAIN_EVERY = 5.0  # seconds between two progress lines when stderr is not a terminal
 _NAME = "_Exporting"  # the wrapper's name in the cursor file
 
 
@@ -109,6 +113,9 @@ class _Target:
     where: str  # for the summary line
     cursor_dir: pathlib.Path
     cursor_key: str = ""  # distinguishes two destinations of one target kind sharing cursor_dir
+    # The targets whose cursors in cursor_dir speak for the files this one writes, which hold one run
+    # (their points are read back by step alone); empty: the tracker keeps each run apart (MLflow, W&B).
+    one_run: tuple[str, ...] = ()
 
 
 def build_target(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
@@ -123,7 +130,8 @@ def _files(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Tar
     from eventbus.trackers.files import MetricsFileLogger
 
     folder = options.output or run_folder
-    return _Target(MetricsFileLogger(folder), str(folder / f"metrics.{options.target}"), folder)
+    return _Target(MetricsFileLogger(folder), str(folder / f"metrics.{options.target}"), folder,
+                   one_run=("jsonl", "csv"))
 
 
 def _tensorboard(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
@@ -131,7 +139,7 @@ def _tensorboard(options: ExportOptions, run_folder: pathlib.Path, state: Any) -
     from eventbus.trackers.tensorboard import TensorBoardLogger
 
     folder = options.output or run_folder / "tensorboard"
-    return _Target(TensorBoardLogger(folder), str(folder), folder)
+    return _Target(TensorBoardLogger(folder), str(folder), folder, one_run=("tensorboard",))
 
 
 def _mlflow(options: ExportOptions, run_folder: pathlib.Path, state: Any) -> _Target:
@@ -260,48 +268,6 @@ def _numbers(metrics: dict[str, Any]) -> int:
                if isinstance(to_number(v), (int, float)) and not isinstance(to_number(v), bool))
 
 
-# ---------------------------------------------------------------------------------------- the journal
-
-
-class _Progress:
-    """tqdm on a terminal; otherwise a plain line every PLAIN_EVERY seconds (logs, CI)."""
-
-    def __init__(self, journal: pathlib.Path, counts: _Counts):
-        self._journal = journal
-        self._counts = counts
-        self._sizes = [p.stat().st_size for p in segment_paths(journal)]
-        self._bar: Any = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=sum(self._sizes), unit="B", unit_scale=True, file=sys.stderr,
-                             desc="eventbus export", leave=False)
-        self._next_line = time.monotonic() + PLAIN_EVERY
-
-    def _done(self, at: Position) -> int:
-        if at.segment >= len(self._sizes):  # the writer started another segment (a live run)
-            self._sizes = [p.stat().st_size for p in segment_paths(self._journal)]
-        return sum(self._sizes[:at.segment]) + at.offset
-
-    def message(self, at: Position) -> None:
-        self._counts.messages += 1
-        if self._counts.messages % 64:
-            return
-        done = self._done(at)
-        if self._bar is not None:
-            self._bar.total = max(self._bar.total, done)
-            self._bar.update(done - self._bar.n)
-        elif time.monotonic() >= self._next_line:
-            self._next_line = time.monotonic() + PLAIN_EVERY
-            total = max(sum(self._sizes), done, 1)
-            print(f"eventbus export: {self._counts.messages} messages, {self._counts.points} metric points "
-                  f"({100 * done / total:.0f}% of the journal)", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 # ---------------------------------------------------------------------------------------- the command
 
 
@@ -319,14 +285,16 @@ def export(options: ExportOptions) -> int:
         refusals.quiet = True  # said once in the closing lines, not as a log line per key meanwhile
     cursor, start = _open_cursor(target, options, journal, first)
     counts = _Counts()
-    progress = _Progress(journal, counts)
+    progress = Progress(journal, counts)
     stream = JournalStream(journal, follow=options.follow, through_restarts=True, on_message=progress.message,
                            on_caught_up=_following)
+    watch = TrainerWatch(stream) if options.follow else None  # a trainer killed writes no end: not waited for ever
     wrapper = _Exporting(target.destination, start.state, counts)
     done_before = [0]  # messages the cursor counts as exported
     started = time.perf_counter()
     try:
-        failure = asyncio.run(_run(wrapper, cursor, stream, _after_cursor(stream, cursor, start.run_id, done_before)))
+        messages = _after_cursor(stream, cursor, start.run_id, done_before, watch)
+        failure = asyncio.run(_run(wrapper, cursor, stream, messages, watch))
     finally:
         progress.close()
     if failure is None and _NAME in cursor.seqs:  # what closing the tracker left (a backlog) is kept too
@@ -353,6 +321,10 @@ def export(options: ExportOptions) -> int:
     refused = getattr(target.destination, "refused", None)
     if refused is not None and refused.summary() is not None:
         print(f"eventbus export: {refused.summary()}", file=sys.stderr, flush=True)
+    if watch is not None and watch.lost is not None:
+        print(f"eventbus export: {watch.lost}; every record it wrote was exported (if the run is resumed, "
+              "continue with --follow --resume)", file=sys.stderr, flush=True)
+        return _check(journal, stream, counts.unexportable) or 4
     unfinished = stream.unfinished()
     if unfinished is not None:
         print(f"eventbus export: {unfinished}", file=sys.stderr, flush=True)
@@ -401,6 +373,7 @@ def _open_cursor(target: _Target, options: ExportOptions, journal: pathlib.Path,
         target.cursor_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"cannot write into {str(target.cursor_dir)!r}: {err.strerror or err}") from None
+    _refuse_another_run(target, journal, first)
     if path.exists() and options.resume:
         cursor = Cursor(path)
         if cursor.run_id in (None, first.run_id):
@@ -417,11 +390,26 @@ def _open_cursor(target: _Target, options: ExportOptions, journal: pathlib.Path,
     return Cursor(path), first
 
 
-async def _after_cursor(stream: JournalStream, cursor: Cursor, run_id: str, done: list[int]) -> Any:
+def _refuse_another_run(target: _Target, journal: pathlib.Path, first: Message) -> None:
+    """ConfigError when the output holds an export of a run that is not one of the journal's: the
+    read-back knows steps, not runs, so this run's points at those steps would be dropped as held."""
+    for kind in target.one_run:
+        other = Cursor(target.cursor_dir / f".eventbus-export-{kind}.json").run_id
+        if other not in (None, first.run_id) and asyncio.run(_first_message(journal, False, other)) is None:
+            raise ConfigError(f"{str(target.cursor_dir)!r} holds an export of another run (id {other}), not of "
+                              f"{first.state.run_name} (id {first.run_id}, {journal}): exporting it there would mix "
+                              "the two runs; give it another --output")
+
+
+async def _after_cursor(stream: JournalStream, cursor: Cursor, run_id: str, done: list[int],
+                        watch: Optional[TrainerWatch]) -> Any:
     """The stream from the cursor's run on: the runs before it in the journal were exported whole
-    (the host skips the cursor's run up to its seq). ``done[0]`` counts the messages exported before."""
+    (the host skips the cursor's run up to its seq). ``done[0]`` counts the messages exported before;
+    ``watch`` learns each run header's trainer."""
     seq, reached = (cursor.seqs.get(_NAME, 0) if cursor.run_id == run_id else 0), False
     async for message in stream.messages():
+        if watch is not None and message.kind == Kind.HEADER:
+            watch.header(message.fields)
         reached = reached or message.run_id == run_id
         if not reached or (message.run_id == run_id and message.seq <= seq):
             done[0] += 1
@@ -429,8 +417,10 @@ async def _after_cursor(stream: JournalStream, cursor: Cursor, run_id: str, done
             yield message
 
 
-async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream, messages: Any) -> Optional[BaseException]:
-    """Host the destination over the stream; the tracker's exception if it failed (committed up to it)."""
+async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream, messages: Any,
+               watch: Optional[TrainerWatch] = None) -> Optional[BaseException]:
+    """Host the destination over the stream (``watch``: the trainer asked while it is quiet); the tracker's
+    exception if it failed (committed up to it)."""
     host = CallbackHost([wrapper], fail_fast=True, cursor=cursor)
     loop = asyncio.get_running_loop()
 
@@ -441,10 +431,14 @@ async def _run(wrapper: _Exporting, cursor: Cursor, stream: JournalStream, messa
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+    watching = asyncio.create_task(watch.run()) if watch is not None else None
     try:
         await host.run(messages)
     except ConfigError:
         raise
     except Exception as err:  # the tracker's own error (its client, its server, its disk)
         return err
+    finally:
+        if watching is not None:
+            watching.cancel()
     return None
