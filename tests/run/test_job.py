@@ -176,6 +176,8 @@ def test_a_disk_that_fills_mid_run_stops_the_run_and_says_so(tmp_path):
     batches = int(ran.stdout.split("Stopped fills: " if "Stopped fills" in ran.stdout else "Finished fills: ")[1]
                   .split(" batches")[0])
     assert batches < 100_000
+    assert f"training stopped early at batch {batches}: the bus failed ([Errno 27] File too large)" in ran.stderr
+    assert "the bus thread failed: [Errno 27] File too large" in ran.stderr
     assert "Traceback" not in ran.stderr, ran.stderr[-3000:]
 
 
