@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pathlib
 import signal
 import socket
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit
 
 from eventbus.bus.journal import JOURNAL_NAME
@@ -255,7 +256,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return asyncio.run(_show_journal(path, run, Screen(sys.stdout, interactive=False)))
         _check_address(target)
         # Nobody serving the address is said at once (with --once or --timeout: an error, exit code 2).
-        wait_for_server(parser.prog, target, 0.0 if args.once else args.timeout)
+        with _terminate_as_interrupt():  # SIGTERM while waiting detaches as Ctrl-C does (exit 0), not 143
+            wait_for_server(parser.prog, target, 0.0 if args.once else args.timeout)
         interactive = not args.once and sys.stdout.isatty()
         if interactive:  # log lines would tear the screen: show them on it instead
             log_to_dashboard(run)
@@ -273,6 +275,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{parser.prog}: error: cannot connect to {target!r}: {err}", file=sys.stderr)
             return 2
         raise
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile (before the event loop's own handlers exist)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

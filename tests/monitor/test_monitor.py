@@ -420,6 +420,14 @@ def test_piped_monitors_follow_a_live_run(tmp_path, spawn):
     assert f"{trainer.state.loss.item():.4g}" in line_with(final, "loss/train/total")
 
 
+def test_sigterm_while_waiting_for_the_trainer_detaches_cleanly(tmp_path, spawn):
+    """SIGTERM before the trainer came killed the monitor (exit 143); Ctrl-C there already exited 0."""
+    waiting = spawn("-m", "eventbus", "monitor", f"ipc://{tmp_path}/runs/later/bus")
+    waiting.wait_for("eventbus monitor: waiting: no trainer serves")
+    waiting.proc.send_signal(signal.SIGTERM)
+    assert waiting.finish() == 0, "\n".join(waiting.stderr)
+
+
 def test_a_daemon_whose_callbacks_send_metrics_back_is_one_daemon(tmp_path, spawn):
     """The timing daemon's callbacks send their metrics back under their names, joined for the steps
     they logged together ("SpeedMonitor+RuntimeEstimator+LRMonitor"); the trainer hears from each name.
