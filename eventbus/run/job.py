@@ -26,6 +26,7 @@ from eventbus.run.config import JobConfig, config_from_args
 from eventbus.run.discovery import RUN_LOCK, check_run_folder, resume_from
 from eventbus.run.summary import nothing_to_train, print_summary
 from eventbus.run.supervise import start_daemons, stop_daemons, wait_for_subscribers
+from eventbus.runtime.supervisor import wait_for_attached
 
 if TYPE_CHECKING:
     from eventbus.training.trainer import Trainer
@@ -109,9 +110,11 @@ def run_job(args: argparse.Namespace) -> int:
             trainer.close()  # publishes the end of the run: the daemons finish their work and exit
             bus_failure = trainer.publisher.failure if trainer.publisher is not None else None
             # A bus that failed (a full disk) published no end: the daemons are stopped, not waited for.
-            stop_daemons(children, timeout=5.0 if bus_failure is not None else 60.0)
-        # A daemon that died (killed, or failed) did not finish its part: said, and the command's exit says so.
-        failed = {name: child.returncode for name, child in zip(config.daemons, children) if child.returncode}
+            stop_daemons(list(children.values()), timeout=5.0 if bus_failure is not None else 60.0)
+            if leader and bus_failure is None:  # those `eventbus daemons` attached write their last files too
+                wait_for_attached([name for name in config.daemons if name not in children], trainer.run_folder)
+        # A daemon it started that died (killed, or failed) did not finish its part: said, and the exit says so.
+        failed = {name: child.returncode for name, child in children.items() if child.returncode}
         interrupted = interrupted or bool(stop.asked)
         if leader:
             print_summary(trainer, config, time.perf_counter() - started, interrupted, failed)
@@ -137,17 +140,17 @@ def wait_for_namespace_peers(timeout: float) -> None:
           "exiting", file=sys.stderr, flush=True)
 
 
-def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Trainer, list[subprocess.Popen]]:
-    """The trainer and its daemons, ready to train; a start that fails (or is interrupted) closes what it
-    opened and removes the run folder it made, so no half-made run is left behind."""
+def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Trainer, dict[str, subprocess.Popen]]:
+    """The trainer and the daemons it started (by name), ready to train; a start that fails (or is
+    interrupted) closes what it opened and removes the run folder it made, so no half-made run is left behind."""
     assert config.run_name is not None
     folder, fresh = take_run_folder(config)
     trainer: Optional[Trainer] = None
-    children: list[subprocess.Popen] = []
+    children: dict[str, subprocess.Popen] = {}
     try:
         trainer = build_trainer(config, load_path)
         if trainer.state.rank == 0:
-            children = start_daemons(trainer, config) if config.daemons else []
+            children = start_daemons(trainer, config) if config.daemons else {}
             if config.wait_for:
                 print(f"eventbus run: waiting for {', '.join(config.wait_for)}", file=sys.stderr, flush=True)
                 wait_for_subscribers(trainer, config.wait_for, config.daemon_timeout)
@@ -155,7 +158,7 @@ def _start(config: JobConfig, load_path: Optional[pathlib.Path]) -> tuple[Traine
     except BaseException:
         if trainer is not None:
             trainer.close()
-        stop_daemons(children, timeout=10)
+        stop_daemons(list(children.values()), timeout=10)
         if fresh:
             shutil.rmtree(folder, ignore_errors=True)
         raise

@@ -32,11 +32,13 @@ def daemon_command(name: str, address: str, run_folder: pathlib.Path, config: Jo
     return supervisor.daemon_command(name, address, run_folder, daemons_of(config))
 
 
-def start_daemons(trainer: Trainer, config: JobConfig) -> list[subprocess.Popen]:
+def start_daemons(trainer: Trainer, config: JobConfig) -> dict[str, subprocess.Popen]:
     """Start ``config.daemons`` on the trainer's bus and wait (up to ``config.daemon_timeout``) until each
-    has connected; ConfigError if one exits while starting."""
+    has connected; ConfigError if one exits while starting. Those already attached to the run (``eventbus
+    daemons`` started first) are not started again: the daemons started, by name."""
     assert trainer.publisher is not None
-    return DaemonSet.start(daemons_of(config), trainer.publisher, trainer.run_folder, who="eventbus run").children
+    daemons = DaemonSet.start(daemons_of(config), trainer.publisher, trainer.run_folder, who="eventbus run")
+    return dict(zip(daemons.names, daemons.children))
 
 
 def wait_for_subscribers(trainer: Trainer, names: Sequence[str], timeout: float,

@@ -66,6 +66,23 @@ class Cursor:
                               "--identity, or stop that one first") from None
         self._claim = descriptor
 
+    @staticmethod
+    def claimed(path: Union[str, os.PathLike]) -> bool:
+        """Another live process holds the cursor at ``path`` (:meth:`claim`): its lock, tried without waiting and
+        let go at once, so a worker that holds it is left alone (its lock goes only with its process)."""
+        lock = pathlib.Path(path).with_name(pathlib.Path(path).name + ".lock")
+        try:
+            descriptor = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)  # never made here: no lock file, no worker
+        except OSError:
+            return False
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(descriptor)  # lets go of the lock, if this took it
+
     def resume_point(self, names: Sequence[str]) -> Optional[tuple[str, int]]:
         if self.run_id is None or not self.seqs:
             return None
@@ -94,6 +111,11 @@ class Cursor:
                     self.ended.add(name)
             self.journal = journal or self.journal
             # No fsync: a lost last commit after a machine crash only re-applies messages (at-least-once).
-            write_atomic(self.path, json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
-                                                "journal": self.journal, "ended": sorted(self.ended)},
-                                               default=str), fsync=False)
+            try:
+                write_atomic(self.path, json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
+                                                    "journal": self.journal, "ended": sorted(self.ended)},
+                                                   default=str), fsync=False)
+            except OSError as err:
+                if err.filename is None:  # a failed write or flush (a full disk) names no file: this one
+                    err.filename = str(self.path)
+                raise

@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Optional, Sequence, Union
 
 from eventbus.errors import ConfigError
 from eventbus.runtime.console import say_line
+from eventbus.runtime.cursor import Cursor
 
 if TYPE_CHECKING:
     from eventbus.bus.publish.publisher import Publisher
@@ -84,10 +85,31 @@ def daemons_from(argument: DaemonsArgument) -> Optional[Daemons]:
     raise ConfigError(f"daemons must be True, False or a Daemons(...), got {argument!r}")
 
 
+def state_dir(run_folder: pathlib.Path) -> pathlib.Path:
+    """Where a run's daemons keep their cursors (``--state-dir``), whoever started them."""
+    return (run_folder / ".workers").resolve()
+
+
+def attached(names: Sequence[str], run_folder: pathlib.Path) -> list[str]:
+    """The daemons of ``names`` already running for this run (started by ``eventbus daemons`` or by hand):
+    their cursor (``<identity>.cursor.json``, the identity being the name) is held by a live process."""
+    return [name for name in names if Cursor.claimed(state_dir(run_folder) / f"{name}.cursor.json")]
+
+
+def wait_for_attached(names: Sequence[str], run_folder: pathlib.Path, timeout: float = 60.0) -> list[str]:
+    """Wait (at most ``timeout`` s) until the attached daemons of ``names`` let go of their cursors, as they
+    do when they exit at the run's end: what they write is there before the run says where it is. Those
+    still running then."""
+    deadline = time.monotonic() + timeout
+    while (running := attached(names, run_folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
+
+
 def daemon_command(name: str, address: str, run_folder: pathlib.Path, options: Daemons) -> list[str]:
     """The command line of daemon ``name`` following the run at ``address``."""
     command = [sys.executable, "-m", f"eventbus.workers.{name}", "--connect", address,
-               "--state-dir", str((run_folder / ".workers").resolve())]
+               "--state-dir", str(state_dir(run_folder))]
     if name == "checkpoint":
         command += ["--save-interval", options.save_interval, "--keep", str(options.keep), "--overwrite"]
         if options.keep_best:
@@ -108,20 +130,28 @@ class DaemonSet:
     """The daemons started for one run (on its rank 0): started, waited for, stopped once the run has ended."""
 
     def __init__(self, options: Daemons, names: Sequence[str], children: Sequence[subprocess.Popen],
-                 run_folder: pathlib.Path):
+                 run_folder: pathlib.Path, attached: Sequence[str] = ()):
         self.options = options
         self.names = list(names)  # the daemons started, in the order of ``children``
         self.children = list(children)
         self.run_folder = run_folder
+        self.attached = list(attached)  # already running for this run: not started, not waited for at the end
 
     @classmethod
     def start(cls, options: Daemons, publisher: "Publisher", run_folder: pathlib.Path,
               who: str = "eventbus") -> "DaemonSet":
         """Start ``options.names`` on ``publisher``'s bus and wait (up to ``options.timeout``) until each
-        has connected; ConfigError if one exits while starting (the others are stopped)."""
-        daemons = cls.spawn(options, publisher.address, run_folder, who)
+        has connected; ConfigError if one exits while starting (the others are stopped). Those already
+        attached to this run (``eventbus daemons`` started first) are not started twice (a second one would be
+        refused, exit 2), only waited for: their own options apply."""
+        running = attached(options.names, run_folder)
+        if running:
+            say_line(f"{who}: {', '.join(running)} already attached (eventbus daemons): not started again")
+        rest = dataclasses.replace(options, names=[name for name in options.names if name not in running])
+        daemons = cls.spawn(rest, publisher.address, run_folder, who)
+        daemons.attached = running
         try:
-            wait_for_subscribers(publisher, daemons.names, options.timeout, daemons.children, who=who)
+            wait_for_subscribers(publisher, daemons.names + running, options.timeout, daemons.children, who=who)
         except BaseException:
             stop_daemons(daemons.children, timeout=0.0)
             raise
@@ -148,7 +178,8 @@ class DaemonSet:
         except BaseException:
             stop_daemons(children, timeout=0.0)
             raise
-        say_line(f"{who}: starting daemons: {', '.join(names)}")  # in one write: the logger shares our stderr
+        if names:
+            say_line(f"{who}: starting daemons: {', '.join(names)}")  # in one write: the logger shares our stderr
         return cls(options, names, children, run_folder)
 
     def stop(self, timeout: float = 60.0) -> list[Optional[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -91,3 +92,24 @@ def test_a_real_old_run_with_the_daemons_folder_is_still_refused(tmp_path, left)
     path.mkdir() if left.endswith("/") else path.write_text("{}")
     with pytest.raises(ConfigError, match="run 'old' already exists"):
         check_run_folder(JobConfig(run_name="old", runs_dir=str(tmp_path / "runs")))
+
+
+def test_eventbus_run_leaves_its_daemons_to_the_ones_eventbus_daemons_attached_first(spawn, tmp_path):
+    """`eventbus daemons runs/NAME` first, then `eventbus run` with its default daemons: it starts none of the
+    four a second time (each would be refused, exit 2), counts none as failed, and the attached ones do the work."""
+    attached = spawn("-m", "eventbus", "daemons", "runs/early")
+    for name in DAEMONS:
+        attached.wait_for(f"{name}: connecting to")  # said once its cursor is held
+    ran = eventbus_run(tmp_path, "--max-duration", "4ba", "--run-name", "early")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "eventbus run: logger, timing, checkpoint, health already attached (eventbus daemons): not started again" \
+        in ran.stderr.splitlines(), ran.stderr[-3000:]
+    assert "starting daemons" not in ran.stderr and "daemons:" not in ran.stdout, ran.stdout + ran.stderr[-3000:]
+    folder = tmp_path / "runs" / "early"
+    # The run waited for the attached daemons to finish: its summary names what they wrote.
+    assert "  metrics:     runs/early/metrics.jsonl" in ran.stdout, ran.stdout
+    assert "  checkpoints: runs/early/checkpoints/latest-rank0.pt" in ran.stdout, ran.stdout
+    assert attached.finish(timeout=60) == 0, attached.stderr
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 4  # written by the attached logger: the run started none
+    assert (folder / "checkpoints" / "latest-rank0.pt").exists()
