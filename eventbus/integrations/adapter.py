@@ -18,11 +18,14 @@ import pathlib
 import sys
 from typing import Any, Callable, Mapping, Optional, Union
 
+import eventbus.distributed as distributed
+from eventbus.bus.journal import JOURNAL_NAME
 from eventbus.capture.event_capture import EventCapture
 from eventbus.capture.session import BusArgument, open_bus
 from eventbus.core.events import Event
 from eventbus.core.run_folder import resolve_run_folder
 from eventbus.core.time import Time, Timestamp, elapsed_duration
+from eventbus.errors import ConfigError
 from eventbus.runtime.supervisor import DaemonsArgument, DaemonSet, daemons_from
 
 __all__ = ["RunState", "BusAdapter"]
@@ -107,6 +110,25 @@ class BusAdapter:
     @property
     def address(self) -> Optional[str]:
         return self.capture.publisher.address if self.capture is not None else None
+
+    def may_open(self, state: RunState, resumed: Optional[bool], resume: str) -> bool:
+        """Whether this run may open its bus now. A new run never appends to another run's journal (every reader
+        would take the two for one run): when the run folder holds one, a run that is not ``resumed`` is refused
+        (ConfigError saying to ``resume`` it, or to choose another name), and one not known yet to resume (None:
+        its trainer loads a checkpoint after this hook) gets False, to ask again once it is known. Call it on
+        every rank: rank 0's folder decides (a collective under torch.distributed)."""
+        if resumed or self.bus is False:
+            return True
+        folder = resolve_run_folder(state.run_name, self.run_folder)
+        used = state.rank == 0 and (folder / JOURNAL_NAME).exists()
+        if state.world_size > 1:
+            used = bool(distributed.broadcast_object(used))
+        if not used:
+            return True
+        if resumed is None:
+            return False
+        raise ConfigError(f"run {state.run_name!r} already exists in {folder}: {resume} to continue it, "
+                          "or another run_name")
 
     def open(self, state: RunState, *, hyperparameters: Mapping[str, Any], trainer: str,
              checkpoint_source: Optional[Callable[[], dict[str, Any]]] = None,

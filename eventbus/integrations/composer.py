@@ -64,7 +64,8 @@ class BusLoggerDestination(LoggerDestination):
 
 
 # Compared with ``is`` at every Composer event: an enum member read from its class costs ~0.07 us.
-_INIT, _BEFORE_LOAD, _BATCH_END, _EVAL_END = Event.INIT, Event.BEFORE_LOAD, Event.BATCH_END, Event.EVAL_END
+_INIT, _BEFORE_LOAD, _AFTER_LOAD = Event.INIT, Event.BEFORE_LOAD, Event.AFTER_LOAD
+_BATCH_END, _EVAL_END = Event.BATCH_END, Event.EVAL_END
 
 
 class _Converted:
@@ -200,6 +201,7 @@ class EventBusCallback(composer.Callback):
         self.hyperparameters = dict(hyperparameters or {})
         self.run_state: Optional[RunState] = None
         self._mirror: Optional[_StateMirror] = None
+        self._deferred = False  # the bus opens at AFTER_LOAD: the run folder holds a run Composer may resume
 
     @property
     def address(self) -> Optional[str]:
@@ -215,7 +217,10 @@ class EventBusCallback(composer.Callback):
         if mirror is None:
             return
         if ours is _BEFORE_LOAD:
-            self._open(state)
+            self._open(state, resumed=None)
+        elif ours is _AFTER_LOAD and self._deferred:  # Composer set state.load_path if it loaded a checkpoint
+            self._open(state, resumed=state.load_path is not None)
+            self.adapter.publish(_BEFORE_LOAD)
         mirror.update(ours, state)
         if ours is _BATCH_END:
             self.adapter.agree_stop()  # under torchrun: every rank stops at the same batch
@@ -240,11 +245,15 @@ class EventBusCallback(composer.Callback):
         self._mirror = _StateMirror(run_state)
         self._mirror.update(Event.INIT, state)
 
-    def _open(self, state: Any) -> None:
+    def _open(self, state: Any, resumed: Optional[bool]) -> None:
         """Open the bus once Composer has logged its hyperparameters (they follow INIT), and publish INIT
-        with the state as it was at INIT. A collective under torchrun: every rank reaches BEFORE_LOAD."""
+        with the state as it was at INIT. A collective under torchrun: every rank reaches BEFORE_LOAD.
+        A run folder already used waits for AFTER_LOAD: only a run that loaded a checkpoint continues it."""
         run_state = self.run_state
         assert run_state is not None
+        self._deferred = not self.adapter.may_open(run_state, resumed, "pass load_path=... (or autoresume=True)")
+        if self._deferred:
+            return
         hyperparameters = {"run_name": run_state.run_name, "seed": state.seed, "rank_zero_seed": state.rank_zero_seed,
                            **self.destination.take_pending_hyperparameters(), **self.hyperparameters}
         # Checkpoints: Composer's own CheckpointSaver writes them (its format is the one eventbus reads);

@@ -47,6 +47,7 @@ __all__ = ["EventBusCallback", "EventBusCheckpointIO"]
 log = logging.getLogger(__name__)
 
 EVAL_LABEL = "eval"  # Composer's default evaluator label: eval metrics read as state.eval_metric_values["eval"]
+_RESUME = "pass fit(ckpt_path=...)"  # how a run already in the folder is continued
 _CHECKPOINT_EVENTS = frozenset({Event.BATCH_CHECKPOINT.value, Event.EPOCH_CHECKPOINT.value, Event.FIT_END.value})
 
 
@@ -94,6 +95,7 @@ class EventBusCallback(pl.Callback):
         self._window_loss: Any = None
         self._in_window = False
         self._after_train_batch = self._manual = False  # AFTER_TRAIN_BATCH sent for this batch; manual optimization
+        self._deferred = False  # the bus opens at on_train_start: whether the fit resumes was not known before
         self._saved: Optional[Mapping[str, Any]] = None  # the timestamp a checkpoint restored (load_state_dict)
         self._epoch_ended = False  # EPOCH_END published before this epoch's end-of-epoch validation
         self._published: dict[str, Any] = {}  # logged metric name -> the value object last published
@@ -118,19 +120,14 @@ class EventBusCallback(pl.Callback):
                               device=pl_module.device, max_duration=_max_duration(trainer))
         self.state.dataloader_label = "train"
         self.adapter = BusAdapter(self.bus, self.run_folder, self.daemons)
-        header = {"lightning_version": pl.__version__,
-                  "accumulate_grad_batches": trainer.accumulate_grad_batches,
-                  "precision": str(trainer.precision)}
-        # Checkpoints reach the worker through EventBusCheckpointIO only (Lightning's own saves, off the
-        # training thread); a checkpoint lease stages nothing else from a Lightning run.
-        self.adapter.open(self.state, hyperparameters=plain_hyperparameters(dict(pl_module.hparams)),
-                          trainer="lightning", header=header)
-        self._checkpoint_io = _find_plugin(trainer)
-        if self._checkpoint_io is not None:
-            self._checkpoint_io.attach(self)
         self._last_step = trainer.global_step
         self._published, self._metrics_due, self._epoch_metrics_due = {}, None, None
-        self.adapter.publish(Event.INIT)
+        # A strategy restoring after setup (FSDP, DeepSpeed) has not read fit's ckpt_path yet: asked again at
+        # on_train_start. Another fit of this trainer is another run: refused under a name already used.
+        resumed = None if trainer.strategy.restore_checkpoint_after_setup else trainer.ckpt_path is not None
+        self._deferred = not self.adapter.may_open(self.state, resumed, _RESUME)
+        if not self._deferred:
+            _open(self, trainer, pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -161,6 +158,10 @@ class EventBusCallback(pl.Callback):
         state = self.state
         if state is None:
             return
+        if self._deferred and self.adapter is not None:  # the restore has happened: ckpt_path is known now
+            self._deferred = False
+            self.adapter.may_open(state, trainer.ckpt_path is not None, _RESUME)
+            _open(self, trainer, pl_module)
         # After the restore (fit(ckpt_path=...)): the loops already hold the saved progress.
         self._last_step = trainer.global_step
         self._last_step_time = time.perf_counter()
@@ -365,6 +366,21 @@ class EventBusCallback(pl.Callback):
         if staged is not None:
             capture.announce_checkpoint(staged)  # rides on the next checkpoint event, to the worker
         return staged
+
+
+def _open(callback: EventBusCallback, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Bind the callback's bus and publish INIT (at on_fit_start, or at on_train_start when deferred)."""
+    assert callback.adapter is not None and callback.state is not None
+    header = {"lightning_version": pl.__version__, "accumulate_grad_batches": trainer.accumulate_grad_batches,
+              "precision": str(trainer.precision)}
+    # Checkpoints reach the worker through EventBusCheckpointIO only (Lightning's own saves, off the
+    # training thread); a checkpoint lease stages nothing else from a Lightning run.
+    callback.adapter.open(callback.state, hyperparameters=plain_hyperparameters(dict(pl_module.hparams)),
+                          trainer="lightning", header=header)
+    callback._checkpoint_io = _find_plugin(trainer)
+    if callback._checkpoint_io is not None:
+        callback._checkpoint_io.attach(callback)
+    callback.adapter.publish(Event.INIT)
 
 
 def _checkpoint_meta(state: RunState, path: str) -> dict[str, Any]:

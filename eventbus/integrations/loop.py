@@ -52,14 +52,12 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 
 import eventbus.distributed as distributed
-from eventbus.bus.journal import JOURNAL_NAME
 from eventbus.capture.session import BusArgument
 from eventbus.checkpoint.naming import latest_path
 from eventbus.core.events import Event
 from eventbus.core.plain import plain_hyperparameters
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time, Timestamp, TimeUnit
-from eventbus.errors import ConfigError
 from eventbus.integrations.adapter import BusAdapter, RunState
 from eventbus.integrations.loop_checkpoint import LoopCheckpoint, unwrap_model, unwrap_optimizer
 from eventbus.runtime.supervisor import Daemons, DaemonsArgument
@@ -149,11 +147,6 @@ class LoopRun:
         if world_size > 1:
             name = distributed.broadcast_object(name)  # every rank's stream names the same run
         self.run_folder = resolve_run_folder(name, run_folder)
-        if not resume and load_path is None and (self.run_folder / JOURNAL_NAME).exists():
-            # A second run appended to it would be taken for the same run: the daemons keep each step's
-            # first values and the checkpoints of the same step are overwritten.
-            raise ConfigError(f"run {name!r} already exists in {self.run_folder}: pass resume=True to continue "
-                              "it, or another run_name")
         self.optimizers = [unwrap_optimizer(o) for o in _as_list(optimizers)]
         self.schedulers = _as_list(schedulers)
         duration = check_max_duration(max_duration) if max_duration is not None else None
@@ -168,6 +161,7 @@ class LoopRun:
             self.state.dataloader_len = Time(steps_per_epoch, TimeUnit.BATCH)
         self.checkpoint = LoopCheckpoint(self.state, self.optimizers, self.schedulers, seed)
         self.adapter = BusAdapter(bus, self.run_folder, daemons)
+        self.adapter.may_open(self.state, resume or load_path is not None, "pass resume=True")
         self.should_stop = False
         self.stop_reason: Optional[str] = None
         self._closed = self._fit_ended = False

@@ -123,13 +123,18 @@ class EventBusCallback(transformers.TrainerCallback):
 
     # ------------------------------------------------------------------ opening and closing
 
-    def _open(self, args: Any, model: Any) -> None:
+    def _open(self, args: Any, model: Any, resumed: Optional[bool] = None) -> None:
+        """``resumed``: whether train() continues a checkpoint; None at init, where it is not known yet (then
+        a run folder already used defers the bus to on_train_begin, where a fresh run is refused)."""
         world_size = int(args.world_size)
         name = self.run_name or new_run_name("hf")
         if world_size > 1:
             name = distributed.broadcast_object(name)  # every rank's stream names the same run
-        self.state = RunState(name, rank=int(args.process_index), world_size=world_size, model=model,
-                              device=args.device, max_duration=_max_duration(args))
+        state = RunState(name, rank=int(args.process_index), world_size=world_size, model=model,
+                         device=args.device, max_duration=_max_duration(args))
+        if not self.adapter.may_open(state, resumed, "pass train(resume_from_checkpoint=...)"):
+            return
+        self.state = state
         self.adapter.open(self.state, hyperparameters=_hyperparameters(args, model), trainer="transformers")
         self._publish(Event.INIT)
 
@@ -163,7 +168,7 @@ class EventBusCallback(transformers.TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.state is None:
-            self._open(args, kwargs.get("model"))
+            self._open(args, kwargs.get("model"), resumed=state.global_step > 0)  # HF restored its counters
         if not self._live:
             return  # a second train() with this callback: the first run's bus is closed
         run = self.state

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from eventbus.errors import ConfigError
 from eventbus.integrations.lightning import EventBusCallback, EventBusCheckpointIO
 
 
@@ -112,7 +113,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="ModelCheckpoint folder (every 2 steps, top 1) with EventBusCheckpointIO")
     parser.add_argument("--wait-checkpoint-worker", action="store_true")
     parser.add_argument("--resume")
-    parser.add_argument("--manual-run", help="then fit TwoOptimizers for 3 batches as this run (runs/<name>/)")
+    parser.add_argument("--manual-run", help="then fit TwoOptimizers for 3 batches as this run (runs/<name>/), "
+                        "fit again (refused) and resume it for an epoch more")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4 * args.batches * args.devices, 8), torch.randn(4 * args.batches * args.devices, 1))
@@ -143,8 +145,19 @@ def main() -> None:
         manual = pl.Trainer(max_epochs=1, callbacks=[EventBusCallback(run_name=args.manual_run)], accelerator="cpu",
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
-        manual.fit(TwoOptimizers(), DataLoader(TensorDataset(torch.randn(12, 8), torch.randn(12, 1)), batch_size=4))
+        gan = DataLoader(TensorDataset(torch.randn(12, 8), torch.randn(12, 1)), batch_size=4)
+        manual.fit(TwoOptimizers(), gan)
         print(f"manual run done at step {manual.global_step}", flush=True)
+        manual.save_checkpoint("gan.ckpt")
+        try:  # another fit: another run, under the name of one that ended
+            manual.fit(TwoOptimizers(), gan)
+        except ConfigError as err:
+            print(f"second fit refused: {err}", flush=True)
+        resumed = pl.Trainer(max_epochs=2, callbacks=[EventBusCallback(run_name=args.manual_run)], accelerator="cpu",
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        resumed.fit(TwoOptimizers(), gan, ckpt_path="gan.ckpt")  # continues that run
+        print(f"resumed run done at step {resumed.global_step}", flush=True)
 
 
 if __name__ == "__main__":

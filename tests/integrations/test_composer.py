@@ -150,3 +150,32 @@ def test_a_checkpoint_worker_on_a_composer_run_stages_nothing_and_the_run_comple
     assert saver.finish() == 0, "\n".join(saver.stderr[-20:])
     folder = tmp_path / "runs" / "composer-no-staging" / "checkpoints"
     assert not list(folder.glob("*.pt"))
+
+
+def test_a_new_run_under_a_used_name_is_refused_and_load_path_continues_it(tmp_path, monkeypatch):
+    """A new Composer run under the name of one that ended would append to its journal: refused in one line;
+    one that loads a checkpoint (``load_path``, or what autoresume found) continues the run in its journal."""
+    import pytest
+    from composer import Trainer
+
+    from eventbus.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    first = job("2ba", [EventBusCallback()], [], "used")
+    first.fit()
+    first.save_checkpoint(str(tmp_path / "used.pt"))
+    first.close()
+    with pytest.raises(ConfigError) as refused:
+        job("2ba", [EventBusCallback()], [], "used")
+    assert str(refused.value) == ("run 'used' already exists in runs/used: pass load_path=... (or autoresume=True) "
+                                  "to continue it, or another run_name")
+    template = job("4ba", [], [], "unused")
+    again = Trainer(model=template.state.model, train_dataloader=template.state.train_dataloader,
+                    max_duration="4ba", callbacks=[EventBusCallback()], device="cpu", run_name="used",
+                    load_path=str(tmp_path / "used.pt"), progress_bar=False, log_to_console=False)
+    again.fit()
+    again.close()
+    messages = list(read_messages(tmp_path / "runs" / "used" / "events.journal"))
+    runs = list(dict.fromkeys(m.run_id for m in messages))
+    assert len(runs) == 2, runs  # the first run and its continuation
+    assert [m.payload["ts"]["batch"] for m in messages if m.run_id == runs[1] and m.event == "batch_end"] == [3, 4]

@@ -108,8 +108,8 @@ def test_manual_optimization_counts_a_batch_per_training_step(lightning_run):
     """Two optimizers stepped by hand: both, none, the first only (``global_step`` 2, 2, 3). Each
     ``training_step`` is one batch, as in Composer; AFTER_TRAIN_BATCH once a batch."""
     assert "manual run done at step 3" in lightning_run["outputs"]["trainer"]
-    messages = [m for m in journal_messages(lightning_run["folder"] / "runs" / "gan" / "events.journal")
-                if m.kind == "event"]
+    journal = journal_messages(lightning_run["folder"] / "runs" / "gan" / "events.journal")
+    messages = [m for m in journal if m.kind == "event" and m.run_id == journal[0].run_id]
     start, backward = ["after_dataloader", "batch_start", "before_train_batch"], ["before_backward", "after_backward"]
     end = ["batch_end", "batch_checkpoint"]
     assert [m.event for m in messages] == [
@@ -121,6 +121,21 @@ def test_manual_optimization_counts_a_batch_per_training_step(lightning_run):
     stamps = [m.payload["ts"] for m in messages if m.event == "batch_end"]
     assert [(ts["batch"], ts["batch_in_epoch"], ts["sample"], ts["sample_in_epoch"]) for ts in stamps] == [
         (1, 1, 4, 4), (2, 2, 8, 8), (3, 3, 12, 12)]
+
+
+def test_another_fit_under_a_used_run_name_is_refused_and_a_resume_continues_the_run(lightning_run):
+    """A second fit of the same trainer (a new run) under the name of one that ended would append to its
+    journal: refused in one line; ``fit(ckpt_path=...)`` continues the run in the same journal."""
+    output = lightning_run["outputs"]["trainer"]
+    folder = pathlib.Path("runs") / "gan"
+    assert (f"second fit refused: run 'gan' already exists in {folder}: pass fit(ckpt_path=...) to continue it, "
+            "or another run_name") in output
+    assert "resumed run done at step 6" in output
+    journal = journal_messages(lightning_run["folder"] / "runs" / "gan" / "events.journal")
+    runs = list(dict.fromkeys(m.run_id for m in journal))
+    assert len(runs) == 2  # the first fit and its resume; nothing from the refused fit
+    batches = [m.payload["ts"]["batch"] for m in journal if m.run_id == runs[1] and m.event == "batch_end"]
+    assert batches == [4, 5, 6]
 
 
 def test_the_seeds_epoch_monitor_prints_every_epoch(lightning_run):

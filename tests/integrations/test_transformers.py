@@ -154,14 +154,18 @@ def test_torchrun_two_ranks_publish_and_stop_at_the_same_step(tmp_path, spawn):
 
 
 def test_a_run_resumed_mid_epoch_publishes_no_second_iteration_or_epoch_start(tmp_path):
-    """``train(resume_from_checkpoint=...)`` inside an epoch: Composer fires ITERATION_START once, on a fresh
-    run, and does not repeat EPOCH_START when a fit resumes mid-epoch."""
+    """``train(resume_from_checkpoint=...)`` inside an epoch continues the run under its name, in its journal:
+    Composer fires ITERATION_START once, on a fresh run, and does not repeat EPOCH_START when a fit resumes
+    mid-epoch. A fresh run under that name would append to the ended run's journal: refused in one line."""
     import transformers
 
+    from eventbus.bus.journal import read_messages
+    from eventbus.errors import ConfigError
     from eventbus.integrations.transformers import EventBusCallback
     from tests.integrations.hf_train import Net, dataset
 
-    def run(name: str, **resume) -> list[str]:
+    def run(name: str, **resume) -> list[tuple[str, int]]:
+        """The events of the journal's last run, with the batch count at each."""
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], save_strategy="steps", save_steps=2,
             disable_tqdm=True, per_device_train_batch_size=4, num_train_epochs=2)
@@ -169,11 +173,19 @@ def test_a_run_resumed_mid_epoch_publishes_no_second_iteration_or_epoch_start(tm
         trainer = transformers.Trainer(model=Net(0.0), args=args, train_dataset=dataset(16, 0),
                                        callbacks=[EventBusCallback(run_name=name, run_folder=tmp_path / name)])
         trainer.train(**resume)
-        return [(name, batch) for name, batch, _ in _journal_events(tmp_path / name / "events.journal")]
+        journal = list(read_messages(tmp_path / name / "events.journal"))
+        return [(m.event, m.payload.get("ts", {}).get("batch")) for m in journal
+                if m.kind == "event" and m.run_id == journal[-1].run_id]
 
     run("first")
-    resumed = run("resumed", resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-6"))  # step 2 of epoch 2
+    with pytest.raises(ConfigError) as refused:
+        run("first")
+    assert str(refused.value) == (f"run 'first' already exists in {tmp_path / 'first'}: pass "
+                                  "train(resume_from_checkpoint=...) to continue it, or another run_name")
+    resumed = run("first", resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-6"))  # step 2 of epoch 2
     names = [name for name, _ in resumed]
     assert names[:4] == ["init", "fit_start", "batch_start", "before_train_batch"], names
     assert names.count("epoch_start") == 0 and names.count("epoch_end") == 1
     assert [batch for name, batch in resumed if name == "batch_end"] == [7, 8]
+    runs = {m.run_id for m in read_messages(tmp_path / "first" / "events.journal")}
+    assert len(runs) == 2  # the first run and its resume: nothing of the refused one
