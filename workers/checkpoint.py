@@ -8,7 +8,8 @@ another host, fetches it as one zero-copy frame), writes the file (temporary
 name, fsync, rename, then the ``latest`` link), applies retention, and
 acknowledges so the buffer can be reused. A failed write (disk full,
 permission denied) is acknowledged with the reason: the trainer logs it and
-re-publishes it as ``checkpoint/error``; earlier checkpoints are untouched.
+re-publishes it as ``checkpoint/error``; earlier checkpoints are untouched, and
+later ones are still tried. The daemon then exits 1 at the end of the run.
 
 In process (``Trainer(callbacks=[CheckpointSaver(...)])``) it writes on the
 training thread, as Composer does.
@@ -40,9 +41,12 @@ from eventbus.core.interval import interval_scheduler
 from eventbus.core.logger import Logger
 from eventbus.core.run_folder import announced_run_folder
 from eventbus.errors import ConfigError
+from eventbus.runtime.console import say_line
 from eventbus.runtime.daemon import OneLineErrorParser, add_daemon_arguments, check_positive, run_daemon
 
 __all__ = ["CheckpointSaver", "main"]
+
+_FAILED_NAMED = 10  # the batches of failed writes named in the closing line (they are counted, not kept, after)
 
 log = logging.getLogger(__name__)
 # At FIT_END the worker waits this long for queued uploads (inside the trainer's 30 s drain_timeout).
@@ -121,6 +125,8 @@ class CheckpointSaver(Callback):
         self.transfer = transfer
         self.retention = Retention(num_checkpoints_to_keep, keep_best, mode)
         self.last_batch_saved = -1
+        self.failures = 0  # staged checkpoints not written...
+        self.failed: list[int] = []  # ...and the batches of the first _FAILED_NAMED of them
         self._due = interval_scheduler(save_interval, name="save_interval", batch_event=Event.BATCH_CHECKPOINT,
                                        epoch_event=Event.EPOCH_CHECKPOINT)
         self._cleaned: set[pathlib.Path] = set()  # folders whose stale temporary files were removed
@@ -231,6 +237,9 @@ class CheckpointSaver(Callback):
                                    started=started)
         except Exception as err:  # reported to the trainer, which logs and re-publishes it
             log.error("checkpoint at batch %d not written: %s: %s", staged.batch, type(err).__name__, err)
+            self.failures += 1
+            if len(self.failed) < _FAILED_NAMED:
+                self.failed.append(int(staged.batch))
             staged.ack(error=f"{type(err).__name__}: {err}")
             return
         staged.ack(path=str(path) if path else None)
@@ -314,7 +323,11 @@ class CheckpointSaver(Callback):
         """Point ``link`` at ``target`` (relative), replacing any old link atomically."""
         tmp = temp_name(link)  # unpredictable, and os.symlink never replaces what is there
         os.symlink(os.path.relpath(target, link.parent), tmp)
-        os.replace(tmp, link)
+        try:
+            os.replace(tmp, link)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def _prune(self, state: Any) -> None:
         """Remove what retention no longer keeps: at once locally; with a remote folder, in the upload
@@ -405,7 +418,24 @@ def build_saver(args: argparse.Namespace) -> list[Callback]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_daemon(build_parser(), argv, build_saver)
+    """The daemon; exit 1 when a checkpoint was not written (training went on without it), so that
+    ``eventbus run`` and a supervisor see it at the end as well as in the log."""
+    savers: list[CheckpointSaver] = []
+
+    def build(args: argparse.Namespace) -> list[Callback]:
+        callbacks = build_saver(args)
+        savers.extend(cb for cb in callbacks if isinstance(cb, CheckpointSaver))
+        return callbacks
+
+    code = run_daemon(build_parser(), argv, build)
+    failures = sum(saver.failures for saver in savers)
+    if code == 0 and failures:
+        named = [batch for saver in savers for batch in saver.failed][:_FAILED_NAMED]
+        more = ", ..." if failures > len(named) else ""
+        say_line(f"checkpoint: {failures} checkpoint{'s' if failures > 1 else ''} not written (at batch "
+                 f"{', '.join(map(str, named))}{more}; why is above); exit code 1")
+        return 1
+    return code
 
 
 if __name__ == "__main__":

@@ -79,15 +79,20 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
     """
     import torch
 
-    with atomic_file(path, fsync=True) as raw:
-        file = _ErrorKeepingWriter(raw)
-        try:
-            torch.save(obj, file)
-        except RuntimeError:
-            # torch reports a failed write as a position mismatch; the OS error says why.
-            if file.error is not None:
-                raise file.error from None
-            raise
+    try:
+        with atomic_file(path, fsync=True) as raw:
+            file = _ErrorKeepingWriter(raw)
+            try:
+                torch.save(obj, file)
+            except RuntimeError:
+                # torch reports a failed write as a position mismatch; the OS error says why.
+                if file.error is not None:
+                    raise file.error from None
+                raise
+    except OSError as err:
+        if err.filename is None:  # a failed write or flush names no file: say which checkpoint it was
+            err.filename = str(path)
+        raise
 
 
 class _ErrorKeepingWriter:

@@ -73,7 +73,7 @@ from eventbus.errors import ConfigError
 from eventbus.export.progress import Progress
 from eventbus.export.trainer import TrainerWatch
 from eventbus.runtime.cursor import Cursor
-from eventbus.runtime.host import CallbackHost
+from eventbus.runtime.host import CallbackHost, ReportedFailure
 from eventbus.trackers.outbox import unsent
 from eventbus.trackers.points import Refused, metric_value_problem
 
@@ -225,8 +225,11 @@ class _Exporting(LoggerDestination):
         problems = {key: problem for key, value in metrics.items() if (problem := metric_value_problem(value))}
         for key, problem in problems.items():
             self._counts.unexportable.note(key, at, problem)
-        fresh = {k: v for k, v in metrics.items()
-                 if k not in problems and at not in (self.inner.held_steps(k) or ())}
+        try:
+            fresh = {k: v for k, v in metrics.items()
+                     if k not in problems and at not in (self.inner.held_steps(k) or ())}
+        except Exception as err:  # its server, asked what it holds, is down: the failure line says so
+            raise ReportedFailure(str(err)) from err
         self._counts.present += _numbers(metrics) - _numbers(fresh)
         metrics = fresh
         if metrics:
@@ -304,6 +307,8 @@ def export(options: ExportOptions) -> int:
     held = f" ({counts.present} skipped: their key already held a value at that step)" if counts.present else ""
     summary = (f"{counts.messages} messages{before}, {counts.points} metric points over {len(counts.steps)} steps"
                f"{held} in {seconds:.1f}s to {options.target} {target.where}")
+    if isinstance(failure, ReportedFailure) and failure.__cause__ is not None:
+        failure = failure.__cause__  # the tracker's own error, named in the line
     if failure is not None:
         print(f"eventbus export: {options.target} failed: {type(failure).__name__}: {str(failure)[:300]}; "
               f"{summary} before that (continue with --resume)", file=sys.stderr)

@@ -96,8 +96,8 @@ def print_summary(trainer: Trainer, config: JobConfig, seconds: float, interrupt
         f"  journal:     {trainer.publisher.journal_path}",
         f"  checkpoints: {latest}" if latest.exists() else
         (f"  checkpoints: none saved ({_none_saved(failed)})" if "checkpoint" in config.daemons else ""),
-        f"  daemons:     {', '.join(f'{name} exited {code}' for name, code in failed.items())} before the run's end "
-        "(its output is above)" if failed else "",
+        f"  daemons:     {', '.join(f'{name} exited {code}' for name, code in failed.items())}, its part not done "
+        "(its output above says why)" if failed else "",
         f"  bus:         failed ({trainer.publisher.failure}); training stopped: nothing after it was published"
         if trainer.publisher.failure is not None else "",
         f"  monitor:     eventbus monitor {trainer.publisher.journal_path}   "

@@ -53,13 +53,18 @@ from eventbus.runtime.declarations import declare_captures, weights_events
 from eventbus.runtime.held_weights import HeldWeights
 from eventbus.runtime.lane import END, STOP, Call, Lane, Slot, SlotCall
 
-__all__ = ["CallbackHost"]
+__all__ = ["CallbackHost", "ReportedFailure"]
 
 log = logging.getLogger(__name__)
 
 COMMIT_RATIO = 50.0  # apply at least this many times a commit's cost between two commits (2% of the time)...
 COMMIT_INTERVAL = 1.0  # ...or commit when this many seconds passed since the last one (a commit writes the
 # cursor file, ~0.3-0.4 ms on a small VM's disk, and flushes trackers: 4 a second were 5-15% of a daemon's CPU)
+
+
+class ReportedFailure(Exception):
+    """Raised by a hosted callback for an error that is not a bug (a tracker's server that is down), which the
+    host's caller reports in one line under fail_fast: logged without a traceback. The error is ``__cause__``."""
 
 
 class CallbackHost:
@@ -236,10 +241,14 @@ class CallbackHost:
         try:
             return self._serve_one(slot, item, loop)
         except Exception as err:
-            log.exception("%s: its progress could not be committed; stopping", slot.name)
-            self.broken = self.broken or err
+            self._broke(slot, err)
             loop.call_soon_threadsafe(self.stop)
             return 0.0
+
+    def _broke(self, slot: Slot, err: Exception) -> None:
+        """A commit failed: the worker stops with ``err`` (said by :func:`_commit_failed`)."""
+        _commit_failed(slot, err, first=self.broken is None)
+        self.broken = self.broken or err
 
     def _serve_one(self, slot: Slot, item: Any, loop: asyncio.AbstractEventLoop) -> float:
         if item is None:
@@ -270,7 +279,7 @@ class CallbackHost:
             for method, args in slot.calls(message):
                 method(*args)
         except Exception as err:
-            self._failed(slot, message)
+            self._failed(slot, message, err)
             if self.fail_fast:
                 if self.failure is None:
                     self.failure = err
@@ -283,7 +292,10 @@ class CallbackHost:
         while (message := await slot.queue.get()) is not END:
             if self.failure is None or not self.fail_fast:
                 await self._apply_async(slot, message)
-        slot.commit(self.cursor, force=True)
+        try:
+            slot.commit(self.cursor, force=True)
+        except Exception as err:
+            self._broke(slot, err)
 
     async def _commit_when_idle(self, slot: Slot) -> None:
         """An async callback left idle commits what it applied after ``COMMIT_INTERVAL`` (on its
@@ -307,7 +319,7 @@ class CallbackHost:
                 else:
                     await loop.run_in_executor(slot.executor, contextvars.copy_context().run, method, *args)
         except Exception as err:
-            self._failed(slot, message)
+            self._failed(slot, message, err)
             if self.fail_fast:
                 self.failure = err
                 self.stop()
@@ -315,9 +327,13 @@ class CallbackHost:
         now = time.perf_counter()
         self._applied(slot, message, now - started, now)
 
-    def _failed(self, slot: Slot, message: Message) -> None:
+    def _failed(self, slot: Slot, message: Message, err: Exception) -> None:
         slot.errors += 1
-        log.exception("callback %s failed on %s (seq %d)", slot.name, message.event or message.kind, message.seq)
+        where = f"callback {slot.name} failed on {message.event or message.kind} (seq {message.seq})"
+        if not isinstance(err, ReportedFailure):
+            log.exception("%s", where)
+        elif not self.fail_fast:  # else the caller says it, in its one line
+            log.error("%s: %s", where, err.__cause__ or err)
 
     def _applied(self, slot: Slot, message: Message, seconds: float, now: float) -> None:
         """``message`` took ``seconds`` and ended at ``now`` (``time.perf_counter()``)."""
@@ -351,6 +367,15 @@ class CallbackHost:
             for slot in self.lane.slots:
                 if slot.thread is not None:
                     await asyncio.to_thread(slot.thread.join)
+
+
+def _commit_failed(slot: Slot, err: Exception, first: bool) -> None:
+    """The disk's refusal (full, read only, a quota) is one line for the whole worker, not a traceback per
+    callback; anything else is a bug: traced."""
+    if not isinstance(err, OSError):
+        log.exception("%s: its progress could not be committed; stopping", slot.name)
+    elif first:
+        log.error("%s: its progress could not be committed: %s; stopping", slot.name, err)
 
 
 async def _call(slot: Slot, method: Any, loop: asyncio.AbstractEventLoop, *args: Any) -> None:

@@ -116,7 +116,8 @@ async def run_worker(address: str, callbacks: Union[Sequence[Callback], Callable
             except EventBusError:
                 raise
             except Exception as err:
-                say(f"stopped by --fail-fast: {err}")
+                if err is not host.broken:  # a failed commit was said where it happened
+                    say(f"stopped by --fail-fast: {err}")
                 return 1
             finally:
                 heartbeat.cancel()

@@ -178,10 +178,14 @@ def test_failed_writes_are_reported_and_earlier_checkpoints_stay_intact(tmp_path
     with caplog.at_level(logging.WARNING):
         trainer.fit()
         trainer.close()
-    assert worker.finish() == 0
+    assert worker.finish() == 1  # the daemon went on, and its exit code says that checkpoints are missing
     assert trainer.state.timestamp.batch.value == 8  # training went on
     errors = metrics_from(trainer.publisher.journal_path, "checkpoint/error")
-    assert errors and all("File too large" in e for e in errors)
+    assert errors and all("File too large" in e and str(folder) in e for e in errors)  # why, and which file
+    said = [line for line in worker.stderr if "not written" in line]
+    assert len(said) == len(errors) + 1, worker.stderr  # one line per checkpoint, and one at the end
+    assert said[-1].startswith(f"checkpoint: {len(errors)} checkpoints not written"), said
+    assert not any("Traceback" in line for line in worker.stderr), worker.stderr
     assert "failed in the checkpoint worker" in caplog.text and "File too large" in caplog.text
     assert earlier.read_bytes() == before
     assert [p.name for p in folder.iterdir()] == ["ep0-ba0-rank0.pt"]  # no partial file under any name
@@ -195,7 +199,7 @@ def test_unwritable_folder_is_reported(tmp_path, spawn):
     wait_for_lease(trainer)
     trainer.fit()
     trainer.close()
-    assert worker.finish() == 0
+    assert worker.finish() == 1
     errors = metrics_from(trainer.publisher.journal_path, "checkpoint/error")
     assert errors and all("/proc/eventbus-cannot-write-here" in e for e in errors)
 

@@ -116,7 +116,7 @@ def test_a_daemon_killed_mid_run_is_named_in_the_summary_and_the_exit_code(tmp_p
     finally:
         job.kill()
     assert job.returncode == 1, err[-3000:]
-    assert "daemons:     checkpoint exited -9 before the run's end" in out
+    assert "daemons:     checkpoint exited -9, its part not done" in out
     assert "none saved (stopped before" not in out and "Finished lost" in out
     assert not leftover_daemons(tmp_path)
 

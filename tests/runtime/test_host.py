@@ -391,3 +391,17 @@ async def test_a_callback_slow_on_one_burst_only_stays_on_the_shared_thread(jour
     once, fast = SlowOnce(), Everything()
     await CallbackHost([once, fast]).run(paced(journal))
     assert once.batches == list(range(1, 9)) and once.threads == fast.threads == {"cb-lane"}
+
+
+class UnsavableState(BatchEnds):
+    def state_dict(self) -> dict[str, Any]:
+        raise TypeError("a bug in state_dict")
+
+
+async def test_a_commit_that_fails_on_a_bug_keeps_its_traceback_and_stops_the_host(journal, tmp_path, caplog):
+    """A full disk under the cursor is one line (tests/workers/test_health.py); a bug is traced, as before."""
+    host = CallbackHost([UnsavableState()], cursor=Cursor(tmp_path / "cursor.json"))
+    with pytest.raises(TypeError, match="a bug in state_dict"):
+        await host.run(journal_messages(journal))
+    traced = [r for r in caplog.records if "could not be committed" in r.getMessage()]
+    assert traced and traced[0].exc_info is not None

@@ -15,7 +15,7 @@ import time
 import psutil
 import torch
 
-from eventbus import Callback, Event, Trainer
+from eventbus import BusConfig, Callback, Event, Trainer
 from eventbus.bus.journal import read_messages
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.bus.subscribe.snapshot import LiveState
@@ -330,3 +330,22 @@ async def test_a_hosted_loss_monitor_finds_in_one_burst_what_it_finds_batch_by_b
     assert ({"health/loss_spike": by_batch[0][0]["health/loss_spike"]}, 13) == by_batch[0]
     assert [step for metrics, step in by_batch if "health/nonfinite_loss" in metrics] == list(range(25, 31))
     assert caplog.text.count("loss is nan at batch 25 (in epoch") == 2  # once by each monitor
+
+
+def test_a_full_disk_under_the_cursor_stops_the_worker_with_one_line_and_exit_1(tmp_path, spawn):
+    """Each callback printed its commit's traceback (a chained OSError), again at the end, and the worker said
+    "stopped by --fail-fast". A file-size limit gives the real EFBIG a full disk gives as ENOSPC."""
+    limit = "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); " \
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16)); " \
+            "sys.argv[0] = 'eventbus.workers.health'; runpy.run_module('eventbus.workers.health', run_name='__main__')"
+    trainer = Trainer(make_model(), make_loader(), max_duration="1ep", device="cpu", run_name="full",
+                      bus=BusConfig(address=bus_address(tmp_path), drain_timeout=0.5),  # not waited for once it stopped
+                      run_folder=tmp_path / "runs" / "full")
+    worker = spawn("-c", limit, "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"))
+    worker.wait_for("following")
+    BackgroundTrainer(trainer).start().join()
+    assert worker.finish() == 1, "\n".join(worker.stderr)
+    said = [line for line in worker.stderr if "ERROR" in line or "Traceback" in line or "stopped" in line]
+    cursor = tmp_path / "s" / "health.cursor.json"
+    assert len(said) == 1 and "its progress could not be committed: [Errno 27] File too large" in said[0] \
+        and str(cursor) in said[0], worker.stderr
