@@ -68,10 +68,17 @@ class BusConfig:
                    authorized_keys=os.environ.get("EVENTBUS_AUTHORIZED_KEYS") or None)
 
 
+#: A tcp bus takes two ports, PORT (events) and PORT + 1 (its request service): PORT is at most this.
+LAST_BUS_PORT = 65534
+
+
 def _host_and_port(address: str) -> tuple[str, int]:
     host, _, port = urlsplit(address).netloc.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
+    if not 0 < int(port) <= LAST_BUS_PORT:
+        raise ConfigError(f"bus address {address!r}: a bus takes two ports, PORT and PORT+1 (its request "
+                          f"service), so PORT is 1-{LAST_BUS_PORT}")
     return host, int(port)
 
 
@@ -92,7 +99,7 @@ def address_for_rank(address: str, rank: int) -> str:
         return address
     if urlsplit(address).scheme == "tcp":
         host, port = _host_and_port(address)
-        return f"tcp://{host}:{port + 2 * rank}"
+        return f"tcp://{host}:{_host_and_port(f'tcp://{host}:{port + 2 * rank}')[1]}"  # its ports in range too
     return f"{address}-rank{rank}"
 
 

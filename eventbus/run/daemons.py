@@ -64,6 +64,8 @@ def daemons_config(args: argparse.Namespace) -> JobConfig:
     """The daemons' options, checked as ``eventbus run`` checks them (ConfigError before anything starts):
     an interval that would never act, or one the daemon would refuse only once it runs, fails here."""
     names = [name.strip() for name in args.daemons.split(",") if name.strip()]
+    if not names:  # nothing to start: the command would wait for nothing and exit as if done
+        raise ConfigError(f"daemons: none named; choose from {', '.join(DAEMONS)}")
     unknown = sorted(set(names) - set(DAEMONS))
     if unknown:
         raise ConfigError(f"daemons: unknown {', '.join(unknown)}; choose from {', '.join(DAEMONS)}")

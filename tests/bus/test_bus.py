@@ -383,3 +383,14 @@ def test_worker_follows_a_trainer_restarted_on_the_same_address(tmp_path, spawn)
     second_run = [line.split()[1] for line in lines[starts[1]:]]
     assert second_run.count("batch_end") == 4 and second_run[-1] == "fit_end"
     assert [int(line.split()[0]) for line in lines[starts[1]:]] == sorted(int(l.split()[0]) for l in lines[starts[1]:])
+
+
+def test_a_tcp_bus_port_leaves_room_for_its_request_service():
+    """Port 65535 failed only at bind, naming port 65536; the monitor called such an address malformed."""
+    from eventbus.bus.config import address_for_rank, service_address_for
+    from eventbus.errors import ConfigError
+
+    assert service_address_for("tcp://127.0.0.1:65534") == "tcp://127.0.0.1:65535"
+    for address, rank in (("tcp://127.0.0.1:65535", 0), ("tcp://127.0.0.1:0", 0), ("tcp://127.0.0.1:65530", 3)):
+        with pytest.raises(ConfigError, match=r"a bus takes two ports, PORT and PORT\+1 .*so PORT is 1-65534"):
+            service_address_for(address_for_rank(address, rank))

@@ -317,6 +317,9 @@ def test_bad_targets_are_one_line_errors(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("eventbus monitor: error:") and len(err.strip().splitlines()) == 1, err
+    assert main(["tcp://127.0.0.1:65535"]) == 2  # well formed, but its request service would need port 65536
+    assert "a bus takes two ports, PORT and PORT+1 (its request service), so PORT is 1-65534" in \
+        capsys.readouterr().err
     for argv in (["x", "--refresh", "0"], []):
         with pytest.raises(SystemExit) as exited:
             main(argv)

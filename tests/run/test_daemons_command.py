@@ -17,7 +17,8 @@ from eventbus.runtime.cursor import Cursor
 from eventbus.runtime.supervisor import Daemons, daemon_command
 from tests.run.test_job import eventbus_run
 
-# An interval of 0 is "never": accepted, the run was never evaluated, or the checkpoint daemon saved nothing.
+# An interval of 0 is "never": accepted, the run was never evaluated, or the checkpoint daemon saved nothing;
+# `eventbus daemons` naming no daemon waited for the run to start none.
 NEVER = [
     (["run", "--eval-interval", "0ba"], "eval-interval: '0ba' never evaluates"),
     (["run", "--eval-interval", "0.0dur"], "eval-interval: '0.0dur' never evaluates"),
@@ -25,6 +26,8 @@ NEVER = [
     (["daemons", "runs/late", "--save-interval", "0ba"], "save-interval: '0ba' saves no checkpoint"),
     (["daemons", "runs/late", "--save-interval", "0ep"], "save-interval: '0ep' saves no checkpoint"),
     (["daemons", "runs/late", "--save-interval", "junk"], "save-interval"),
+    (["daemons", "runs/late", "--daemons", ""], "daemons: none named; choose from logger"),  # would start nothing
+    (["daemons", "runs/late", "--daemons", ",,"], "daemons: none named; choose from logger"),
 ]
 
 
@@ -35,7 +38,7 @@ def checked(argv: list[str]) -> JobConfig:
 
 
 @pytest.mark.parametrize(("argv", "message"), NEVER, ids=[" ".join(argv) for argv, _ in NEVER])
-def test_an_interval_that_never_acts_is_refused_by_both_commands(argv, message, tmp_path, monkeypatch):
+def test_an_option_that_never_acts_is_refused_by_both_commands(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as refused:
         checked(argv)
