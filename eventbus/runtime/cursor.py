@@ -14,6 +14,7 @@ import pathlib
 import threading
 from typing import Any, Optional, Sequence, Union
 
+from eventbus.checkpoint.ownership import unlocked
 from eventbus.core.atomic import write_atomic
 from eventbus.errors import ConfigError
 
@@ -70,18 +71,7 @@ class Cursor:
     def claimed(path: Union[str, os.PathLike]) -> bool:
         """Another live process holds the cursor at ``path`` (:meth:`claim`): its lock, tried without waiting and
         let go at once, so a worker that holds it is left alone (its lock goes only with its process)."""
-        lock = pathlib.Path(path).with_name(pathlib.Path(path).name + ".lock")
-        try:
-            descriptor = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)  # never made here: no lock file, no worker
-        except OSError:
-            return False
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(descriptor)  # lets go of the lock, if this took it
+        return not unlocked(pathlib.Path(path).with_name(pathlib.Path(path).name + ".lock"))
 
     def resume_point(self, names: Sequence[str]) -> Optional[tuple[str, int]]:
         if self.run_id is None or not self.seqs:
