@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from eventbus.core.atomic import NOFOLLOW
 from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.errors import ConfigError
 from eventbus.run.config import JobConfig, config_from_args
@@ -225,7 +226,10 @@ def _claim(folder: pathlib.Path) -> bool:
 def _hold(folder: pathlib.Path, run_name: str) -> None:
     """Lock the run folder for this process's life: another ``eventbus run`` of the same name at the same
     moment is refused here, before it can train into the folder or remove it."""
-    fd = os.open(folder / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # never through a link: the lock is this folder's own file
+        fd = os.open(folder / RUN_LOCK, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+    except OSError as err:
+        raise ConfigError(f"cannot lock run {run_name!r} ({folder / RUN_LOCK}): {err.strerror or err}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

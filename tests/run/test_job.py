@@ -196,3 +196,8 @@ def test_a_run_folder_taken_by_another_run_of_the_name_is_refused_and_left_alone
     with pytest.raises(ConfigError, match="run 'done' already exists"):
         take_run_folder(JobConfig(run_name="done", runs_dir=str(other)))
     assert (other / "done" / "events.journal").read_bytes() == b"a run that trained and ended here meanwhile"
+    (other / "linked").mkdir()
+    (other / "linked" / ".run.lock").symlink_to(tmp_path / "elsewhere")  # a lock is never made through a link
+    with pytest.raises(ConfigError, match="cannot lock run 'linked'"):
+        take_run_folder(JobConfig(run_name="linked", runs_dir=str(other)))
+    assert not (tmp_path / "elsewhere").exists()
