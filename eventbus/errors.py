@@ -5,7 +5,12 @@ Every message says what went wrong and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError", "ArtifactPathError", "WeightsNotCaptured"]
+import contextlib
+import os
+from typing import Iterator, Union
+
+__all__ = ["EventBusError", "ConfigError", "ProtocolError", "TransferError", "ArtifactPathError", "WeightsNotCaptured",
+           "naming_the_file"]
 
 
 class EventBusError(Exception):
@@ -32,3 +37,15 @@ class WeightsNotCaptured(EventBusError, RuntimeError):
     """``state.model.state_dict()`` in a subscriber where the trainer staged no weights for that
     event (no ``weights`` lease then, every weights buffer held, another event): the message says
     which event, why, and what to declare."""
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Union[str, "os.PathLike[str]"]) -> Iterator[None]:
+    """An OSError raised inside names ``path`` when it names no file: a failed write or flush (a full disk)
+    names none, and "[Errno 28] No space left on device" alone does not say what was lost."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise

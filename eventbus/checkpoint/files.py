@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 from eventbus.checkpoint.ownership import pid_alive, unlocked
 from eventbus.core.atomic import atomic_file, fsync_folder, temp_name
+from eventbus.errors import naming_the_file
 
 __all__ = ["save_atomically", "save_sharded_atomically", "remove_stale_temp_files"]
 
@@ -79,20 +80,15 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
     """
     import torch
 
-    try:
-        with atomic_file(path, fsync=True) as raw:
-            file = _ErrorKeepingWriter(raw)
-            try:
-                torch.save(obj, file)
-            except RuntimeError:
-                # torch reports a failed write as a position mismatch; the OS error says why.
-                if file.error is not None:
-                    raise file.error from None
-                raise
-    except OSError as err:
-        if err.filename is None:  # a failed write or flush names no file: say which checkpoint it was
-            err.filename = str(path)
-        raise
+    with naming_the_file(path), atomic_file(path, fsync=True) as raw:
+        file = _ErrorKeepingWriter(raw)
+        try:
+            torch.save(obj, file)
+        except RuntimeError:
+            # torch reports a failed write as a position mismatch; the OS error says why.
+            if file.error is not None:
+                raise file.error from None
+            raise
 
 
 class _ErrorKeepingWriter:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from eventbus.checkpoint.ownership import unlocked
 from eventbus.core.atomic import write_atomic
-from eventbus.errors import ConfigError
+from eventbus.errors import ConfigError, naming_the_file
 
 __all__ = ["Cursor"]
 
@@ -101,11 +101,7 @@ class Cursor:
                     self.ended.add(name)
             self.journal = journal or self.journal
             # No fsync: a lost last commit after a machine crash only re-applies messages (at-least-once).
-            try:
+            with naming_the_file(self.path):
                 write_atomic(self.path, json.dumps({"run_id": run_id, "seqs": self.seqs, "states": self.states,
                                                     "journal": self.journal, "ended": sorted(self.ended)},
                                                    default=str), fsync=False)
-            except OSError as err:
-                if err.filename is None:  # a failed write or flush (a full disk) names no file: this one
-                    err.filename = str(self.path)
-                raise

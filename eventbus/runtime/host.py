@@ -91,7 +91,7 @@ class CallbackHost:
         self.fail_fast = fail_fast
         self.cursor = cursor
         self.failure: Optional[BaseException] = None
-        self.broken: Optional[BaseException] = None  # a callback thread could not commit: the host stops
+        self.broken: Optional[BaseException] = None  # a commit or a close failed: the host ends with it
         self._stopping = asyncio.Event()
         self.window_came = asyncio.Event()  # set at each window handed over: wakes an idle heartbeat
         self._resumed_run = cursor.run_id if cursor is not None else None
@@ -305,7 +305,12 @@ class CallbackHost:
             await asyncio.sleep(COMMIT_INTERVAL)
             if slot.committed_seq != slot.last_seq and slot.queue.empty() and \
                     time.perf_counter() - slot.committed_at >= COMMIT_INTERVAL:
-                await loop.run_in_executor(slot.executor, slot.commit, self.cursor)
+                try:
+                    await loop.run_in_executor(slot.executor, slot.commit, self.cursor)
+                except Exception as err:  # as a commit between its messages: the worker stops, said once
+                    self._broke(slot, err)
+                    self.stop()
+                    return
 
     async def _apply_async(self, slot: Slot, message: Message) -> None:
         loop = asyncio.get_running_loop()
@@ -352,13 +357,13 @@ class CallbackHost:
             try:
                 state = slot.live if slot.message is not None else None  # None: no message ever reached it
                 await _call(slot, slot.callback.close, loop, state, slot.logger)
-            except Exception:
-                log.exception("error in %s.close(); continuing", slot.name)
+            except Exception as err:
+                self._close_failed(slot, "close", err)
         for slot in self.slots:
             try:
                 await _call(slot, slot.callback.post_close, loop)
-            except Exception:
-                log.exception("error in %s.post_close(); continuing", slot.name)
+            except Exception as err:
+                self._close_failed(slot, "post_close", err)
             if slot.executor is not None:
                 slot.executor.shutdown(wait=False)
         if self.lane is not None and self.lane.thread is not None:
@@ -367,6 +372,16 @@ class CallbackHost:
             for slot in self.lane.slots:
                 if slot.thread is not None:
                     await asyncio.to_thread(slot.thread.join)
+
+
+    def _close_failed(self, slot: Slot, method: str, err: Exception) -> None:
+        """What ``close`` could not write (a tracker's last records) is lost: the others still close, and the
+        host ends with ``err``, as a failed commit does. The disk's refusal is one line; a bug is traced."""
+        if isinstance(err, OSError):
+            log.error("%s.%s() failed: %s; its last writes are lost", slot.name, method, err)
+        else:
+            log.exception("error in %s.%s(); continuing", slot.name, method)
+        self.broken = self.broken or err
 
 
 def _commit_failed(slot: Slot, err: Exception, first: bool) -> None:

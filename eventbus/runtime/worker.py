@@ -265,7 +265,8 @@ async def replay_journal(path: str, callbacks: Sequence[Callback], *, fail_fast:
     except EventBusError:
         raise
     except Exception as err:
-        print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
+        if err is not host.broken:  # a failed commit or close was said where it happened
+            print(f"eventbus replay: stopped by --fail-fast: {err}", file=sys.stderr)
         return 1
     unfinished = stream.unfinished()
     errors = {slot.name: slot.errors for slot in host.slots if slot.errors}

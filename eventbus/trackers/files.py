@@ -24,6 +24,7 @@ from eventbus.core.atomic import write_atomic
 from eventbus.core.logger import Logger, LoggerDestination, to_number
 from eventbus.core.plain import PLAIN_TYPES
 from eventbus.core.run_folder import announced_run_folder
+from eventbus.errors import naming_the_file
 from eventbus.trackers.points import Refused
 from eventbus.trackers.step_ranges import StepRanges
 
@@ -194,8 +195,9 @@ class MetricsFileLogger(LoggerDestination):
         self._written_at = time.monotonic()
         if not self._lines or self._file is None or self.path is None:
             return
-        self._file.write("".join(self._lines))
-        self._file.flush()
+        with naming_the_file(self.path):
+            self._file.write("".join(self._lines))
+            self._file.flush()
         self._lines.clear()
         rows, self._rows = self._rows, []
         target = self.path.with_suffix(".csv")

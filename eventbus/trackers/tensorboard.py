@@ -15,6 +15,7 @@ C when the ``crc32c`` package is installed (part of the extra), else in Python.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination
 from eventbus.core.run_folder import announced_run_folder
+from eventbus.errors import naming_the_file
 from eventbus.trackers.points import Refused, scalars
 
 __all__ = ["TensorBoardLogger", "written_points", "written_steps"]
@@ -168,13 +170,17 @@ class _EventFile:
         """The records kept so far, in one write (flushed to the operating system)."""
         self.written_at = time.monotonic()
         if self._records:
-            self._out.write(b"".join(self._records))
-            self._out.flush()
+            with naming_the_file(self.path):
+                self._out.write(b"".join(self._records))
+                self._out.flush()
             self._records.clear()
 
     def close(self) -> None:
-        self.write()
-        self._out.close()
+        try:
+            self.write()
+        finally:
+            with contextlib.suppress(OSError):  # left to flush: only what the write above failed on, and said
+                self._out.close()
 
 
 def _scalars_event(step: int, values: list[tuple[str, float]]) -> bytes:

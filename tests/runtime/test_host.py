@@ -4,6 +4,7 @@ cursor commits and an exactly-once resume on a real cursor file, plain and async
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import os
 import re
@@ -405,3 +406,51 @@ async def test_a_commit_that_fails_on_a_bug_keeps_its_traceback_and_stops_the_ho
         await host.run(journal_messages(journal))
     traced = [r for r in caplog.records if "could not be committed" in r.getMessage()]
     assert traced and traced[0].exc_info is not None
+
+
+class Closes(Callback):
+    """Its close writes what it held: ``fails`` makes that write fail as on a full disk."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails, self.closed = fails, False
+
+    def close(self, state: Any, logger: Any) -> None:
+        self.closed = True
+        if self.fails:
+            raise OSError(errno.ENOSPC, "No space left on device", "/runs/r/tensorboard/events.out")
+
+
+async def test_a_close_that_cannot_write_is_one_line_and_ends_the_host_with_its_error(journal, caplog):
+    """A tracker's last records lost at close (a full disk) said a traceback and "continuing", and the worker
+    exited 0. Now: one line, every other callback still closes, and the host ends with the error (exit 1)."""
+    failing, other = Closes(fails=True), Closes()
+    host = CallbackHost([failing, other])
+    with pytest.raises(OSError, match="No space left on device"):
+        await host.run(journal_messages(journal))
+    assert failing.closed and other.closed
+    said = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and said[0].exc_info is None, caplog.text
+    assert "Closes#0.close() failed: [Errno 28] No space left on device: '/runs/r/tensorboard/events.out'" \
+        in said[0].getMessage()
+
+
+async def test_an_async_callbacks_idle_commit_that_fails_stops_the_host_in_one_line(journal, tmp_path, caplog):
+    """The commit an idle async callback makes between its messages failed in a task nobody awaited: no line
+    until the task was collected, a traceback then, and the worker went on applying what it could not commit."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+
+    async def then_the_disk_refuses() -> AsyncIterator[Message]:
+        async for message in first(journal, 12):
+            yield message
+        await asyncio.sleep(0.2)
+        os.rename(state_dir, tmp_path / "moved")
+        state_dir.write_text("not a folder")  # the cursor's next write fails, as on a full disk
+        await asyncio.Event().wait()  # the run goes on: only the host's stop ends this stream
+
+    host = CallbackHost([AsyncBatchEnds()], cursor=Cursor(state_dir / "cursor.json"))
+    with pytest.raises(NotADirectoryError):
+        await asyncio.wait_for(host.run(then_the_disk_refuses()), timeout=20)
+    said = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and said[0].exc_info is None, caplog.text
+    assert "AsyncBatchEnds: its progress could not be committed: [Errno 20] Not a directory" in said[0].getMessage()

@@ -248,3 +248,21 @@ def test_the_done_line_counts_in_words_a_reader_expects():
 
     assert [_count(1, "epoch"), _count(3, "epoch"), _count(0, "sample")] == ["1 epoch", "3 epochs", "0 samples"]
     assert [_count(1, "batch", "batches"), _count(12, "batch", "batches")] == ["1 batch", "12 batches"]
+
+
+def test_a_full_disk_under_the_logger_is_one_line_per_file_and_exit_1(tmp_path, spawn):
+    """The TensorBoard file's last write, failing at close, printed a traceback after the commit's one line,
+    and neither line said which file. A file-size limit gives the real EFBIG a full disk gives as ENOSPC."""
+    limit = "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); " \
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000)); " \
+            "sys.argv[0] = 'eventbus.workers.logger'; runpy.run_module('eventbus.workers.logger', run_name='__main__')"
+    trainer = Trainer(make_model(), make_loader(), max_duration="3ep", device="cpu", run_name="full",
+                      bus=bus_address(tmp_path), run_folder=tmp_path / "runs" / "full")
+    worker = spawn("-c", limit, "--connect", bus_address(tmp_path), "--state-dir", str(tmp_path / "s"),
+                   "--output", str(tmp_path / "out"), "--tensorboard", "--no-console", "--verbose")
+    worker.wait_for("following")
+    BackgroundTrainer(trainer).start().join()
+    assert worker.finish() == 1, "\n".join(worker.stderr)
+    assert not any("Traceback" in line for line in worker.stderr), "\n".join(worker.stderr)
+    said = [line for line in worker.stderr if "ERROR" in line]
+    assert said and all("[Errno 27] File too large: '" + str(tmp_path) in line for line in said), said
