@@ -171,7 +171,8 @@ class CallbackHost:
         finally:
             for committer in committers:
                 committer.cancel()
-            await self._close_all()
+            closing = await _close_all(self.slots, self.lane)  # the last commits may set self.broken meanwhile
+            self.broken = self.broken or closing
             if self._weights is not None:  # after close: a callback may still read the last event's weights there
                 self._weights.release_all()
         if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
@@ -351,37 +352,34 @@ class CallbackHost:
             if slot.since_commit >= COMMIT_RATIO * slot.commit_cost or now - slot.committed_at >= COMMIT_INTERVAL:
                 slot.commit_with_others(self.cursor)
 
-    async def _close_all(self) -> None:
-        loop = asyncio.get_running_loop()
-        for slot in self.slots:
+async def _close_all(slots: list[Slot], lane: Optional[Lane]) -> Optional[Exception]:
+    """``close``, then ``post_close``, of every callback where its methods run, whatever one of them raised;
+    the first error, if any. What a ``close`` could not write (a tracker's last records) is lost: the host
+    ends with that error, as with a failed commit. The disk's refusal is one line; a bug is traced."""
+    loop = asyncio.get_running_loop()
+    failed: Optional[Exception] = None
+    for method in ("close", "post_close"):
+        for slot in slots:
+            # close gets the last state (None: no message ever reached it) and the logger; post_close nothing
+            args = (slot.live if slot.message is not None else None, slot.logger) if method == "close" else ()
             try:
-                state = slot.live if slot.message is not None else None  # None: no message ever reached it
-                await _call(slot, slot.callback.close, loop, state, slot.logger)
+                await _call(slot, getattr(slot.callback, method), loop, *args)
             except Exception as err:
-                self._close_failed(slot, "close", err)
-        for slot in self.slots:
-            try:
-                await _call(slot, slot.callback.post_close, loop)
-            except Exception as err:
-                self._close_failed(slot, "post_close", err)
-            if slot.executor is not None:
-                slot.executor.shutdown(wait=False)
-        if self.lane is not None and self.lane.thread is not None:
-            self.lane.inbox.put(STOP)  # the lane stops the threads of the slow ones after their calls
-            await asyncio.to_thread(self.lane.thread.join)
-            for slot in self.lane.slots:
-                if slot.thread is not None:
-                    await asyncio.to_thread(slot.thread.join)
-
-
-    def _close_failed(self, slot: Slot, method: str, err: Exception) -> None:
-        """What ``close`` could not write (a tracker's last records) is lost: the others still close, and the
-        host ends with ``err``, as a failed commit does. The disk's refusal is one line; a bug is traced."""
-        if isinstance(err, OSError):
-            log.error("%s.%s() failed: %s; its last writes are lost", slot.name, method, err)
-        else:
-            log.exception("error in %s.%s(); continuing", slot.name, method)
-        self.broken = self.broken or err
+                if isinstance(err, OSError):
+                    log.error("%s.%s() failed: %s; its last writes are lost", slot.name, method, err)
+                else:
+                    log.exception("error in %s.%s(); continuing", slot.name, method)
+                failed = failed or err
+    for slot in slots:
+        if slot.executor is not None:
+            slot.executor.shutdown(wait=False)
+    if lane is not None and lane.thread is not None:
+        lane.inbox.put(STOP)  # the lane stops the threads of the slow ones after their calls
+        await asyncio.to_thread(lane.thread.join)
+        for slot in lane.slots:
+            if slot.thread is not None:
+                await asyncio.to_thread(slot.thread.join)
+    return failed
 
 
 def _commit_failed(slot: Slot, err: Exception, first: bool) -> None:
