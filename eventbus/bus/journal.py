@@ -24,7 +24,8 @@ Guarantees for readers (:class:`JournalReader`):
   segment silently: that record was never sent;
 * a symlink in place of a segment, or a segment of another format, is reported as damage.
 
-Memory: readers hold one record and a 1 MiB scan window; the writer's seq index is sparse.
+Memory: readers hold one record, a 1 MiB scan window and CRC marks; reading a segment, however
+damaged, costs time linear in its size (:mod:`eventbus.bus.journal_scan`); the writer's seq index is sparse.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import zlib
 from typing import BinaryIO, Iterator, Optional, Union
 
 from eventbus.bus import wire
+from eventbus.bus.journal_scan import CHECKED, RECORD, SYNC, first_intact, scan
 from eventbus.errors import ConfigError, ProtocolError
 
 __all__ = ["JournalWriter", "JournalReader", "Damage", "Position", "Record", "read_journal", "read_messages",
@@ -50,12 +52,7 @@ JOURNAL_NAME = "events.journal"
 FORMAT = 4
 MAGIC = b"EVBJOURNAL%d\n" % FORMAT  # a record per window (wire format 4), with its message count
 _ANY_FORMAT = re.compile(rb"EVBJOURNAL(\d{1,3})\n")  # another version's: reported, not read
-SYNC = b"\xa5EvR"  # starts every record: what a reader looks for to resynchronise after damage
 _SEGMENT = struct.Struct("<12sQI")  # magic, writer token, segment ordinal within the writer
-_RECORD = struct.Struct("<4sIIQI")  # sync, length, crc32, first seq, count
-_CHECKED = struct.Struct("<IQI")  # the header fields the CRC covers with the message: a bad length fails it
-_MAX_RECORD = 1 << 30
-_SCAN_WINDOW = 1 << 20
 _INDEX_EVERY = 256 << 10  # bytes between two entries of the writer's sparse seq index
 DEFAULT_SEGMENT_BYTES = 256 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -125,7 +122,7 @@ class JournalWriter:
     def append_many(self, records: list[tuple[bytes, int, int]]) -> None:
         """Write ``(frame, first seq, count)`` records in one write."""
         parts: list[bytes] = []
-        pack, checked, crc32, header = _RECORD.pack, _CHECKED.pack, zlib.crc32, _RECORD.size
+        pack, checked, crc32, header = RECORD.pack, CHECKED.pack, zlib.crc32, RECORD.size
         for message, seq, count in records:
             if self._segment_full():
                 self._file.write(b"".join(parts))
@@ -162,7 +159,7 @@ class JournalWriter:
         for number in range(segment, len(self._segments)):
             with _open_nofollow(self._segments[number]) as file:
                 end = os.fstat(file.fileno()).st_size
-                for _, _, seq, last, body in _scan(file, offset if number == segment else _SEGMENT.size, end):
+                for _, _, seq, last, body in scan(file, offset if number == segment else _SEGMENT.size, end):
                     if seq is None or last is None or body is None or last < wanted:
                         continue  # a damaged span, or a record before the range
                     if seq > wanted:
@@ -189,69 +186,6 @@ class JournalWriter:
 
 def _open_nofollow(path: pathlib.Path) -> BinaryIO:
     return os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
-
-
-def _parse(file: BinaryIO, offset: int, size: int) -> Optional[tuple[int, int, bytes]]:
-    """``(first seq, last seq, frame)`` of an intact record at ``offset``, else None."""
-    if size - offset < _RECORD.size:
-        return None
-    file.seek(offset)
-    sync, length, crc, seq, count = _RECORD.unpack(file.read(_RECORD.size))
-    if sync != SYNC or length > _MAX_RECORD or offset + _RECORD.size + length > size or count < 1:
-        return None
-    body = file.read(length)
-    if len(body) < length or zlib.crc32(body, zlib.crc32(_CHECKED.pack(length, seq, count))) != crc:
-        return None
-    return seq, seq + count - 1, body
-
-
-def _resync(file: BinaryIO, start: int, size: int) -> Optional[int]:
-    """Offset of the first intact record at or after ``start``; reads a window at a time."""
-    window = start
-    while window < size:
-        file.seek(window)
-        chunk = file.read(min(_SCAN_WINDOW, size - window) + len(SYNC) - 1)
-        found = chunk.find(SYNC)
-        while found != -1 and window + found < size:
-            if _parse(file, window + found, size) is not None:
-                return window + found
-            found = chunk.find(SYNC, found + 1)
-        window += _SCAN_WINDOW
-    return None
-
-
-def _is_torn(file: BinaryIO, offset: int, size: int) -> bool:
-    """Whether the bytes from ``offset`` to the end are a prefix of one record, as an interrupted
-    write leaves it (rather than damage): a plausible header whose message runs past the end."""
-    file.seek(offset)
-    head = file.read(min(size - offset, _RECORD.size))
-    if len(head) < _RECORD.size:
-        return head == SYNC[:len(head)] or head.startswith(SYNC)
-    sync, length = _RECORD.unpack(head)[:2]
-    return sync == SYNC and length <= _MAX_RECORD and offset + _RECORD.size + length > size
-
-
-_Scanned = tuple[int, int, Optional[int], Optional[int], Optional[bytes]]
-
-
-def _scan(file: BinaryIO, offset: int, size: int) -> Iterator[_Scanned]:
-    """``(offset, end, first seq, last seq, frame)`` per record from ``offset``; ``(offset, end, None,
-    None, None)`` for a damaged span; stops at the end or before a torn tail."""
-    header = _RECORD.size
-    while offset < size:
-        parsed = _parse(file, offset, size)
-        if parsed is not None:
-            end = offset + header + len(parsed[2])
-            yield offset, end, parsed[0], parsed[1], parsed[2]
-            offset = end
-            continue
-        following = _resync(file, offset + 1, size)
-        if following is None:
-            if not _is_torn(file, offset, size):
-                yield offset, size, None, None, None  # damage up to the end: not what a crash leaves
-            return
-        yield offset, following, None, None, None
-        offset = following
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -420,11 +354,11 @@ class JournalReader:
                 start = _SEGMENT.size
             elif len(head) < _SEGMENT.size and MAGIC.startswith(head[:len(MAGIC)]):
                 return  # created, header not complete yet: nothing written
-            elif _resync(file, 0, size) is None:
+            elif first_intact(file, 0, size) is None:
                 raise ConfigError(f"{str(path)!r} is not an eventbus journal (it does not start with the journal "
                                   f"header); point at <run folder>/{JOURNAL_NAME}")
             losses.segment(token, ordinal)
-            for at, end, seq, last, body in _scan(file, max(offset, start), size):
+            for at, end, seq, last, body in scan(file, max(offset, start), size):
                 if seq is None or last is None or body is None:
                     losses.damaged(Damage(str(path), at, end - at))
                     continue
