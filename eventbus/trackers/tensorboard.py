@@ -24,7 +24,7 @@ import pathlib
 import socket
 import struct
 import time
-from typing import Any, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional
 
 from eventbus.core.logger import Logger, LoggerDestination
 from eventbus.core.run_folder import announced_run_folder
@@ -145,20 +145,15 @@ class TensorBoardLogger(LoggerDestination):
 
 
 class _EventFile:
-    """One event file of this process: TensorFlow records kept in memory, written together."""
+    """One event file of this process: TensorFlow records kept in memory, written together. The file is made
+    at the first write that has a record to write: an export or a restart with nothing new adds no file."""
 
     def __init__(self, folder: pathlib.Path):
-        from tensorboard.compat.proto.event_pb2 import Event
-
-        folder.mkdir(parents=True, exist_ok=True)
-        # The name TensorBoard's own writer gives (its reader lists files by "tfevents" in the name).
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBERS)}"
-        self.path = folder / name
-        self._out = open(self.path, "ab")
+        self.folder = folder
+        self.path: Optional[pathlib.Path] = None
+        self._out: Optional[BinaryIO] = None
         self._records: list[bytes] = []
         self.written_at = time.monotonic()
-        self.add(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
-        self.write()
 
     def add(self, event: bytes) -> None:
         """One serialized Event, framed as a TensorFlow record (length, data, their checksums)."""
@@ -169,18 +164,37 @@ class _EventFile:
     def write(self) -> None:
         """The records kept so far, in one write (flushed to the operating system)."""
         self.written_at = time.monotonic()
-        if self._records:
-            with naming_the_file(self.path):
-                self._out.write(b"".join(self._records))
-                self._out.flush()
-            self._records.clear()
+        if not self._records:
+            return
+        if self._out is None:
+            self._out = self._create()
+        with naming_the_file(self.path or self.folder):
+            self._out.write(b"".join(self._records))
+            self._out.flush()
+        self._records.clear()
+
+    def _create(self) -> BinaryIO:
+        """The file, named as TensorBoard's own writer names it (its reader lists files by "tfevents" in the
+        name), its first record the file version."""
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBERS)}"
+        self.path = self.folder / name
+        with naming_the_file(self.path):
+            out = open(self.path, "ab")
+        records, self._records = self._records, []
+        self.add(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        self._records += records
+        return out
 
     def close(self) -> None:
         try:
             self.write()
         finally:
-            with contextlib.suppress(OSError):  # left to flush: only what the write above failed on, and said
-                self._out.close()
+            if self._out is not None:
+                with contextlib.suppress(OSError):  # left to flush: only what the write above failed on, and said
+                    self._out.close()
 
 
 def _scalars_event(step: int, values: list[tuple[str, float]]) -> bytes:

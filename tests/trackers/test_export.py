@@ -109,6 +109,7 @@ def test_tensorboard_has_every_step_once_after_exporting_twice(tmp_path):
         assert result.returncode == 0, result.stderr
     assert "(96 skipped: their key already held a value at that step)" in result.stderr or " 0 metric points" in result.stderr
     assert_loss_once_per_step(tmp_path / "tb", run)
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1  # the second export had nothing to add
 
 
 def test_mlflow_has_every_step_once_after_exporting_twice(tmp_path):
