@@ -219,7 +219,8 @@ class EventBusCallback(composer.Callback):
         if ours is _BEFORE_LOAD:
             self._open(state, resumed=None)
         elif ours is _AFTER_LOAD and self._deferred:  # Composer set state.load_path if it loaded a checkpoint
-            self._open(state, resumed=state.load_path is not None)
+            # ...and its timestamp, unless load_weights_only: then a new run starts from those weights
+            self._open(state, resumed=state.load_path is not None and int(state.timestamp.batch) > 0)
             self.adapter.publish(_BEFORE_LOAD)
         mirror.update(ours, state)
         if ours is _BATCH_END:
@@ -251,7 +252,7 @@ class EventBusCallback(composer.Callback):
         A run folder already used waits for AFTER_LOAD: only a run that loaded a checkpoint continues it."""
         run_state = self.run_state
         assert run_state is not None
-        self._deferred = not self.adapter.may_open(run_state, resumed, "pass load_path=... (or autoresume=True)")
+        self._deferred = not self.adapter.may_open(run_state, resumed, "pass load_path=... (or autoresume=True; load_weights_only starts a new run)")
         if self._deferred:
             return
         hyperparameters = {"run_name": run_state.run_name, "seed": state.seed, "rank_zero_seed": state.rank_zero_seed,

@@ -153,8 +153,9 @@ def test_a_checkpoint_worker_on_a_composer_run_stages_nothing_and_the_run_comple
 
 
 def test_a_new_run_under_a_used_name_is_refused_and_load_path_continues_it(tmp_path, monkeypatch):
-    """A new Composer run under the name of one that ended would append to its journal: refused in one line;
-    one that loads a checkpoint (``load_path``, or what autoresume found) continues the run in its journal."""
+    """A new Composer run under the name of one that ended would append to its journal: refused in one line, as
+    is one that loads only the weights (``load_weights_only``: its batches count from 1 again); one that loads a
+    checkpoint (``load_path``, or what autoresume found) continues the run in its journal."""
     import pytest
     from composer import Trainer
 
@@ -167,9 +168,13 @@ def test_a_new_run_under_a_used_name_is_refused_and_load_path_continues_it(tmp_p
     first.close()
     with pytest.raises(ConfigError) as refused:
         job("2ba", [EventBusCallback()], [], "used")
-    assert str(refused.value) == ("run 'used' already exists in runs/used: pass load_path=... (or autoresume=True) "
-                                  "to continue it, or another run_name")
+    assert str(refused.value) == ("run 'used' already exists in runs/used: pass load_path=... (or autoresume=True; "
+                                  "load_weights_only starts a new run) to continue it, or another run_name")
     template = job("4ba", [], [], "unused")
+    with pytest.raises(ConfigError, match="load_weights_only starts a new run"):  # its timestamp starts at 0 again
+        Trainer(model=template.state.model, train_dataloader=template.state.train_dataloader, max_duration="4ba",
+                callbacks=[EventBusCallback()], device="cpu", run_name="used", load_path=str(tmp_path / "used.pt"),
+                load_weights_only=True, progress_bar=False, log_to_console=False)
     again = Trainer(model=template.state.model, train_dataloader=template.state.train_dataloader,
                     max_duration="4ba", callbacks=[EventBusCallback()], device="cpu", run_name="used",
                     load_path=str(tmp_path / "used.pt"), progress_bar=False, log_to_console=False)
