@@ -181,8 +181,7 @@ class _EventFile:
         self.folder.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBERS)}"
         self.path = self.folder / name
-        with naming_the_file(self.path):
-            out = open(self.path, "ab")
+        out = open(self.path, "ab")
         records, self._records = self._records, []
         self.add(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
         self._records += records
