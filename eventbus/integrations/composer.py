@@ -252,7 +252,8 @@ class EventBusCallback(composer.Callback):
         A run folder already used waits for AFTER_LOAD: only a run that loaded a checkpoint continues it."""
         run_state = self.run_state
         assert run_state is not None
-        self._deferred = not self.adapter.may_open(run_state, resumed, "pass load_path=... (or autoresume=True; load_weights_only starts a new run)")
+        self._deferred = not self.adapter.may_open(
+            run_state, resumed, "pass load_path=... (or autoresume=True; load_weights_only starts a new run)")
         if self._deferred:
             return
         hyperparameters = {"run_name": run_state.run_name, "seed": state.seed, "rank_zero_seed": state.rank_zero_seed,
