@@ -165,7 +165,7 @@ class LoopRun:
         self.should_stop = False
         self.stop_reason: Optional[str] = None
         self._closed = self._fit_ended = False
-        self._in_step = self._stepped = self._after_train_batch = False
+        self._in_step = self._open = self._stepped = self._after_train_batch = False
         self._step_started = 0.0
         self._window_samples = self._window_tokens = 0
         self._window_loss: Any = None
@@ -210,7 +210,8 @@ class LoopRun:
     @contextlib.contextmanager
     def epoch(self) -> Iterator[None]:
         """One epoch: EPOCH_START (not repeated when resuming mid-epoch); EPOCH_END and EPOCH_CHECKPOINT
-        when it ran to its end (``steps_per_epoch`` steps, or without that number, no stop mid-way)."""
+        when it ran to its end (``steps_per_epoch`` steps, or without that number, no stop mid-way; no batch
+        at all is an epoch too: a loop over an empty loader reaches an epoch ``max_duration``)."""
         self._check_open()
         self._flush()
         if int(self.state.timestamp.batch_in_epoch) == 0:
@@ -219,7 +220,7 @@ class LoopRun:
         self._flush()
         per_epoch = self._steps_per_epoch
         done = int(self.state.timestamp.batch_in_epoch)
-        if (per_epoch is not None and done >= per_epoch) or (per_epoch is None and not self.should_stop and done):
+        if done >= per_epoch if per_epoch is not None else not self.should_stop:  # an empty loader's epoch too
             self.state.advance_epoch()
             self._publish(Event.EPOCH_END)
             self._pending.append(Event.EPOCH_CHECKPOINT)
@@ -237,6 +238,7 @@ class LoopRun:
     def batch_start(self) -> None:
         """BATCH_START and BEFORE_TRAIN_BATCH at the first batch of an optimizer step."""
         self._check_open()
+        self._open = True  # inside a batch's block: an optimizer step here ends the batch at batch_end()
         if self._in_step:
             return  # a further microbatch of the same optimizer step
         self._flush()
@@ -252,7 +254,7 @@ class LoopRun:
         optimizer stepped: the timestamp advances, BATCH_END (a stop request is applied), BATCH_CHECKPOINT."""
         if not self._in_step:
             raise RuntimeError("batch_end() without batch_start()")
-        state = self.state
+        self._open = False
         self._window_samples += samples
         self._window_tokens += tokens
         if loss is not None and not isinstance(loss, torch.Tensor):
@@ -262,9 +264,14 @@ class LoopRun:
         if loss is not None:
             loss = loss.detach()
             self._window_loss = loss if self._window_loss is None else self._window_loss + loss
-            state.loss = loss
+            self.state.loss = loss
         if self._hooks and not self._stepped:
-            return  # gradient accumulation: the optimizer has not stepped yet
+            return  # gradient accumulation (or an optimizer.step() after the block: that step ends the batch)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """The optimizer stepped: the timestamp advances, BATCH_END (a stop request applied), BATCH_CHECKPOINT."""
+        state = self.state
         if not self._after_train_batch:
             self._publish(Event.AFTER_TRAIN_BATCH)  # no step hook saw the step (an optimizer without hooks)
         world = state.world_size
@@ -294,14 +301,18 @@ class LoopRun:
         previous_len = state.dataloader_len
         state.dataloader_label, state.eval_timestamp = label, Timestamp()
         state.dataloader_len = Time(batches, TimeUnit.BATCH) if batches is not None else None
-        self._publish(Event.EVAL_BEFORE_ALL, Event.EVAL_START)
+        joined = self._pending[:1] == [Event.EVAL_AFTER_ALL]  # right after another one: Composer's next evaluator
+        if joined:
+            self._pending.pop(0)
+        self._publish(*() if joined else (Event.EVAL_BEFORE_ALL,), Event.EVAL_START)
         try:
             yield evaluation
             values = dict(evaluation.metrics)
             state.eval_metric_values = {**state.eval_metric_values, label: values}
             if values:
                 self.log({f"metrics/{label}/{name}": value for name, value in values.items()})
-            self._publish(Event.EVAL_END, Event.EVAL_AFTER_ALL)
+            self._publish(Event.EVAL_END)
+            self._pending.insert(0, Event.EVAL_AFTER_ALL)  # at the loop's next mark, unless another evaluation
             self._resume_point()
         finally:
             state.dataloader_label, state.dataloader_len = "train", previous_len
@@ -336,6 +347,8 @@ class LoopRun:
             self._end()
 
     def _end(self) -> None:
+        if self._pending[:1] == [Event.EVAL_AFTER_ALL] and not self._closed:
+            self._publish(Event.EVAL_AFTER_ALL)  # the evaluation ended; the checkpoint events stay unpublished
         self._closed = True
         for hook in self._hooks:
             hook.remove()
@@ -388,13 +401,15 @@ class LoopRun:
                 self._after_train_batch = True
                 self._publish(Event.AFTER_TRAIN_BATCH)
 
-        def after_step(*_: Any) -> None:
-            self._stepped = True
-
-        return [optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step)]
+        return [optimizer.register_step_pre_hook(before_step),
+                optimizer.register_step_post_hook(lambda *_: self._scaler_stepped())]
 
     def _scaler_stepped(self) -> None:
+        """An optimizer (or the scaler) stepped; after the batch's block (``batch.loss`` given, then the step), the
+        step ends that batch: it is the step's, not a microbatch of the next one."""
         self._stepped = True
+        if self._in_step and not self._open:
+            self._end_step()
 
 
 class _ScalerStep:
