@@ -47,7 +47,7 @@ import numbers
 import os
 import pathlib
 import time
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, ContextManager, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -60,6 +60,7 @@ from eventbus.core.run_folder import new_run_name, resolve_run_folder
 from eventbus.core.time import Time, Timestamp, TimeUnit
 from eventbus.integrations.adapter import BusAdapter, RunState
 from eventbus.integrations.loop_checkpoint import LoopCheckpoint, unwrap_model, unwrap_optimizer
+from eventbus.integrations.loop_evaluation import Evaluation, evaluating, metrics_mapping
 from eventbus.runtime.supervisor import Daemons, DaemonsArgument
 from eventbus.training.checks import check_max_duration
 
@@ -115,24 +116,6 @@ class StepMarks:
         self.loss: Any = None
 
 
-class Evaluation:
-    """One ``run.evaluate()``: ``metrics`` (name -> value) set before the block ends reach EVAL_END."""
-
-    def __init__(self, run: "LoopRun", label: str):
-        self._run = run
-        self.label = label
-        self.metrics: Mapping[str, Any] = {}
-
-    @contextlib.contextmanager
-    def batch(self, samples: int = 0) -> Iterator[None]:
-        """One evaluation batch: EVAL_BATCH_START, then EVAL_BATCH_END when the block ends."""
-        state = self._run.state
-        self._run._publish(Event.EVAL_BATCH_START)
-        yield
-        state.eval_timestamp = state.eval_timestamp.to_next_batch(samples=samples)
-        self._run._publish(Event.EVAL_BATCH_END)
-
-
 class LoopRun:
     """A hand-written loop's run on the bus; made by :func:`start`. A context manager: leaving the
     ``with`` block closes it (FIT_END when the block ended normally, the daemons stopped either way)."""
@@ -166,6 +149,8 @@ class LoopRun:
         self.stop_reason: Optional[str] = None
         self._closed = self._fit_ended = False
         self._in_step = self._open = self._stepped = self._after_train_batch = False
+        self._in_epoch = False
+        self._evaluation: Optional[Evaluation] = None  # while in a run.evaluate() block
         self._step_started = 0.0
         self._window_samples = self._window_tokens = 0
         self._window_loss: Any = None
@@ -213,10 +198,19 @@ class LoopRun:
         when it ran to its end (``steps_per_epoch`` steps, or without that number, no stop mid-way; no batch
         at all is an epoch too: a loop over an empty loader reaches an epoch ``max_duration``)."""
         self._check_open()
+        if self._open or self._evaluation is not None:
+            raise RuntimeError(f"run.epoch() inside a {'run.batch()' if self._open else 'run.evaluate()'} block: "
+                               "an epoch's block holds the loop's batches and evaluations, not the other way round")
+        if self._in_epoch:
+            raise RuntimeError("run.epoch() inside another run.epoch() block: end one epoch's block before the next")
         self._flush()
         if int(self.state.timestamp.batch_in_epoch) == 0:
             self._publish(Event.EPOCH_START)
-        yield
+        self._in_epoch = True
+        try:
+            yield
+        finally:
+            self._in_epoch = False
         self._flush()
         per_epoch = self._steps_per_epoch
         done = int(self.state.timestamp.batch_in_epoch)
@@ -230,14 +224,24 @@ class LoopRun:
     @contextlib.contextmanager
     def batch(self, samples: int = 0, tokens: int = 0) -> Iterator[StepMarks]:
         """One batch of the loop: its optimizer step is Composer's batch (see the module docstring)."""
+        if self._open:
+            raise RuntimeError("run.batch() inside another run.batch() block: end one batch's block before the "
+                               "next one opens (several per optimizer step for gradient accumulation)")
         marks = StepMarks(samples, tokens)
         self.batch_start()
-        yield marks
+        try:
+            yield marks
+        except BaseException:
+            self._open = False  # the block failed: no batch_end(), and the run's next marks are not refused
+            raise
         self.batch_end(marks.loss, samples=marks.samples, tokens=marks.tokens)
 
     def batch_start(self) -> None:
         """BATCH_START and BEFORE_TRAIN_BATCH at the first batch of an optimizer step."""
         self._check_open()
+        if self._evaluation is not None:
+            raise RuntimeError("run.batch() inside a run.evaluate() block: train after the evaluation's block "
+                               "ends; an evaluation's own batches are `with evaluation.batch():`")
         self._open = True  # inside a batch's block: an optimizer step here ends the batch at batch_end()
         if self._in_step:
             return  # a further microbatch of the same optimizer step
@@ -291,35 +295,15 @@ class LoopRun:
         self._resume_point(Event.BATCH_CHECKPOINT)
         self._check_duration()
 
-    @contextlib.contextmanager
-    def evaluate(self, label: str = "eval", batches: Optional[int] = None) -> Iterator[Evaluation]:
+    def evaluate(self, label: str = "eval", batches: Optional[int] = None) -> ContextManager[Evaluation]:
         """One evaluation: EVAL_BEFORE_ALL and EVAL_START, EVAL_END with ``evaluation.metrics`` (also logged
         as Composer's ``metrics/<label>/<name>``), EVAL_AFTER_ALL; ``batches``: its length, if known."""
-        self._check_open()
-        state = self.state
-        evaluation = Evaluation(self, label)
-        previous_len = state.dataloader_len
-        state.dataloader_label, state.eval_timestamp = label, Timestamp()
-        state.dataloader_len = Time(batches, TimeUnit.BATCH) if batches is not None else None
-        joined = self._pending[:1] == [Event.EVAL_AFTER_ALL]  # right after another one: Composer's next evaluator
-        if joined:
-            self._pending.pop(0)
-        self._publish(*() if joined else (Event.EVAL_BEFORE_ALL,), Event.EVAL_START)
-        try:
-            yield evaluation
-            values = dict(evaluation.metrics)
-            state.eval_metric_values = {**state.eval_metric_values, label: values}
-            if values:
-                self.log({f"metrics/{label}/{name}": value for name, value in values.items()})
-            self._publish(Event.EVAL_END)
-            self._pending.insert(0, Event.EVAL_AFTER_ALL)  # at the loop's next mark, unless another evaluation
-            self._resume_point()
-        finally:
-            state.dataloader_label, state.dataloader_len = "train", previous_len
+        return evaluating(self, label, batches)
 
     def log(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
         """Metrics under the names given (tensors staged, never read here); step: ``timestamp.batch``."""
         self._check_open()
+        metrics = metrics_mapping(metrics, "run.log()'s metrics", "run.log({'train/loss': loss})")
         detached = {name: value.detach() if isinstance(value, torch.Tensor) else value  # not the autograd graph
                     for name, value in metrics.items()}
         self.adapter.log_metrics(detached, self.step if step is None else step)
