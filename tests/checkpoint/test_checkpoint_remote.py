@@ -20,11 +20,22 @@ from tests.checkpoint.test_checkpoint_best import logged, start_worker
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
 from tests.support import REPO_ROOT, bus_address, free_port, make_trainer
 
-s3fs = pytest.importorskip("s3fs", reason="the s3 extra: pip install 'eventbus[s3]'")
-moto_server = pytest.importorskip("moto.server", reason="test dependency: pip install 'moto[server]'")
-
 BUCKET = "ckpts"
 SMALL = ["--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
+
+
+def moto_server_at(port: int):
+    """moto's S3 server on ``port`` (imported here, when a test needs it: not in every worker's collection)."""
+    from moto.server import ThreadedMotoServer
+
+    return ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+
+
+def s3_filesystem(endpoint: str):
+    """An s3fs filesystem on ``endpoint`` (s3fs imported when a test needs it)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
 
 
 @pytest.fixture
@@ -32,7 +43,7 @@ def s3(monkeypatch):
     """An S3 endpoint on a free localhost port with one bucket; credentials and endpoint in the environment,
     as a user's shell would have them (the worker processes inherit them)."""
     port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = moto_server_at(port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     # moto keeps its buckets per process, not per server: start from none.
@@ -40,7 +51,7 @@ def s3(monkeypatch):
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
         monkeypatch.setenv(key, value)
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+    fs = s3_filesystem(endpoint)
     fs.mkdir(BUCKET)
     yield endpoint, fs
     server.stop()

@@ -13,11 +13,9 @@ import pytest
 
 from eventbus import Callback
 from tests.checkpoint.test_checkpoint_best import on_disk, paced_trainer, start_worker
+from tests.checkpoint.test_checkpoint_remote import moto_server_at, s3_filesystem
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
 from tests.support import free_port, make_trainer
-
-s3fs = pytest.importorskip("s3fs", reason="the s3 extra: pip install 'eventbus[s3]'")
-moto_server = pytest.importorskip("moto.server", reason="test dependency: pip install 'moto[server]'")
 
 BUCKET = "ckpts"
 
@@ -30,7 +28,7 @@ class Store:
         self.port, self.endpoint, self.server = port, f"http://127.0.0.1:{port}", None
 
     def start(self) -> None:
-        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server = moto_server_at(self.port)
         self.server.start()
 
     def stop(self) -> None:
@@ -47,7 +45,7 @@ def store(monkeypatch):
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": store.endpoint}.items():
         monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True).mkdir(BUCKET)
+    s3_filesystem(store.endpoint).mkdir(BUCKET)
     yield store
     store.stop()
 
@@ -94,7 +92,7 @@ def test_after_an_outage_every_kept_checkpoint_is_uploaded_and_every_released_on
     assert not_uploaded(worker, tried=True), "no upload failed while the store was down"
     kept = sorted(p.name for p in local.glob("ep*.pt"))
     assert kept == ["ep1-ba7-rank0.pt", "ep1-ba8-rank0.pt"]
-    remote = s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True)
+    remote = s3_filesystem(store.endpoint)
     folder = f"{BUCKET}/ckpt/checkpoints"
     # Those uploaded before the outage and let go by retention during it are gone there too, not left behind.
     assert sorted(pathlib.Path(p).name for p in remote.ls(folder)) == [*kept, "latest-rank0.pt.symlink"]
@@ -169,7 +167,7 @@ def test_remote_removals_a_stopped_worker_owed_are_done_by_the_restarted_one(tmp
 
     kept = on_disk(tmp_path)
     assert sorted(batch_of(name) for name in kept) == [5, 6]
-    remote = s3fs.S3FileSystem(endpoint_url=store.endpoint, skip_instance_cache=True)
+    remote = s3_filesystem(store.endpoint)
     assert {pathlib.Path(p).name for p in remote.ls(f"{BUCKET}/ckpt/checkpoints")} == kept | {"latest-rank0.pt.symlink"}
 
 

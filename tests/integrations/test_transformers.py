@@ -20,8 +20,6 @@ import torch
 
 from tests.support import REPO_ROOT, bus_address
 
-pytest.importorskip("transformers")
-
 SCRIPT = str(REPO_ROOT / "tests" / "integrations" / "hf_train.py")
 ENV = {"OMP_NUM_THREADS": "1"}
 STEPS_PER_EPOCH = 4  # 16 samples, batch 4

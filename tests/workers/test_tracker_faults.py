@@ -17,10 +17,7 @@ import pytest
 from eventbus import Callback
 from eventbus.trackers.mlflow import MLflowLogger
 from tests.support import BackgroundTrainer, free_port
-
-pytest.importorskip("mlflow.server", reason="the MLflow tracking server comes with the full mlflow package")
-
-from tests.workers.mlflow_server import MLflowServer, _trainer_and_logger, wait_for  # noqa: E402
+from tests.workers.mlflow_server import MLflowServer, _trainer_and_logger, wait_for
 
 
 @pytest.fixture

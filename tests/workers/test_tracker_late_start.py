@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from eventbus import Callback
 from tests.support import BackgroundTrainer, free_port
-
-pytest.importorskip("mlflow.server", reason="the MLflow tracking server comes with the full mlflow package")
-
-from tests.workers.mlflow_server import MLflowServer, _trainer_and_logger, wait_for  # noqa: E402
+from tests.workers.mlflow_server import MLflowServer, _trainer_and_logger, wait_for
 
 
 def test_a_logger_started_while_mlflow_is_down_catches_up_when_it_starts(tmp_path, spawn):
