@@ -10,6 +10,7 @@ import torch
 
 from eventbus.bus.journal import read_messages
 from eventbus.integrations import loop
+from tests.integrations.test_loop_usage import model_and_optimizer
 
 START = ["init", "before_load", "after_load", "fit_start", "iteration_start"]
 STEP = ["batch_start", "before_train_batch", "after_train_batch", "batch_end"]
@@ -18,12 +19,6 @@ STEP = ["batch_start", "before_train_batch", "after_train_batch", "batch_end"]
 def events(folder: pathlib.Path) -> list[tuple[str, dict]]:
     return [(str(message.event), message.payload) for message in read_messages(folder / "events.journal")
             if message.kind == "event"]
-
-
-def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
 def test_an_optimizer_step_after_the_batch_block_ends_that_batch(tmp_path):
