@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from eventbus.bus import wire
 from eventbus.errors import ConfigError
 
-__all__ = ["BusConfig", "service_address_for", "address_for_rank", "advertised", "check_bindable",
+__all__ = ["BusConfig", "service_address_for", "address_for_rank", "advertised", "check_bindable", "check_bus_port",
            "default_address", "is_trusted_endpoint", "owner_only", "remove_socket_file"]
 
 _MAX_IPC_PATH = 100  # the kernel's sun_path limit is 107 bytes
@@ -72,13 +72,18 @@ class BusConfig:
 LAST_BUS_PORT = 65534
 
 
+def check_bus_port(address: str, port: int) -> None:
+    """ConfigError unless ``port`` leaves room for the bus's request service on the next one."""
+    if not 0 < port <= LAST_BUS_PORT:
+        raise ConfigError(f"bus address {address!r}: a bus takes two ports, PORT and PORT+1 (its request "
+                          f"service), so PORT is 1-{LAST_BUS_PORT}")
+
+
 def _host_and_port(address: str) -> tuple[str, int]:
     host, _, port = urlsplit(address).netloc.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"bus address {address!r} needs an explicit port, like tcp://127.0.0.1:5555")
-    if not 0 < int(port) <= LAST_BUS_PORT:
-        raise ConfigError(f"bus address {address!r}: a bus takes two ports, PORT and PORT+1 (its request "
-                          f"service), so PORT is 1-{LAST_BUS_PORT}")
+    check_bus_port(address, int(port))
     return host, int(port)
 
 
@@ -99,7 +104,9 @@ def address_for_rank(address: str, rank: int) -> str:
         return address
     if urlsplit(address).scheme == "tcp":
         host, port = _host_and_port(address)
-        return f"tcp://{host}:{_host_and_port(f'tcp://{host}:{port + 2 * rank}')[1]}"  # its ports in range too
+        ranked = f"tcp://{host}:{port + 2 * rank}"
+        check_bus_port(ranked, port + 2 * rank)  # this rank's two ports in range too
+        return ranked
     return f"{address}-rank{rank}"
 
 

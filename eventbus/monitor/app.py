@@ -35,7 +35,7 @@ import sys
 from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit
 
-from eventbus.bus.config import LAST_BUS_PORT
+from eventbus.bus.config import check_bus_port
 from eventbus.bus.journal import JOURNAL_NAME
 from eventbus.core.events import Event
 from eventbus.errors import EventBusError
@@ -199,9 +199,7 @@ def _check_address(target: str) -> None:
         host, _, port = parts.netloc.rpartition(":")
         if not host or not port.isdigit() or parts.path not in ("", "/"):
             raise EventBusError(f"malformed bus address {target!r}: use tcp://HOST:PORT (the trainer's port)")
-        if not 0 < int(port) <= LAST_BUS_PORT:
-            raise EventBusError(f"bus address {target!r}: a bus takes two ports, PORT and PORT+1 (its request "
-                                f"service), so PORT is 1-{LAST_BUS_PORT}")
+        check_bus_port(target, int(port))
     elif parts.scheme == "ipc":
         if not target[len("ipc://"):]:
             raise EventBusError(f"malformed bus address {target!r}: use ipc://PATH")
