@@ -304,7 +304,7 @@ class CallbackHost:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(COMMIT_INTERVAL)
-            if slot.committed_seq != slot.last_seq and slot.queue.empty() and \
+            if slot.uncommitted and slot.queue.empty() and \
                     time.perf_counter() - slot.committed_at >= COMMIT_INTERVAL:
                 try:
                     await loop.run_in_executor(slot.executor, slot.commit, self.cursor)

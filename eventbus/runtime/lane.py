@@ -99,7 +99,7 @@ class Slot:
         self.last_seq = 0
         self.released_seq = 0  # on the lane: applied, and what it logged for them has left (end of a burst)
         self.ended = False  # it applied the run's end
-        self.committed_seq = 0
+        self.committed_applied = 0  # ``applied`` at its last commit (not a seq: each run of a journal counts from 1)
         self.commit_cost = 0.0  # seconds the last commit took
         self.committed_at = time.perf_counter()
         self.since_commit = 0.0  # seconds spent applying since then
@@ -197,7 +197,7 @@ class Slot:
 
     def commit(self, cursor: Optional[Cursor], force: bool = False) -> None:
         """Group commit of this callback's progress (called between its messages, on its thread)."""
-        if cursor is None or self.message is None or (self.committed_seq == self.last_seq and not force):
+        if cursor is None or self.message is None or (not self.uncommitted and not force):
             return
         commit_together(cursor, [self])
 
@@ -214,7 +214,7 @@ class Slot:
     @property
     def uncommitted(self) -> bool:
         """It applied messages since its last commit."""
-        return self.message is not None and self.committed_seq != self.last_seq
+        return self.message is not None and self.committed_applied != self.applied
 
     def wants_weights(self) -> None:
         """The callback read ``state.model.state_dict()`` where none were leased: lease them from now on."""
@@ -343,7 +343,7 @@ def commit_together(cursor: Cursor, slots: list[Slot]) -> None:
     now = time.perf_counter()
     for slot in slots:
         slot.commit_cost = now - started
-        slot.committed_seq, slot.since_commit, slot.committed_at = slot.last_seq, 0.0, now
+        slot.committed_applied, slot.since_commit, slot.committed_at = slot.applied, 0.0, now
 
 
 class SlotCall:

@@ -16,10 +16,10 @@ from typing import Any, AsyncIterator
 import pytest
 
 from eventbus import Callback, Event, burst_values
-from eventbus.bus.subscribe.journal_stream import journal_messages
+from eventbus.bus.subscribe.journal_stream import JournalStream, journal_messages
 from eventbus.bus.subscribe.messages import Message
 from eventbus.runtime.cursor import Cursor
-from eventbus.runtime.host import CallbackHost
+from eventbus.runtime.host import COMMIT_INTERVAL, CallbackHost
 from eventbus.runtime.lane import SLOW_BURST, Slot
 from eventbus.workers.logger import ProgressLogger
 from tests.support import bus_address, make_trainer
@@ -454,3 +454,40 @@ async def test_an_async_callbacks_idle_commit_that_fails_stops_the_host_in_one_l
     said = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(said) == 1 and said[0].exc_info is None, caplog.text
     assert "AsyncBatchEnds: its progress could not be committed: [Errno 20] Not a directory" in said[0].getMessage()
+
+
+class PausesAt(BatchEnds):
+    """Applies every message; at the given (run id, seq) points it takes longer than ``COMMIT_INTERVAL``, so
+    that a commit is due right after each."""
+
+    def __init__(self, points: set[tuple[str, int]]) -> None:
+        super().__init__()
+        self.points = points
+
+    def run_event(self, event: Event, state: Any, logger: Any) -> None:
+        if (state.run_id, state.seq) in self.points:
+            time.sleep(COMMIT_INTERVAL + 0.05)
+        super().run_event(event, state, logger)
+
+
+async def test_a_commit_in_a_later_run_at_the_seq_committed_in_the_run_before_is_written(tmp_path, caplog):
+    """Seqs start again at 1 in each run of a journal (a run resumed into its folder, as a worker or an export
+    reads it through the restart): a commit due at the seq the run before last committed was taken for one
+    with nothing new, and the host stopped on an IndexError (off the lane: that progress went unwritten)."""
+    run = tmp_path / "run"
+    for duration in ("1ep", "2ep"):  # the second trainer appends a run of its own, seqs from 1 again
+        trainer = make_trainer(tmp_path, duration, run_name="twice", run_folder=run, bus=None)
+        trainer.fit()
+        trainer.close()
+    journal = str(run / "events.journal")
+    messages = [message async for message in JournalStream(journal, through_restarts=True).messages()]
+    first_run, second_run = messages[0].run_id, messages[-1].run_id
+    last_of_first = max(m.seq for m in messages if m.run_id == first_run)
+    assert first_run != second_run and last_of_first < messages[-1].seq
+    callback = PausesAt({(first_run, last_of_first), (second_run, last_of_first)})
+    host = CallbackHost([callback], cursor=Cursor(tmp_path / "cursor.json"))
+    await host.run(JournalStream(journal, through_restarts=True).messages())
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    cursor = Cursor(tmp_path / "cursor.json")
+    assert cursor.run_id == second_run and cursor.seqs["PausesAt"] == messages[-1].seq
+    assert callback.batches == list(range(1, 5)) + list(range(1, 9))
