@@ -74,8 +74,8 @@ class CheckpointSaver(Callback):
     saved at the end of training, and never twice for the same batch.
     ``num_checkpoints_to_keep`` keeps the newest N; ``keep_best`` also keeps the K best by
     ``monitor`` (``metrics/<label>/<Name>``, ``mode`` max or min). Each durable save is logged
-    as ``checkpoint/saved/{path,batch,bytes,seconds}``. While uploads fail, at most
-    ``upload_backlog`` checkpoints that retention let go are kept locally for their upload;
+    as ``checkpoint/saved/{path,batch,bytes,seconds}``. While uploads fail or lag behind the saves,
+    at most ``upload_backlog`` checkpoints that retention let go are kept locally for their upload;
     the oldest beyond that is dropped (``checkpoint/upload_backlog_dropped``).
     """
 
@@ -390,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--upload-attempts", type=int, default=5,
                         help="tries per remote call, with exponential backoff (default: 5)")
     parser.add_argument("--upload-backlog", type=int, default=4, metavar="N",
-                        help="while uploads fail, keep at most N checkpoints that --keep let go for their upload, "
-                             "dropping the oldest beyond that with an error (default: 4)")
+                        help="while uploads fail or lag, keep at most N checkpoints that --keep let go for their "
+                             "upload, dropping the oldest beyond that with an error (default: 4)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing files")
     parser.add_argument("--weights-only", action="store_true", help="save the model weights only")
     parser.add_argument("--transfer", choices=TRANSFERS, default="auto",

@@ -4,14 +4,19 @@ The checkpoint worker writes each checkpoint locally first (atomic, durable),
 acknowledges it (the trainer may reuse its buffer), then queues the upload here:
 a slow or failing object store delays only this thread, never the worker's
 event stream and never training. One thread, first in first out, so a
-retention removal queued after an upload runs after it: a checkpoint is
-removed (remotely, then locally) only once its upload is done, and a local
-file whose upload kept failing is kept, never removed by retention.
+retention removal queued after an upload runs after it: a checkpoint's remote
+copy is removed only after the uploads queued before (the remote ``latest``
+never names a removed one), its local file as soon as its upload is done, and
+a local file whose upload kept failing is kept, never removed by retention.
 
-While the store keeps failing, what waits for upload is bounded: at most
-``backlog`` checkpoints that retention already let go are kept for their upload
-(so the local folder holds at most keep + backlog checkpoints); beyond that the
-oldest is dropped, with an error line and ``checkpoint/upload_backlog_dropped``.
+What waits for upload is bounded, for a failing store and for a slow one: at
+most ``backlog`` checkpoints that retention already let go wait for their upload
+(so the local folder holds at most keep + backlog checkpoints, and the one
+uploading); beyond that the oldest is dropped (never uploaded, its local file
+removed), with an error line and ``checkpoint/upload_backlog_dropped``. While
+the store keeps failing, those are the ones whose upload failed; while every
+upload works but takes longer than the saves come, those queued and not
+started yet, so neither the queue nor the local folder grows with the run.
 The oldest goes, not the newest: the newest local checkpoint is what a resume
 loads, so writing on (rather than pausing saves until the store heals) keeps a
 crash from losing the progress made during the outage. Each upload that works
@@ -30,10 +35,10 @@ if the pause kept it from any.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pathlib
-import queue
 import shutil
 import threading
 import time
@@ -69,8 +74,10 @@ class Uploader:
         self._paused_until, self._failed_for = 0.0, 0.0  # the store failed slowly: calls before then wait
         self._owed: list[tuple[str, str]] = []  # remote removals not done while the store failed: (url, name)
         self._ending = False  # close() asked to stop: the newest waiting upload had its last chance
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[Optional[dict[str, Any]]] = queue.Queue()
+        self._newest = ""  # the local path of the newest upload: never dropped
+        self._lock = threading.Lock()  # _pending, _tasks, and moves between them and ``failed``
+        self._wake = threading.Condition(self._lock)
+        self._tasks: collections.deque[Optional[dict[str, Any]]] = collections.deque()  # queued, not started
         self._thread: Optional[threading.Thread] = None
 
     def folder(self, url: str) -> RemoteFolder:
@@ -82,17 +89,48 @@ class Uploader:
     def upload(self, url: str, local: str, batch: int, latest: Optional[str]) -> None:
         """Queue ``local`` for ``url``, then point ``latest`` (a ``.symlink`` object) at it."""
         self.folder(url)
-        task = {"op": "upload", "url": url, "local": local, "batch": batch, "latest": latest}
+        task = {"op": "upload", "url": url, "local": local, "batch": batch, "latest": latest, "released": False}
         with self._lock:
             self._pending.append(task)
+            self._newest = local
         self._submit(task)
 
     def remove(self, url: str, local: str) -> None:
-        """Queue the removal of ``local`` and its remote copy (after every upload queued before)."""
-        self._submit({"op": "remove", "url": url, "local": local})
+        """Retention let ``local`` go: queue the removal of its remote copy (after every upload queued before);
+        its local file goes once its upload is done, at once if it is. Beyond ``backlog`` released uploads
+        still queued (a slow store), the oldest is dropped."""
+        self._start()
+        with self._wake:
+            self._tasks.append({"op": "remove", "url": url, "local": local})
+            self._wake.notify()
+            uploads = [task for task in self._pending if task["local"] == local]
+            for task in uploads:
+                task["released"] = True
+            uploaded = not uploads and local not in self.failed
+            dropped = self._drop_queued()
+        if uploaded:
+            _remove_local(pathlib.Path(local))
+        for task in dropped:
+            _remove_local(pathlib.Path(task["local"]))
+            log.error("checkpoint %s dropped without upload: the remote folder is slow and the newest %d released "
+                      "checkpoints wait for it instead (--upload-backlog)", task["local"], self.backlog)
+            self._report({"checkpoint/upload_backlog_dropped": task["local"]}, int(task["batch"]))
+
+    def _drop_queued(self) -> list[dict[str, Any]]:
+        """The oldest released uploads queued (not started) beyond ``backlog``, taken out of the queue with their
+        removal (never uploaded: nothing to remove there). Called with the lock held."""
+        queued = sorted((task for task in self._tasks if task is not None and task["op"] == "upload"
+                         and task["released"] and task["local"] != self._newest), key=lambda task: task["batch"])
+        dropped = queued[:max(0, len(queued) - self.backlog)]
+        gone = {task["local"] for task in dropped}
+        if gone:
+            self._tasks = collections.deque(task for task in self._tasks if task is None or task["local"] not in gone
+                                            or task.get("owed"))
+            self._pending = [task for task in self._pending if all(task is not other for other in dropped)]
+        return dropped
 
     def pending(self) -> list[dict[str, Any]]:
-        """The uploads queued or running."""
+        """The uploads queued or running, each with ``released`` when retention let it go."""
         with self._lock:
             return [dict(task) for task in self._pending]
 
@@ -129,26 +167,38 @@ class Uploader:
         if self._thread is None:
             return
         self._ending = self._ending or not last_chance
-        self._queue.put(_STOP)
+        self._put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("uploads still running after %.0fs; %d not finished (the local files stay)",
                       timeout or 0.0, len(self.pending()))
         self._thread = None
 
-    def _submit(self, task: dict[str, Any]) -> None:
+    def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="checkpoint-uploads", daemon=True)
             self._thread.start()
-        self._queue.put(task)
+
+    def _submit(self, task: dict[str, Any]) -> None:
+        self._start()
+        self._put(task)
+
+    def _put(self, task: Optional[dict[str, Any]]) -> None:
+        with self._wake:
+            self._tasks.append(task)
+            self._wake.notify()
 
     def _run(self) -> None:
         while True:
-            task = self._queue.get()
+            with self._wake:
+                while not self._tasks:
+                    self._wake.wait()
+                task = self._tasks.popleft()
+                empty = not self._tasks
             if task is _STOP:
-                if self._queue.empty() and not self._last_chance():
+                if empty and not self._last_chance():
                     return
-                self._queue.put(_STOP)  # uploads retried after close() asked to stop: finish them first
+                self._put(_STOP)  # uploads retried after close() asked to stop: finish them first
                 continue
             try:
                 (self._upload if task["op"] == "upload" else self._remove)(task)
@@ -159,6 +209,7 @@ class Uploader:
         local, folder = pathlib.Path(task["local"]), self.folder(task["url"])
         started = time.perf_counter()
         paused = self._paused() if not task.get("last_chance") else None
+        uploaded = False
         try:
             if not local.exists():
                 raise FileNotFoundError(f"{local} is gone")
@@ -183,10 +234,14 @@ class Uploader:
                           "checkpoint/uploaded/batch": int(task["batch"]),
                           "checkpoint/uploaded/seconds": time.perf_counter() - started,
                           "checkpoint/upload_backlog": len(self.failed)}, task["batch"])
+            uploaded = True
             self._retry_backlog()
         finally:
             with self._lock:
                 self._pending = [t for t in self._pending if t is not task]
+                uploaded = uploaded and task.get("released", False)  # read with the lock: remove() sets it
+            if uploaded:  # retention let it go while it uploaded: its remote copy goes in turn
+                _remove_local(local)
 
     def _paused(self) -> Optional[str]:
         """Why a remote call is not tried now, or None: the store failed slowly a moment ago."""
@@ -209,34 +264,36 @@ class Uploader:
         path, task = next(reversed(self.failed.items()))
         if task.get("tried", True) or not pathlib.Path(path).exists():
             return False
-        del self.failed[path]
-        task = dict(task, last_chance=True)
-        with self._lock:
-            self._pending.append(task)
-        self._queue.put(task)
-        if path in self.released:
-            self.released.discard(path)
-            self._queue.put({"op": "remove", "url": task["url"], "local": path})
+        released = path in self.released
+        self.released.discard(path)
+        self._requeue(path, dict(task, last_chance=True, released=released))
         return True
+
+    def _requeue(self, path: str, task: dict[str, Any]) -> None:
+        """A failed upload queued again (out of ``failed`` and into the queue in one step, as remove() sees
+        them), followed by its removal when retention had let it go."""
+        with self._wake:
+            del self.failed[path]
+            self._pending.append(task)
+            self._tasks.append(task)
+            if task["released"]:
+                self._tasks.append({"op": "remove", "url": task["url"], "local": path})
+            self._wake.notify()
 
     def _retry_backlog(self) -> None:
         """The store works again: queue the remote removals it missed, then the uploads that gave up,
         oldest first, each followed by its removal when retention had let it go."""
         for url, name in self._owed:
-            self._queue.put({"op": "remove", "url": url, "local": name, "owed": True})
+            self._put({"op": "remove", "url": url, "local": name, "owed": True})
         self._owed.clear()
         for path, task in list(self.failed.items()):
-            del self.failed[path]
             released = path in self.released
             self.released.discard(path)
             if not pathlib.Path(path).exists():
+                del self.failed[path]
                 continue
-            task = dict(task, latest=None, last_chance=False)  # ``latest`` names the newer one just uploaded
-            with self._lock:
-                self._pending.append(task)
-            self._queue.put(task)
-            if released:
-                self._queue.put({"op": "remove", "url": task["url"], "local": path})
+            # ``latest`` names the newer one just uploaded
+            self._requeue(path, dict(task, latest=None, last_chance=False, released=released))
 
     def _bound_backlog(self, step: int) -> None:
         """At most ``backlog`` released checkpoints wait for their upload: drop the oldest beyond that."""

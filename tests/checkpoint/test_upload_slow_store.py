@@ -1,0 +1,147 @@
+"""An object store that works but is slow: a real S3-compatible server (moto's) behind a real TCP link that
+carries at most RATE bytes a second, so each checkpoint upload takes far longer than the saves come. The real
+Uploader and the real Retention, called in the checkpoint worker's order (upload, then release what retention
+let go)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from eventbus.checkpoint.retention import Retention
+from eventbus.checkpoint.uploads import Uploader
+from tests.checkpoint.test_checkpoint_remote import moto_server_at, s3_filesystem
+from tests.support import free_port
+
+BUCKET = "ckpts"
+RATE = 4 << 20  # bytes a second from the uploader to the store: a 1 MiB checkpoint takes ~0.25 s
+SIZE = 1 << 20
+KEEP, BACKLOG, SAVES = 2, 2, 30
+
+
+class SlowLink:
+    """A TCP proxy on localhost in front of ``upstream``: what the client sends goes on at ``rate`` bytes a
+    second (a slow uplink to the store), the answers come back at once."""
+
+    def __init__(self, upstream: tuple[str, int], rate: int):
+        self.upstream, self.rate = upstream, rate
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, server, self.rate), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, 0), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, rate: int) -> None:
+        try:
+            while data := source.recv(16384):
+                if rate:
+                    time.sleep(len(data) / rate)  # the link's bandwidth, not a wait for anything
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+
+@pytest.fixture
+def slow_store(monkeypatch):
+    """moto's S3 server with one bucket, and the slow link's endpoint in front of it."""
+    port = free_port()
+    server = moto_server_at(port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30)
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    fs = s3_filesystem(endpoint)
+    fs.mkdir(BUCKET)
+    link = SlowLink(("127.0.0.1", port), RATE)
+    yield link.endpoint, fs
+    link.close()
+    server.stop()
+
+
+def wait_until(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_slow_store_keeps_at_most_keep_plus_backlog_local_checkpoints_and_uploads_the_newest(
+        tmp_path, slow_store, caplog):
+    endpoint, fs = slow_store
+    url = f"s3://{BUCKET}/run/checkpoints"
+    reports: list[dict] = []
+    uploader = Uploader({"endpoint_url": endpoint}, attempts=1, backlog=BACKLOG,
+                        report=lambda metrics, step: reports.append(metrics))
+    retention = Retention(keep_last=KEEP)
+    local = tmp_path / "checkpoints"
+    local.mkdir()
+
+    def uploaded() -> list[str]:
+        return [m["checkpoint/uploaded/path"].rpartition("/")[2] for m in list(reports)
+                if "checkpoint/uploaded/path" in m]
+
+    most = most_released = 0
+    with caplog.at_level(logging.ERROR, logger="eventbus.checkpoint.uploads"):
+        for batch in range(1, SAVES + 1):
+            if batch % 5 == 0:  # saves far faster than uploads, yet the uploads go on meanwhile
+                wait_until(lambda done=batch // 5: len(uploaded()) >= done)
+            path = local / f"ep0-ba{batch}-rank0.pt"
+            path.write_bytes(os.urandom(SIZE))
+            uploader.upload(url, str(path), batch, "latest-rank0.pt")  # the worker's order: upload, retention
+            retention.add(str(path), batch)
+            for save in retention.to_remove():
+                uploader.remove(url, save.path)
+            most = max(most, len(list(local.glob("*.pt"))))
+            # What the worker's state_dict would record: as many released uploads as are kept for them.
+            most_released = max(most_released, sum(1 for task in uploader.waiting() if task.get("released")))
+        uploader.close(timeout=60)
+
+    assert most <= KEEP + BACKLOG + 1, f"{most} local checkpoints at once (keep {KEEP}, backlog {BACKLOG}, 1 uploading)"
+    assert most_released <= BACKLOG + 1
+    assert uploader.waiting() == []
+    dropped = [pathlib.Path(m["checkpoint/upload_backlog_dropped"]).name for m in reports
+               if "checkpoint/upload_backlog_dropped" in m]
+    assert dropped, "nothing reported as dropped"
+    done = uploaded()
+    newest = f"ep0-ba{SAVES}-rank0.pt"
+    assert newest in done and not set(dropped) & set(done)
+    assert sorted(done + dropped) == sorted(f"ep0-ba{batch}-rank0.pt" for batch in range(1, SAVES + 1))
+    lines = [r.getMessage() for r in caplog.records if "dropped without upload" in r.getMessage()]
+    assert len(lines) == len(dropped) and all("slow" in line and "--upload-backlog" in line for line in lines)
+    # Retention applied here and there: the last KEEP stay, the rest is gone (the dropped ones never got there).
+    kept = [f"ep0-ba{batch}-rank0.pt" for batch in range(SAVES - KEEP + 1, SAVES + 1)]
+    assert sorted(p.name for p in local.glob("*.pt")) == sorted(kept)
+    fs.invalidate_cache()
+    remote = f"{BUCKET}/run/checkpoints"
+    assert sorted(pathlib.Path(p).name for p in fs.ls(remote)) == sorted([*kept, "latest-rank0.pt.symlink"])
+    assert fs.cat_file(f"{remote}/{newest}") == (local / newest).read_bytes()
+    assert fs.cat_file(f"{remote}/latest-rank0.pt.symlink") == newest.encode()
