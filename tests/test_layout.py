@@ -5,6 +5,7 @@ runs from a lower one to a higher one; no import circles; no module over 450 lin
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import pathlib
 import subprocess
@@ -100,6 +101,12 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
+@functools.cache
+def parsed(path: pathlib.Path) -> ast.Module:
+    """A module's syntax tree, parsed once per test process (the graph tests below each read every module)."""
+    return ast.parse(path.read_text())
+
+
 def imports_of(path: pathlib.Path, known: dict[str, pathlib.Path], *, type_only: bool) -> set[str]:
     """The project modules ``path`` imports, wherever in the file (functions too); ``type_only``: also
     the imports under ``if TYPE_CHECKING:``."""
@@ -117,11 +124,13 @@ def imports_of(path: pathlib.Path, known: dict[str, pathlib.Path], *, type_only:
                         found.add(name)
             visit(child)
 
-    visit(ast.parse(path.read_text()))
+    visit(parsed(path))
     return found
 
 
+@functools.cache
 def import_graph(*, type_only: bool) -> dict[str, set[str]]:
+    """Who imports whom in the project (built once per test process: read it, never change it)."""
     known = modules()
     return {name: imports_of(path, known, type_only=type_only) - {name} for name, path in known.items()}
 
@@ -243,7 +252,7 @@ def test_no_module_over_450_lines():
 
 def test_no_class_over_300_lines():
     over = sorted(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1}"
-                  for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
+                  for name, path in modules().items() for node in ast.walk(parsed(path))
                   if isinstance(node, ast.ClassDef) and node.end_lineno is not None
                   and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES)
     assert over == [], f"classes over {MAX_CLASS_LINES} lines: {over}"
