@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from composer.core import Callback
+from composer.core import Callback, Event
 from composer.loggers import InMemoryLogger
 
 
@@ -26,6 +26,21 @@ class MetricOrder(Callback):
     def fit_end(self, state: Any, logger: Any) -> None:
         with open(self.path.replace("{run_name}", str(state.run_name)), "w") as file:
             json.dump(self.orders, file)
+
+
+class Recorder(Callback):
+    """A plain Composer callback: records every event's value (both trainers run it unchanged)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.losses: list[tuple[str, float]] = []  # state.loss where a whole batch is done
+
+    def run_event(self, event: Any, state: Any, logger: Any) -> None:
+        self.events.append(event.value)
+        if event.value in ("after_train_batch", "batch_end"):
+            self.losses.append((event.value, float(state.loss)))
+        if event.value == "batch_end":
+            assert event == Event.BATCH_END
 
 
 class StopAtBatch(Callback):

@@ -11,26 +11,19 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import composer  # noqa: E402  (installed by scripts/bootstrap.sh test)
 import pytest
 import torch
-from composer.callbacks import (  # noqa: E402
-    EarlyStopper,
-    LRMonitor,
-    MemoryMonitor,
-    OptimizerMonitor,
-    RuntimeEstimator,
-    SpeedMonitor,
-    ThresholdStopper,
-)
-from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger  # noqa: E402
-from composer.models import ComposerClassifier as ComposerComposerClassifier  # noqa: E402
-from composer.optim import CosineAnnealingScheduler  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset
 
-import eventbus  # noqa: E402
+import eventbus
+
+if TYPE_CHECKING:
+    from composer.loggers import InMemoryLogger
+
+# Composer (installed by scripts/bootstrap.sh test) is imported where it is used, so that collecting the
+# suite does not import it.
 
 # Values that depend on the wall clock: the same key must be logged, the value cannot match.
 TIMED = ("throughput/", "time/train", "time/val", "time/total", "time/remaining_estimate", "memory/")
@@ -51,6 +44,10 @@ def _module() -> torch.nn.Module:
 
 def _run(which: str, callbacks: list[Any], loggers: list[Any], **kwargs: Any) -> Any:
     """The seeded job under ``which`` trainer; returns the trainer after fit."""
+    import composer
+    from composer.models import ComposerClassifier as ComposerComposerClassifier
+    from composer.optim import CosineAnnealingScheduler
+
     module = _module()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     common = dict(train_dataloader=_data(), eval_dataloader=_data(32, seed=1), optimizers=optimizer,
@@ -89,6 +86,8 @@ def _compare_series(ours: dict[str, list[Any]], theirs: dict[str, list[Any]]) ->
 
 
 def _monitors() -> list[Any]:
+    from composer.callbacks import LRMonitor, MemoryMonitor, OptimizerMonitor, RuntimeEstimator, SpeedMonitor
+
     return [LRMonitor(), SpeedMonitor(window_size=2), RuntimeEstimator(), OptimizerMonitor(batch_log_interval=1),
             MemoryMonitor()]
 
@@ -110,6 +109,8 @@ def _tensorboard_tags(folder: Any) -> set[str]:
 
 
 def test_composer_monitors_and_loggers_log_what_composer_logs(tmp_path):
+    from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger
+
     results = {}
     for which in ("composer", "eventbus"):
         memory = InMemoryLogger()
@@ -131,34 +132,22 @@ def test_composer_monitors_and_loggers_log_what_composer_logs(tmp_path):
     assert (ours[3].run_folder / "artifacts" / "uploaded" / "log.txt").is_file()
 
 
-@pytest.mark.parametrize("make_stopper", [
-    lambda: EarlyStopper("MulticlassAccuracy", "eval", patience="1ba", min_delta=10.0),
-    lambda: ThresholdStopper("MulticlassAccuracy", "eval", threshold=0.0),
-    lambda: EarlyStopper("MulticlassAccuracy", "train", patience=1, min_delta=10.0),
+@pytest.mark.parametrize("make_stopper", [  # each given the module composer.callbacks
+    lambda callbacks: callbacks.EarlyStopper("MulticlassAccuracy", "eval", patience="1ba", min_delta=10.0),
+    lambda callbacks: callbacks.ThresholdStopper("MulticlassAccuracy", "eval", threshold=0.0),
+    lambda callbacks: callbacks.EarlyStopper("MulticlassAccuracy", "train", patience=1, min_delta=10.0),
 ], ids=["early-eval", "threshold-eval", "early-train-epochs"])
-def test_composer_stoppers_stop_where_composer_stops(make_stopper: Callable[[], Any]):
+def test_composer_stoppers_stop_where_composer_stops(make_stopper: Callable[[Any], Any]):
+    import composer.callbacks
+    from composer.loggers import InMemoryLogger
+
     stopped = {}
     for which in ("composer", "eventbus"):
         memory = InMemoryLogger()
-        trainer = _run(which, [make_stopper()], [memory], max_duration="4ep", eval_interval="1ba")
+        trainer = _run(which, [make_stopper(composer.callbacks)], [memory], max_duration="4ep", eval_interval="1ba")
         stopped[which] = (int(trainer.state.timestamp.batch), _series(memory))
     assert stopped["eventbus"][0] == stopped["composer"][0] < 16  # stopped early
     _compare_series(stopped["eventbus"][1], stopped["composer"][1])
-
-
-class _Recorder(composer.Callback):
-    """A plain Composer callback: records every event's value (both trainers run it unchanged)."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-        self.losses: list[tuple[str, float]] = []  # state.loss where a whole batch is done
-
-    def run_event(self, event: Any, state: Any, logger: Any) -> None:
-        self.events.append(event.value)
-        if event.value in ("after_train_batch", "batch_end"):
-            self.losses.append((event.value, float(state.loss)))
-        if event.value == "batch_end":
-            assert event == composer.core.Event.BATCH_END
 
 
 @pytest.mark.parametrize("max_duration, interval, expected_eval_batches", [
@@ -166,9 +155,13 @@ class _Recorder(composer.Callback):
     ("2ep", "0.25dur", [2, 4, 6, 8]),
 ])
 def test_microbatched_dur_run_fires_composers_events_and_keys(max_duration, interval, expected_eval_batches):
+    from composer.loggers import InMemoryLogger
+
+    from tests.e2e.fidelity_callbacks import Recorder
+
     runs = {}
     for which in ("composer", "eventbus"):
-        recorder, memory = _Recorder(), InMemoryLogger()
+        recorder, memory = Recorder(), InMemoryLogger()
         _run(which, [recorder], [memory], max_duration=max_duration, eval_interval=interval,
              device_train_microbatch_size=8)
         runs[which] = (recorder.events, memory, recorder.losses)
@@ -196,6 +189,9 @@ def test_composer_types_compare_and_convert_both_ways():
 
 
 def test_worker_loads_composer_callbacks_and_loggers():
+    from composer.callbacks import LRMonitor
+    from composer.loggers import InMemoryLogger
+
     from eventbus.runtime.loading import load_callback
 
     assert isinstance(load_callback("composer.callbacks:LRMonitor"), LRMonitor)
@@ -241,6 +237,8 @@ def test_metric_order_is_the_models_own_as_in_composer(tmp_path):
 def test_train_metrics_are_logged_when_composer_logs_them(tmp_path):
     """Composer computes and logs metrics/train/* before every BATCH_END and once more at each epoch's
     end (so twice at an epoch's last batch): eventbus logs the same points at the same steps."""
+    from composer.loggers import InMemoryLogger
+
     logged = {}
     for which in ("composer", "eventbus"):
         memory = InMemoryLogger()

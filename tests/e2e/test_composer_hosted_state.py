@@ -18,7 +18,6 @@ from typing import Any
 import eventbus
 from eventbus.bus.journal import read_messages
 from eventbus.bus.protocol import STOPS_LEASE
-from tests.e2e.fidelity_callbacks import HyperparameterDump, LogsHyperparameters, StopAtBatch, WeightsAtEval
 from tests.e2e.test_composer_fidelity import _data, _module, _run
 from tests.support import Process, bus_address
 
@@ -75,6 +74,8 @@ def _fit(trainer: eventbus.Trainer, *workers: Process) -> None:
 
 
 def test_hosted_stopper_stops_within_two_batches_of_composers_stop(tmp_path):
+    from tests.e2e.fidelity_callbacks import StopAtBatch
+
     composer_stop = int(_run("composer", [StopAtBatch(3)], [], **RUN).state.timestamp.batch)
     assert composer_stop == 3
 
@@ -101,6 +102,8 @@ def _hyperparameter_headers(trainer: eventbus.Trainer, key: str) -> list[dict[st
 
 
 def test_hosted_callbacks_hyperparameters_reach_every_logger_and_the_journal_once(tmp_path):
+    from tests.e2e.fidelity_callbacks import HyperparameterDump, LogsHyperparameters
+
     logged = {"budget_seconds": 60, "sweep": {"id": "a1", "arms": [1, 2]}}
     memory = HyperparameterDump(str(tmp_path / "composer.json"))
     _run("composer", [LogsHyperparameters(logged)], [memory], **RUN)
@@ -133,6 +136,8 @@ def test_hosted_callbacks_hyperparameters_reach_every_logger_and_the_journal_onc
 def _composer_weights(folder: pathlib.Path) -> dict[str, Any]:
     """What WeightsAtEval keeps under real Composer: the weights at each evaluation (every 2 batches)."""
     import torch
+
+    from tests.e2e.fidelity_callbacks import WeightsAtEval
 
     _run("composer", [WeightsAtEval(str(folder / "composer.pt"))], [], eval_interval="2ba", **RUN)
     return torch.load(folder / "composer.pt")

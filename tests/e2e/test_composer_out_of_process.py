@@ -25,23 +25,10 @@ import warnings
 from typing import Any, Iterator
 
 import pytest
-from composer.callbacks import (  # noqa: E402
-    EarlyStopper,
-    LRMonitor,
-    MemoryMonitor,
-    OptimizerMonitor,
-    RuntimeEstimator,
-    SpeedMonitor,
-    ThresholdStopper,
-)
-from composer.core import Evaluator as ComposerEvaluator  # noqa: E402
-from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger  # noqa: E402
-from composer.optim import CosineAnnealingScheduler  # noqa: E402
 
-import eventbus  # noqa: E402
-from eventbus.bus.journal import read_messages  # noqa: E402
-from tests.e2e.fidelity_callbacks import MetricOrder  # noqa: E402
-from tests.e2e.test_composer_fidelity import (  # noqa: E402
+import eventbus
+from eventbus.bus.journal import read_messages
+from tests.e2e.test_composer_fidelity import (
     COUNTERS,
     _compare_series,
     _data,
@@ -51,36 +38,44 @@ from tests.e2e.test_composer_fidelity import (  # noqa: E402
     _series,
     _tensorboard_tags,
 )
-from tests.support import Process, bus_address  # noqa: E402
+from tests.support import Process, bus_address
 
-MONITORS: dict[type, dict[str, Any]] = {  # the same keyword arguments in process (Composer) and in the worker
-    LRMonitor: {}, SpeedMonitor: {"window_size": 2}, RuntimeEstimator: {},
-    OptimizerMonitor: {"batch_log_interval": 1}, MemoryMonitor: {},
+# Classes of composer.callbacks by name (Composer is imported where it is used, not at collection).
+MONITORS: dict[str, dict[str, Any]] = {  # the same keyword arguments in process (Composer) and in the worker
+    "LRMonitor": {}, "SpeedMonitor": {"window_size": 2}, "RuntimeEstimator": {},
+    "OptimizerMonitor": {"batch_log_interval": 1}, "MemoryMonitor": {},
 }
-STOPPERS: dict[str, tuple[type, dict[str, Any]]] = {  # evaluator label -> the stopper watching it
-    "threshold": (ThresholdStopper, {"monitor": "MulticlassAccuracy", "dataloader_label": "threshold",
-                                     "threshold": 0.0}),
-    "early": (EarlyStopper, {"monitor": "MulticlassAccuracy", "dataloader_label": "early", "patience": "1ba",
-                             "min_delta": 10.0}),
+STOPPERS: dict[str, tuple[str, dict[str, Any]]] = {  # evaluator label -> the stopper watching it
+    "threshold": ("ThresholdStopper", {"monitor": "MulticlassAccuracy", "dataloader_label": "threshold",
+                                       "threshold": 0.0}),
+    "early": ("EarlyStopper", {"monitor": "MulticlassAccuracy", "dataloader_label": "early", "patience": "1ba",
+                               "min_delta": 10.0}),
 }
 MONITORS_RUN = dict(max_duration="2ep", eval_interval="1ep")  # 8 batches
 STOPPER_RUN = dict(max_duration="4ep", eval_interval="1ba")  # 16 batches unless stopped
 DEADLINE = 60.0  # seconds any wait below may take before the test fails
 
 
-def _spec(cls: type, kwargs: dict[str, Any]) -> list[str]:
-    module = cls.__module__.rsplit(".", 1)[0]  # composer.callbacks, composer.loggers
-    return ["--callback", f"{module}:{cls.__name__}" + (f":{json.dumps(kwargs)}" if kwargs else "")]
+def _spec(module: str, name: str, kwargs: dict[str, Any]) -> list[str]:
+    return ["--callback", f"{module}:{name}" + (f":{json.dumps(kwargs)}" if kwargs else "")]
 
 
 def _worker_args(address: str) -> list[str]:
     args = ["-m", "eventbus", "worker", "--connect", address, "--follow"]
-    for cls, kwargs in [*MONITORS.items(), *STOPPERS.values()]:
-        args += _spec(cls, kwargs)
+    for name, kwargs in [*MONITORS.items(), *STOPPERS.values()]:
+        args += _spec("composer.callbacks", name, kwargs)
     return [*args, "--callback", 'tests.worker_callbacks:DumpingInMemoryLogger:{"path": "{run_name}.memory.json"}',
             "--callback", 'tests.e2e.fidelity_callbacks:MetricOrder:{"path": "{run_name}.order.json"}',
-            *_spec(FileLogger, {"filename": "{run_name}/log.txt", "capture_stdout": False, "capture_stderr": False}),
-            *_spec(TensorboardLogger, {"log_dir": "tb", "flush_interval": 1})]
+            *_spec("composer.loggers", "FileLogger",
+                   {"filename": "{run_name}/log.txt", "capture_stdout": False, "capture_stderr": False}),
+            *_spec("composer.loggers", "TensorboardLogger", {"log_dir": "tb", "flush_interval": 1})]
+
+
+def _composer_callback(name: str, kwargs: dict[str, Any]) -> Any:
+    """composer.callbacks' class ``name`` built in process, with the arguments the worker builds it with."""
+    import composer.callbacks
+
+    return getattr(composer.callbacks, name)(**kwargs)
 
 
 class _AwaitStopRequest(eventbus.Callback):
@@ -106,6 +101,7 @@ class _AwaitStopRequest(eventbus.Callback):
 def _eventbus_trainer(folder: pathlib.Path, run_name: str, callbacks: list[Any], **kwargs: Any) -> eventbus.Trainer:
     """The seeded job of tests/e2e/test_composer_fidelity.py, publishing on the worker's address."""
     import torch
+    from composer.optim import CosineAnnealingScheduler
 
     module = _module()
     with warnings.catch_warnings():
@@ -126,8 +122,11 @@ def _fit(trainer: eventbus.Trainer) -> eventbus.Trainer:
 
 
 def _composer_stop_batch(label: str) -> int:
-    cls, kwargs = STOPPERS[label]
-    trainer = _run("composer", [cls(**kwargs)], [InMemoryLogger()],
+    from composer.core import Evaluator as ComposerEvaluator
+    from composer.loggers import InMemoryLogger
+
+    name, kwargs = STOPPERS[label]
+    trainer = _run("composer", [_composer_callback(name, kwargs)], [InMemoryLogger()],
                    eval_dataloader=ComposerEvaluator(label=label, dataloader=_data(32, seed=1)), **STOPPER_RUN)
     return int(trainer.state.timestamp.batch)
 
@@ -152,6 +151,10 @@ def _wait_for(condition: Any, what: str, worker: Process) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Iterator[dict[str, Any]]:
     """The Composer runs, then the three eventbus runs that one worker follows."""
+    from composer.loggers import FileLogger, InMemoryLogger, TensorboardLogger
+
+    from tests.e2e.fidelity_callbacks import MetricOrder
+
     folder = tmp_path_factory.mktemp("out_of_process")
     results: dict[str, Any] = {"folder": folder}
     cwd = os.getcwd()
@@ -165,7 +168,7 @@ def runs(tmp_path_factory) -> Iterator[dict[str, Any]]:
         file_logger = FileLogger(filename=str(folder / "composer" / "log.txt"), capture_stdout=False,
                                  capture_stderr=False)
         board = TensorboardLogger(log_dir=str(folder / "composer" / "tb"), flush_interval=1)
-        _run("composer", [*(cls(**kwargs) for cls, kwargs in MONITORS.items()),
+        _run("composer", [*(_composer_callback(name, kwargs) for name, kwargs in MONITORS.items()),
                           MetricOrder(str(folder / "composer.order.json"))], [memory, file_logger, board],
              **MONITORS_RUN)
         results["composer"] = _series(memory)
@@ -227,7 +230,7 @@ def test_hosted_monitors_log_what_composer_logs(runs):
     _compare_series(hosted, {key: theirs[key] for key in hosted})  # values to rel 1e-4; wall clock by count
     assert set(logged["trainer"]) | set(hosted) == set(theirs)  # every key Composer logged, each from the same place
     named = {name for names in sources.values() for name in names} - {"trainer"}
-    assert named <= {cls.__name__ for cls in MONITORS} and "MemoryMonitor" not in named  # nothing on CPU
+    assert named <= set(MONITORS) and "MemoryMonitor" not in named  # nothing on CPU
     for key, monitor in [("lr-SGD/group0", "LRMonitor"), ("l2_norm/grad/global", "OptimizerMonitor"),
                          ("throughput/batches_per_sec", "SpeedMonitor"), ("time/train", "SpeedMonitor"),
                          ("time/remaining_estimate", "RuntimeEstimator")]:

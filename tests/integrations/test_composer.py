@@ -8,12 +8,11 @@ import os
 import subprocess
 import sys
 
-from composer.loggers import InMemoryLogger
-
 from eventbus.bus.journal import read_messages
-from eventbus.integrations.composer import EventBusCallback
-from tests.integrations.composer_job import FiredEvents, UserLogging, job
 from tests.support import REPO_ROOT, BackgroundTrainer, bus_address
+
+# Composer, and what imports it (eventbus.integrations.composer, composer_job), is imported in the tests,
+# not when the suite is collected.
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
 
@@ -29,6 +28,11 @@ def metrics_by_step(path) -> dict[int, dict]:
 
 
 def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn):
+    from composer.loggers import InMemoryLogger
+
+    from eventbus.integrations.composer import EventBusCallback
+    from tests.integrations.composer_job import FiredEvents, UserLogging, job
+
     address, name = bus_address(tmp_path), "composer-run"
     events_file = tmp_path / "events.json"
     worker = spawn("-m", "eventbus", "worker", "--connect", address,
@@ -89,6 +93,9 @@ def test_workers_logger_monitor_and_export_see_the_composer_run(tmp_path, spawn)
 
 
 def test_a_workers_stop_ends_the_composer_run_within_a_few_batches(tmp_path, spawn):
+    from eventbus.integrations.composer import EventBusCallback
+    from tests.integrations.composer_job import FiredEvents, UserLogging, job
+
     address = bus_address(tmp_path)
     worker = spawn("-m", "eventbus", "worker", "--connect", address,
                    "--callback", 'tests.integrations.worker_callbacks:StopAtBatch:{"batch": 3}')
@@ -139,6 +146,9 @@ def test_a_checkpoint_worker_on_a_composer_run_stages_nothing_and_the_run_comple
     """Composer's own CheckpointSaver writes a Composer run's checkpoints (its format is the one eventbus
     reads): a checkpoint worker's lease must not make the adapter stage anything, nor raise on the
     training thread, and the worker ends with the run having written nothing."""
+    from eventbus.integrations.composer import EventBusCallback
+    from tests.integrations.composer_job import UserLogging, job
+
     address = bus_address(tmp_path)
     saver = spawn("-m", "eventbus.workers.checkpoint", "--connect", address, "--save-interval", "1ep",
                   "--state-dir", str(tmp_path / "s"))
@@ -160,6 +170,8 @@ def test_a_new_run_under_a_used_name_is_refused_and_load_path_continues_it(tmp_p
     from composer import Trainer
 
     from eventbus.errors import ConfigError
+    from eventbus.integrations.composer import EventBusCallback
+    from tests.integrations.composer_job import job
 
     monkeypatch.chdir(tmp_path)
     first = job("2ba", [EventBusCallback()], [], "used")

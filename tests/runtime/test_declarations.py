@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from composer.callbacks import EarlyStopper, LRMonitor, SpeedMonitor, ThresholdStopper
 
 from bench.callbacks import StopAt
 from eventbus import Callback, Event
@@ -14,21 +13,35 @@ from eventbus.runtime.declarations import (
     staged_only_events,
     subscription,
 )
-from tests.e2e.fidelity_callbacks import StopAtBatch, WeightsAtEval
+
+# Composer's callbacks, and tests.e2e.fidelity_callbacks (Composer callbacks too), are imported in the tests,
+# not when the suite is collected.
 
 
-@pytest.mark.parametrize("callback", [EarlyStopper("MulticlassAccuracy", "eval"),
-                                      ThresholdStopper("MulticlassAccuracy", "eval", 0.5), StopAtBatch(3)])
-def test_stoppers_are_found_in_their_code(callback):
+@pytest.mark.parametrize("stopper", ["EarlyStopper", "ThresholdStopper", "StopAtBatch"])
+def test_stoppers_are_found_in_their_code(stopper):
+    from composer.callbacks import EarlyStopper, ThresholdStopper
+
+    from tests.e2e.fidelity_callbacks import StopAtBatch
+
+    callback = {"EarlyStopper": lambda: EarlyStopper("MulticlassAccuracy", "eval"),
+                "ThresholdStopper": lambda: ThresholdStopper("MulticlassAccuracy", "eval", 0.5),
+                "StopAtBatch": lambda: StopAtBatch(3)}[stopper]()
     assert may_stop_training(callback) and not reads_weights(callback)
 
 
 def test_monitors_neither_stop_nor_read_weights():
+    from composer.callbacks import LRMonitor, SpeedMonitor
+
     for callback in (LRMonitor(), SpeedMonitor()):
         assert not may_stop_training(callback) and not reads_weights(callback)
 
 
 def test_a_declaration_wins_over_the_code():
+    from composer.callbacks import LRMonitor
+
+    from tests.e2e.fidelity_callbacks import WeightsAtEval
+
     assert may_stop_training(StopAt(3, fast=True)) and not may_stop_training(StopAt(3, fast=False))
     monitor = LRMonitor()
     monitor.captures = frozenset({"weights", "stops"})  # type: ignore[attr-defined]
@@ -37,7 +50,10 @@ def test_a_declaration_wins_over_the_code():
 
 
 def test_weights_are_leased_at_the_weights_events_the_readers_handle():
+    from composer.callbacks import LRMonitor, SpeedMonitor
+
     from eventbus.runtime.host import CallbackHost
+    from tests.e2e.fidelity_callbacks import WeightsAtEval
 
     assert CallbackHost([WeightsAtEval("x.pt"), LRMonitor()]).weights_events() == {"eval_end", "fit_end"}
     assert CallbackHost([LRMonitor(), SpeedMonitor()]).weights_events() == frozenset()
@@ -75,6 +91,8 @@ def test_a_worker_is_sent_the_staged_checkpoint_events_only_when_every_callback_
 
 
 def test_latest_only_takes_events_or_their_names_and_refuses_anything_else():
+    from composer.callbacks import LRMonitor
+
     class Newest(Callback):
         latest_only: object = {Event.BATCH_END, "eval_batch_end"}
 

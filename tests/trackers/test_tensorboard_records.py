@@ -6,9 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary
 
 from eventbus.trackers import tensorboard
 from eventbus.trackers.tensorboard import TensorBoardLogger
@@ -22,6 +19,9 @@ STEPS = {  # step -> its scalars
 
 
 def protobufs_own(step, values, wall_time):
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
     summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values])
     return Event(wall_time=wall_time, step=step, summary=summary).SerializeToString()
 
@@ -34,6 +34,8 @@ def test_a_steps_record_is_the_bytes_protobuf_writes(monkeypatch, step):
 
 
 def test_tensorboards_reader_reads_every_point_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logger = TensorBoardLogger(log_dir=tmp_path)
     for step, metrics in STEPS.items():
         logger.log_metrics(metrics, step)

@@ -11,7 +11,6 @@ import struct
 import time
 
 import pytest
-from wandb.proto import wandb_internal_pb2
 
 from eventbus import Callback, Trainer
 from tests.support import BackgroundTrainer, bus_address, make_loader, make_model
@@ -28,6 +27,8 @@ def offline_env(tmp_path):
 def wandb_records(path):
     """W&B's protobuf Records from a run's ``.wandb`` file (LevelDB's log format behind a 7-byte ``:W&B``
     header), read here independently of the reader eventbus itself uses to find where to resume."""
+    from wandb.proto import wandb_internal_pb2
+
     data, pos, parts = path.read_bytes(), 7, []
     assert data.startswith(b":W&B")
     while pos + 7 <= len(data):
