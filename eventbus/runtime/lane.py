@@ -209,7 +209,9 @@ class Slot:
         if lane is None or self.thread is not None:
             self.commit(cursor)
         else:
-            commit_together(cursor, [slot for slot in lane.slots if slot.thread is None and slot.uncommitted])
+            uncommitted = [slot for slot in lane.slots if slot.thread is None and slot.uncommitted]
+            if uncommitted:
+                commit_together(cursor, uncommitted)
 
     @property
     def uncommitted(self) -> bool:
