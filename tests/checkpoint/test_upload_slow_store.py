@@ -11,16 +11,13 @@ import pathlib
 import socket
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from eventbus.checkpoint.retention import Retention
 from eventbus.checkpoint.uploads import Uploader
-from tests.checkpoint.test_checkpoint_remote import moto_server_at, s3_filesystem
-from tests.support import free_port
+from tests.checkpoint.test_checkpoint_remote import BUCKET, s3  # noqa: F401 (the s3 fixture)
 
-BUCKET = "ckpts"
 RATE = 4 << 20  # bytes a second from the uploader to the store: a 1 MiB checkpoint takes ~0.25 s
 SIZE = 1 << 20
 KEEP, BACKLOG, SAVES = 2, 2, 30
@@ -69,22 +66,12 @@ class SlowLink:
 
 
 @pytest.fixture
-def slow_store(monkeypatch):
-    """moto's S3 server with one bucket, and the slow link's endpoint in front of it."""
-    port = free_port()
-    server = moto_server_at(port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30)
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    fs = s3_filesystem(endpoint)
-    fs.mkdir(BUCKET)
-    link = SlowLink(("127.0.0.1", port), RATE)
+def slow_store(request):
+    """The S3 server of the ``s3`` fixture (tests/checkpoint/test_checkpoint_remote.py), through the slow link."""
+    endpoint, fs = request.getfixturevalue("s3")
+    link = SlowLink(("127.0.0.1", int(endpoint.rpartition(":")[2])), RATE)
     yield link.endpoint, fs
     link.close()
-    server.stop()
 
 
 def wait_until(condition, seconds: float = 10.0) -> None:
