@@ -333,19 +333,20 @@ def commit_together(cursor: Cursor, slots: list[Slot]) -> None:
     """One cursor write for the progress of ``slots`` (each between two of its messages: called on the
     thread that applies them all): each one's last applied seq with its ``state_dict()`` as of then."""
     started = time.perf_counter()
-    entries = []
+    entries, counts = [], []
     for slot in slots:
         flush = getattr(slot.callback, "flush", None)
         if callable(flush):
             flush()  # a tracker's buffered writes are durable before they are recorded as applied
+        counts.append(slot.applied)  # read with its seq: an async callback's loop may apply more meanwhile
         entries.append((slot.name, slot.last_seq, slot.callback.state_dict(), slot.ended))
     message = slots[0].message
     assert message is not None, "a callback commits once it applied a message"
     cursor.record_many(message.run_id, entries, message.header.get("journal"))
     now = time.perf_counter()
-    for slot in slots:
+    for slot, count in zip(slots, counts):
         slot.commit_cost = now - started
-        slot.committed_applied, slot.since_commit, slot.committed_at = slot.applied, 0.0, now
+        slot.committed_applied, slot.since_commit, slot.committed_at = count, 0.0, now
 
 
 class SlotCall:
