@@ -4,19 +4,20 @@ The checkpoint worker writes each checkpoint locally first (atomic, durable),
 acknowledges it (the trainer may reuse its buffer), then queues the upload here:
 a slow or failing object store delays only this thread, never the worker's
 event stream and never training. One thread, first in first out, so a
-retention removal queued after an upload runs after it: a checkpoint's remote
-copy is removed only after the uploads queued before (the remote ``latest``
-never names a removed one), its local file as soon as its upload is done, and
-a local file whose upload kept failing is kept, never removed by retention.
+retention removal queued after an upload runs after it; a checkpoint's remote
+copy is not removed while a remote ``latest`` names it (its removal waits until
+a newer upload moves ``latest`` on), its local file goes as soon as its upload
+is done, and a local file whose upload kept failing is kept, never removed by
+retention.
 
 What waits for upload is bounded, for a failing store and for a slow one: at
-most ``backlog`` checkpoints that retention already let go wait for their upload
-(so the local folder holds at most keep + backlog checkpoints, and the one
-uploading); beyond that the oldest is dropped (never uploaded, its local file
-removed), with an error line and ``checkpoint/upload_backlog_dropped``. While
-the store keeps failing, those are the ones whose upload failed; while every
-upload works but takes longer than the saves come, those queued and not
-started yet, so neither the queue nor the local folder grows with the run.
+most ``backlog`` checkpoints that retention let go and whose upload failed, and
+at most ``backlog`` that retention let go queued behind a slow upload (the
+local folder holds what retention keeps, those, the one uploading and the one
+the remote ``latest`` names); beyond that the oldest is dropped (never
+uploaded, its local file removed), with an error line and
+``checkpoint/upload_backlog_dropped``, so neither the queue nor the local
+folder grows with the run.
 The oldest goes, not the newest: the newest local checkpoint is what a resume
 loads, so writing on (rather than pausing saves until the store heals) keeps a
 crash from losing the progress made during the outage. Each upload that works
@@ -75,6 +76,8 @@ class Uploader:
         self._owed: list[tuple[str, str]] = []  # remote removals not done while the store failed: (url, name)
         self._ending = False  # close() asked to stop: the newest waiting upload had its last chance
         self._newest = ""  # the local path of the newest upload: never dropped
+        self._named: dict[tuple[str, str], str] = {}  # (url, a ``latest`` object) -> the checkpoint it names there
+        self._held: list[dict[str, Any]] = []  # removals of a checkpoint a ``latest`` names: run once it moves on
         self._lock = threading.Lock()  # _pending, _tasks, and moves between them and ``failed``
         self._wake = threading.Condition(self._lock)
         self._tasks: collections.deque[Optional[dict[str, Any]]] = collections.deque()  # queued, not started
@@ -117,15 +120,17 @@ class Uploader:
             self._report({"checkpoint/upload_backlog_dropped": task["local"]}, int(task["batch"]))
 
     def _drop_queued(self) -> list[dict[str, Any]]:
-        """The oldest released uploads queued (not started) beyond ``backlog``, taken out of the queue with their
-        removal (never uploaded: nothing to remove there). Called with the lock held."""
+        """The oldest released uploads queued (not started) beyond ``backlog``, taken out of the queue (with their
+        removal, unless an earlier attempt may have put them there). Called with the lock held."""
         queued = sorted((task for task in self._tasks if task is not None and task["op"] == "upload"
                          and task["released"] and task["local"] != self._newest), key=lambda task: task["batch"])
         dropped = queued[:max(0, len(queued) - self.backlog)]
-        gone = {task["local"] for task in dropped}
-        if gone:
-            self._tasks = collections.deque(task for task in self._tasks if task is None or task["local"] not in gone
-                                            or task.get("owed"))
+        if dropped:
+            # A first attempt's removal goes with it (nothing was put there); a retried one may have been put.
+            unsent = {task["local"] for task in dropped if "tried" not in task}
+            self._tasks = collections.deque(
+                task for task in self._tasks if task is None or all(task is not other for other in dropped)
+                and (task["op"] != "remove" or task["local"] not in unsent or task.get("owed")))
             self._pending = [task for task in self._pending if all(task is not other for other in dropped)]
         return dropped
 
@@ -138,8 +143,10 @@ class Uploader:
         """Every upload not done yet, for the worker's state_dict (a restarted worker queues them again):
         those queued or running, then those that failed and wait for a retry, each with ``released``
         when retention let it go (to be removed once uploaded)."""
-        failed, released = dict(self.failed), frozenset(self.released)  # each copied in one step (GIL)
-        return self.pending() + [{"url": task["url"], "local": path, "batch": task["batch"], "latest": task["latest"],
+        with self._lock:  # an upload moves from pending to failed (and back) under it: listed once, never missed
+            pending = [dict(task) for task in self._pending]
+            failed, released = dict(self.failed), frozenset(self.released)
+        return pending + [{"url": task["url"], "local": path, "batch": task["batch"], "latest": task["latest"],
                                   "released": path in released} for path, task in failed.items()]
 
     def wait_idle(self, timeout: float) -> bool:
@@ -218,10 +225,13 @@ class Uploader:
             folder.put(local, local.name)
             if task["latest"]:
                 folder.put_text(task["latest"] + SYMLINK_SUFFIX, local.name)
+                self._latest_moved(task["url"], task["latest"], local.name)
         except Exception as err:
             if not paused:
                 self._pause_after(started)
-            self.failed[str(local)] = dict(task, tried=not paused)
+            with self._lock:  # out of pending and into failed in one step, as waiting() reads them
+                self.failed[str(local)] = dict(task, tried=not paused)
+                self._pending = [t for t in self._pending if t is not task]
             log.error("checkpoint %s not uploaded to %s: %s: %s; the local file is kept (%d await upload)", local,
                       folder.url, type(err).__name__, err, len(self.failed))
             self._report({"checkpoint/upload_error": f"{local.name}: {type(err).__name__}: {err}"[:1000],
@@ -242,6 +252,18 @@ class Uploader:
                 uploaded = uploaded and task.get("released", False)  # read with the lock: remove() sets it
             if uploaded:  # retention let it go while it uploaded: its remote copy goes in turn
                 _remove_local(local)
+
+    def _latest_moved(self, url: str, latest: str, name: str) -> None:
+        """``latest`` at ``url`` now names ``name``: the removals held for the one it named before run now."""
+        self._named[(url, latest)] = name
+        for task in [task for task in self._held if not self._names(task)]:
+            self._held.remove(task)
+            self._put(task)
+
+    def _names(self, removal: dict[str, Any]) -> bool:
+        """Whether a ``latest`` object at the removal's URL names the checkpoint it removes."""
+        return any(url == removal["url"] and name == pathlib.Path(removal["local"]).name
+                   for (url, _), name in self._named.items())
 
     def _paused(self) -> Optional[str]:
         """Why a remote call is not tried now, or None: the store failed slowly a moment ago."""
@@ -309,6 +331,16 @@ class Uploader:
 
     def _remove(self, task: dict[str, Any]) -> None:
         local = pathlib.Path(task["local"])
+        with self._wake:
+            waiting = [upload for upload in self._pending if upload["local"] == task["local"]]
+            for upload in waiting:  # a failed upload queued again since retention let it go: remove after it
+                upload["released"] = True
+            if waiting:
+                self._tasks.append(task)
+                return
+        if not task.get("owed") and self._names(task):
+            self._held.append(task)  # the remote ``latest`` names it: removed once a newer upload moves it on
+            return
         if str(local) in self.failed:
             log.warning("retention: keeping %s, which was never uploaded", local)
             self.released.add(str(local))

@@ -81,12 +81,26 @@ def wait_until(condition, seconds: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def assert_latest_names_an_uploaded_checkpoint(fs) -> None:
+    """What a resume from the remote folder reads: ``latest`` names a checkpoint that is there (read again when
+    it is not: the upload thread may have moved ``latest`` on, and removed the old one, in between)."""
+    folder, latest = f"{BUCKET}/run/checkpoints", f"{BUCKET}/run/checkpoints/latest-rank0.pt.symlink"
+    fs.invalidate_cache()
+    if not fs.exists(latest):
+        return  # nothing uploaded yet
+    named = fs.cat_file(latest).decode()
+    fs.invalidate_cache()
+    if not fs.exists(f"{folder}/{named}"):
+        fs.invalidate_cache()
+        assert fs.cat_file(latest).decode() != named, f"the remote latest names {named}, which was removed"
+
+
 def test_a_slow_store_keeps_at_most_keep_plus_backlog_local_checkpoints_and_uploads_the_newest(
         tmp_path, slow_store, caplog):
     endpoint, fs = slow_store
     url = f"s3://{BUCKET}/run/checkpoints"
     reports: list[dict] = []
-    uploader = Uploader({"endpoint_url": endpoint}, attempts=1, backlog=BACKLOG,
+    uploader = Uploader({"endpoint_url": endpoint}, attempts=3, backlog=BACKLOG,
                         report=lambda metrics, step: reports.append(metrics))
     retention = Retention(keep_last=KEEP)
     local = tmp_path / "checkpoints"
@@ -108,11 +122,14 @@ def test_a_slow_store_keeps_at_most_keep_plus_backlog_local_checkpoints_and_uplo
             for save in retention.to_remove():
                 uploader.remove(url, save.path)
             most = max(most, len(list(local.glob("*.pt"))))
+            assert_latest_names_an_uploaded_checkpoint(fs)
             # What the worker's state_dict would record: as many released uploads as are kept for them.
             most_released = max(most_released, sum(1 for task in uploader.waiting() if task.get("released")))
         uploader.close(timeout=60)
 
-    assert most <= KEEP + BACKLOG + 1, f"{most} local checkpoints at once (keep {KEEP}, backlog {BACKLOG}, 1 uploading)"
+    assert not [m for m in reports if "checkpoint/upload_error" in m], reports
+    assert most <= KEEP + BACKLOG + 2, \
+        f"{most} local checkpoints at once (keep {KEEP}, backlog {BACKLOG}, 1 uploading, 1 named by latest)"
     assert most_released <= BACKLOG + 1
     assert uploader.waiting() == []
     dropped = [pathlib.Path(m["checkpoint/upload_backlog_dropped"]).name for m in reports
