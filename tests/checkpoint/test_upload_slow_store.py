@@ -1,7 +1,7 @@
 """An object store that works but is slow: a real S3-compatible server (moto's) behind a real TCP link that
 carries at most RATE bytes a second, so each checkpoint upload takes far longer than the saves come. The real
 Uploader and the real Retention, called in the checkpoint worker's order (upload, then release what retention
-let go)."""
+let go); and a slow upload that a failed one's retry and release cross."""
 
 from __future__ import annotations
 
@@ -149,3 +149,29 @@ def test_a_slow_store_keeps_at_most_keep_plus_backlog_local_checkpoints_and_uplo
     assert sorted(pathlib.Path(p).name for p in fs.ls(remote)) == sorted([*kept, "latest-rank0.pt.symlink"])
     assert fs.cat_file(f"{remote}/{newest}") == (local / newest).read_bytes()
     assert fs.cat_file(f"{remote}/latest-rank0.pt.symlink") == newest.encode()
+
+
+def test_a_failed_upload_queued_again_before_its_release_is_applied_is_uploaded_then_removed(tmp_path, slow_store):
+    """X's upload fails; retention lets X go while a slow upload (Y) runs; Y's success queues X again, behind
+    X's removal. The removal ran first: X's local file went before its upload, which then failed as "gone"."""
+    endpoint, _ = slow_store
+    reports: list[dict] = []
+    uploader = Uploader({"endpoint_url": endpoint}, attempts=1, report=lambda metrics, step: reports.append(metrics))
+    remote = tmp_path / "remote"
+    remote.write_text("a file where the folder goes: every upload there fails at once")
+    x, y = tmp_path / "ep0-ba1-rank0.pt", tmp_path / "ep0-ba2-rank0.pt"
+    x.write_bytes(os.urandom(SIZE))
+    y.write_bytes(os.urandom(4 * SIZE))  # ~1 s through the slow link
+    started = time.monotonic()
+    uploader.upload(f"file://{remote}", str(x), 1, None)
+    wait_until(lambda: any("checkpoint/upload_error" in m for m in list(reports)))
+    time.sleep(time.monotonic() - started)  # the pause after a failure lasts as long as it took: at most this
+    remote.unlink()  # the folder's place is free: uploads there work again
+    uploader.upload(f"s3://{BUCKET}/run/checkpoints", str(y), 2, None)
+    uploader.remove(f"file://{remote}", str(x))  # queued while Y uploads: X's retry comes after it
+    uploader.close(timeout=60)
+    errors = [m["checkpoint/upload_error"] for m in reports if "checkpoint/upload_error" in m]
+    assert len(errors) == 1 and "ep0-ba1-rank0.pt" in errors[0], errors  # only the first attempt failed
+    uploaded = [m["checkpoint/uploaded/path"] for m in reports if "checkpoint/uploaded/path" in m]
+    assert uploaded == [f"s3://{BUCKET}/run/checkpoints/{y.name}", f"file://{remote}/{x.name}"]
+    assert not x.exists() and list(remote.iterdir()) == []  # then removed, here and there, as retention asked
