@@ -13,8 +13,8 @@ retention.
 What waits for upload is bounded, for a failing store and for a slow one: at
 most ``backlog`` checkpoints that retention let go and whose upload failed, and
 at most ``backlog`` that retention let go queued behind a slow upload (the
-local folder holds what retention keeps, those, the one uploading and the one
-the remote ``latest`` names); beyond that the oldest is dropped (never
+local folder holds what retention keeps, those, and the one uploading);
+beyond that the oldest is dropped (never
 uploaded, its local file removed), with an error line and
 ``checkpoint/upload_backlog_dropped``, so neither the queue nor the local
 folder grows with the run.
