@@ -76,8 +76,7 @@ class Uploader:
         self._owed: list[tuple[str, str]] = []  # remote removals not done while the store failed: (url, name)
         self._ending = False  # close() asked to stop: the newest waiting upload had its last chance
         self._newest = ""  # the local path of the newest upload: never dropped
-        self._named: dict[tuple[str, str], str] = {}  # (url, a ``latest`` object) -> the checkpoint it names there
-        self._held: list[dict[str, Any]] = []  # removals of a checkpoint a ``latest`` names: run once it moves on
+        self._latest = _LatestNames()
         self._lock = threading.Lock()  # _pending, _tasks, and moves between them and ``failed``
         self._wake = threading.Condition(self._lock)
         self._tasks: collections.deque[Optional[dict[str, Any]]] = collections.deque()  # queued, not started
@@ -225,7 +224,8 @@ class Uploader:
             folder.put(local, local.name)
             if task["latest"]:
                 folder.put_text(task["latest"] + SYMLINK_SUFFIX, local.name)
-                self._latest_moved(task["url"], task["latest"], local.name)
+                for removal in self._latest.moved(task["url"], task["latest"], local.name):
+                    self._put(removal)  # held while the old latest named its checkpoint
         except Exception as err:
             if not paused:
                 self._pause_after(started)
@@ -252,18 +252,6 @@ class Uploader:
                 uploaded = uploaded and task.get("released", False)  # read with the lock: remove() sets it
             if uploaded:  # retention let it go while it uploaded: its remote copy goes in turn
                 _remove_local(local)
-
-    def _latest_moved(self, url: str, latest: str, name: str) -> None:
-        """``latest`` at ``url`` now names ``name``: the removals held for the one it named before run now."""
-        self._named[(url, latest)] = name
-        for task in [task for task in self._held if not self._names(task)]:
-            self._held.remove(task)
-            self._put(task)
-
-    def _names(self, removal: dict[str, Any]) -> bool:
-        """Whether a ``latest`` object at the removal's URL names the checkpoint it removes."""
-        return any(url == removal["url"] and name == pathlib.Path(removal["local"]).name
-                   for (url, _), name in self._named.items())
 
     def _paused(self) -> Optional[str]:
         """Why a remote call is not tried now, or None: the store failed slowly a moment ago."""
@@ -338,8 +326,7 @@ class Uploader:
             if waiting:
                 self._tasks.append(task)
                 return
-        if not task.get("owed") and self._names(task):
-            self._held.append(task)  # the remote ``latest`` names it: removed once a newer upload moves it on
+        if not task.get("owed") and self._latest.held(task):  # removed once a newer upload moves latest on
             return
         if str(local) in self.failed:
             log.warning("retention: keeping %s, which was never uploaded", local)
@@ -370,6 +357,33 @@ class Uploader:
                 self.report(metrics, step)
             except Exception as err:  # the run may be over: the log line above says it all
                 log.debug("upload result not reported: %s", err)
+
+
+class _LatestNames:
+    """What each remote ``latest`` object names, and the removals held back meanwhile: a resume from the remote
+    folder must never find ``latest`` naming a checkpoint that retention removed. Upload thread only."""
+
+    def __init__(self) -> None:
+        self._named: dict[tuple[str, str], str] = {}  # (url, a ``latest`` object) -> the checkpoint it names
+        self._held: list[dict[str, Any]] = []
+
+    def held(self, removal: dict[str, Any]) -> bool:
+        """Hold ``removal`` (True) while a ``latest`` at its URL names its checkpoint."""
+        if self._names(removal):
+            self._held.append(removal)
+            return True
+        return False
+
+    def moved(self, url: str, latest: str, name: str) -> list[dict[str, Any]]:
+        """``latest`` at ``url`` now names ``name``: the removals no longer held, to run now."""
+        self._named[(url, latest)] = name
+        free = [removal for removal in self._held if not self._names(removal)]
+        self._held = [removal for removal in self._held if self._names(removal)]
+        return free
+
+    def _names(self, removal: dict[str, Any]) -> bool:
+        return any(url == removal["url"] and name == pathlib.Path(removal["local"]).name
+                   for (url, _), name in self._named.items())
 
 
 class StoreFailing(Exception):
