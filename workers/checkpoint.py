@@ -222,8 +222,8 @@ class CheckpointSaver(Callback):
         staged = getattr(state, "checkpoint", None)
         if staged is not None:
             self._write_staged(state, staged, logger)
-        elif hasattr(state, "checkpoint_dict") and self._due(state, event):
-            self._write(state, state.checkpoint_dict(), logger)  # in process: the live State
+        elif hasattr(state, "checkpoint_dict") and self._due(state, event):  # in process: the live State
+            self._write(state, lambda path: save_atomically(self._chosen(state.checkpoint_dict()), path), logger)
 
     def _write_staged(self, state: Any, staged: Any, logger: Logger) -> None:
         started = time.perf_counter()
@@ -232,8 +232,11 @@ class CheckpointSaver(Callback):
             path: Optional[pathlib.Path]
             if getattr(staged, "target", None) is not None:
                 path = self._write_target(staged, logger, started)
-            else:
-                path = self._write(state, staged.load(self.transfer), logger, sharded=staged.sharded,
+            elif staged.sharded:
+                path = self._write(state, lambda folder: save_sharded_atomically(
+                    self._chosen(staged.load(self.transfer)), folder), logger, sharded=True, started=started)
+            else:  # from the buffer to the file, without torch
+                path = self._write(state, lambda path: staged.save(path, self.transfer, self._chosen), logger,
                                    started=started)
         except Exception as err:  # reported to the trainer, which logs and re-publishes it
             log.error("checkpoint at batch %d not written: %s: %s", staged.batch, type(err).__name__, err)
@@ -244,10 +247,14 @@ class CheckpointSaver(Callback):
             return
         staged.ack(path=str(path) if path else None)
 
-    def _write(self, state: Any, checkpoint: dict[str, Any], logger: Logger, sharded: bool = False,
+    def _chosen(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """What of the checkpoint dict is written: all of it, or the model's weights (``weights_only``)."""
+        return {"state": {"model": checkpoint["state"]["model"]}} if self.weights_only else checkpoint
+
+    def _write(self, state: Any, save: Callable[[pathlib.Path], None], logger: Logger, sharded: bool = False,
                started: Optional[float] = None) -> Optional[pathlib.Path]:
-        """Write one checkpoint file (a torch.distributed.checkpoint folder when the trainer's state
-        is sharded, named like the file without ``-rank{rank}.pt``); None when this batch was saved."""
+        """Write one checkpoint file with ``save(path)`` (a torch.distributed.checkpoint folder when the trainer's
+        state is sharded, named like the file without ``-rank{rank}.pt``); None when this batch was saved."""
         started = time.perf_counter() if started is None else started
         batch = int(state.timestamp.batch)
         if batch == self.last_batch_saved:
@@ -256,9 +263,7 @@ class CheckpointSaver(Callback):
         path, latest = self._paths(state, rank, sharded)
         if path.exists() and not self.overwrite:
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-        if self.weights_only:
-            checkpoint = {"state": {"model": checkpoint["state"]["model"]}}
-        (save_sharded_atomically if sharded else save_atomically)(checkpoint, path)
+        save(path)
         self.last_batch_saved = batch
         if latest is not None:
             self._link_latest(latest, path)
@@ -286,7 +291,7 @@ class CheckpointSaver(Callback):
         if not path.is_absolute():
             raise ConfigError(f"staged checkpoint target {str(path)!r} is not an absolute path")
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_atomically(staged.load(self.transfer), path)
+        staged.save(path, self.transfer)
         log.info("saved checkpoint %s", path)
         logger.log_metrics({"checkpoint/saved/path": str(path), "checkpoint/saved/batch": staged.batch,
                             "checkpoint/saved/bytes": _size(path),
@@ -409,11 +414,8 @@ def build_saver(args: argparse.Namespace) -> list[Callback]:
                             transfer=args.transfer, keep_best=args.keep_best, monitor=args.monitor, mode=args.mode,
                             storage_options=parse_storage_options(args.storage_option),
                             upload_attempts=args.upload_attempts, upload_backlog=args.upload_backlog)
-    # torch now (the options are good), before the worker follows the run: imported at the first
-    # checkpoint instead, it stalls that one for seconds while the trainer stages more, and skips
-    # checkpoints once every staging buffer is busy.
-    import torch  # noqa: F401
-
+    # No torch: files are written from the staged buffers as torch.save writes them (torch_file). A sharded
+    # checkpoint, or a dtype that module does not write, imports it at that save.
     return [saver]
 
 

@@ -14,13 +14,13 @@ import pathlib
 import re
 import shutil
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 from eventbus.checkpoint.ownership import pid_alive, unlocked
 from eventbus.core.atomic import atomic_file, fsync_folder, temp_name
 from eventbus.errors import naming_the_file
 
-__all__ = ["save_atomically", "save_sharded_atomically", "remove_stale_temp_files"]
+__all__ = ["save_atomically", "save_sharded_atomically", "write_atomically", "remove_stale_temp_files"]
 
 _TEMP = re.compile(r"^\..+\.tmp-(\d+)(?:-[0-9a-f]+)?$")  # the old names had no random part
 
@@ -80,10 +80,16 @@ def save_atomically(obj: Any, path: Union[str, os.PathLike]) -> None:
     """
     import torch
 
+    write_atomically(path, lambda file: torch.save(obj, file))
+
+
+def write_atomically(path: Union[str, os.PathLike], write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into a temporary name, fsync, rename over ``path``, fsync the folder: a crash leaves
+    either the previous file or the complete new one under ``path``."""
     with naming_the_file(path), atomic_file(path, fsync=True) as raw:
         file = _ErrorKeepingWriter(raw)
         try:
-            torch.save(obj, file)
+            write(file)  # type: ignore[arg-type]  # a file's writer, keeping its first OSError
         except RuntimeError:
             # torch reports a failed write as a position mismatch; the OS error says why.
             if file.error is not None:

@@ -6,14 +6,17 @@ in /dev/shm; see :mod:`eventbus.checkpoint.staging`) or fetches it over the
 request service (another host: the buffer arrives as one zero-copy ZeroMQ
 frame), writes the file (see :mod:`eventbus.checkpoint.files`) and acknowledges,
 so the trainer may reuse the buffer. Importing this module does not import torch
-(a snapshot refers to it); ``load`` does.
+(a snapshot refers to it); ``load`` does, ``save`` does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Union
+
+import msgpack
 
 from eventbus.errors import ConfigError, TransferError
 
@@ -61,18 +64,45 @@ class StagedCheckpoint:
     def load(self, transfer: str = "auto") -> dict[str, Any]:
         """The checkpoint dict. ``transfer``: ``shm`` maps the trainer's shared buffer (same host),
         ``fetch`` receives it over the network, ``auto`` maps it when it is visible here."""
-        if transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
-        pieces = [self._load_buffer(buffer, transfer) for buffer in self._buffers()]
-        if not self.sharded:
-            return pieces[0]
-        from eventbus.checkpoint.layout import merge_shards
+        _check_transfer(transfer)
+        from eventbus.checkpoint.layout import merge_shards, unpack_buffer
 
-        return merge_shards(pieces)
+        pieces = []
+        for buffer in self._buffers():
+            with self._data(buffer, transfer) as (data, shared):
+                # A map of the trainer's buffer is copied: the trainer reuses the buffer after the ack.
+                pieces.append(unpack_buffer(buffer, data, copy=shared))
+                _check_stage(buffer, data)  # still that stage once copied: nothing overwrote it meanwhile
+        return merge_shards(pieces) if self.sharded else pieces[0]
 
-    def _load_buffer(self, buffer: dict[str, Any], transfer: str) -> dict[str, Any]:
-        from eventbus.checkpoint.layout import unpack_buffer
+    def save(self, path: Union[str, os.PathLike], transfer: str = "auto",
+             select: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None) -> None:
+        """Write the checkpoint to ``path`` as ``torch.save`` writes its dict (``select``: the part of it to
+        write), atomically. Its tensors go from the buffer to the file as they lie, without importing torch
+        (:mod:`eventbus.checkpoint.torch_file`); one that module does not write is loaded and saved by torch.
+        Not for a sharded checkpoint: ``load`` it (its shards merge) and save that."""
+        _check_transfer(transfer)
+        if self.sharded:
+            raise ValueError("a sharded checkpoint is saved from load()")
+        from eventbus.checkpoint import torch_file
+        from eventbus.checkpoint.files import save_atomically, write_atomically
 
+        buffer = self.descriptor
+        choose = select or (lambda whole: whole)
+        if not torch_file.writable(len(buffer["skeleton"]), buffer["layout"]):
+            save_atomically(choose(self.load(transfer)), path)
+            return
+        skeleton = choose(msgpack.unpackb(buffer["skeleton"], raw=False, strict_map_key=False))
+        with self._data(buffer, transfer) as (data, _):
+            def write(file: Any) -> None:
+                torch_file.write_checkpoint(file, skeleton, buffer["layout"], data)
+                _check_stage(buffer, data)  # before the file takes the name: nothing overwrote the buffer meanwhile
+
+            write_atomically(path, write)
+
+    @contextlib.contextmanager
+    def _data(self, buffer: dict[str, Any], transfer: str) -> Iterator[tuple[Any, bool]]:
+        """The buffer's bytes, checked to hold its stage, and whether they are the trainer's own (a map)."""
         path = buffer["buffer"]
         file = None if transfer == "fetch" else _open_staged(buffer)
         if file is None and transfer == "auto" and _trainer_gone(buffer):
@@ -83,8 +113,10 @@ class StagedCheckpoint:
                 raise ConfigError(f"staged checkpoint buffer {path} is not visible here and there is no "
                                   "trainer to fetch it from")
             data = self._fetch(buffer)
+            _check_size(buffer, data)
             _check_stage(buffer, data)  # sent while staged: it cannot change in flight
-            return unpack_buffer(buffer, data, copy=False)
+            yield data, False
+            return
         if file is None:
             raise ConfigError(f"staged checkpoint buffer {path} is not visible here (a worker on another host "
                               "or in another pid namespace needs --transfer fetch, or the trainer's pids)")
@@ -92,9 +124,7 @@ class StagedCheckpoint:
             view = mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_COPY)
         try:
             _check_stage(buffer, view)
-            loaded = unpack_buffer(buffer, view, copy=True)  # the trainer reuses the buffer after the ack
-            _check_stage(buffer, view)  # still that stage once copied: nothing overwrote it meanwhile
-            return loaded
+            yield view, True
         finally:
             view.close()
 
@@ -105,6 +135,16 @@ class StagedCheckpoint:
         for buffer in self._buffers():
             self._send("checkpoint_ack", {"buffer": buffer["buffer"], "path": path, "error": error,
                                           "batch": self.batch, "rank": int(buffer.get("rank", 0))})
+
+
+def _check_transfer(transfer: str) -> None:
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
+
+
+def _check_size(buffer: dict[str, Any], data: Any) -> None:
+    if len(data) < buffer["size"]:
+        raise ConfigError(f"staged checkpoint buffer has {len(data)} bytes, expected {buffer['size']}")
 
 
 def _check_stage(buffer: dict[str, Any], data: Any) -> None:

@@ -5,19 +5,23 @@ tensors are replaced by indices (a DTensor keeps only its local shard, with
 where it goes); ``unpack_buffer`` turns the buffer and its descriptor back into
 tensors (views of the buffer, or copies); ``merge_shards`` joins every rank's
 shards into full tensors. Shared by the trainer (staging) and the checkpoint
-worker (loading). A buffer's first ``STAGE_BYTES`` name the stage it holds
-(``stage_in``), so a reader can tell that it still holds the one it was told of.
+worker (loading); importing it does not import torch (a checkpoint daemon writing
+files from the buffer never does: :mod:`eventbus.checkpoint.torch_file`). A buffer's
+first ``STAGE_BYTES`` name the stage it holds (``stage_in``), so a reader can tell
+that it still holds the one it was told of.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
 from eventbus.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ALIGN", "STAGE_BYTES", "Shard", "flatten", "unflatten", "merge_shards", "unpack_buffer", "stage_in"]
 
@@ -51,6 +55,8 @@ def flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """A msgpack-able skeleton of ``obj``; tensors are appended to ``tensors`` and replaced by their index.
 
     A DTensor (FSDP's sharded parameters and optimizer state) contributes its local shard only."""
+    import torch
+
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(obj, dtensor):
         from torch.distributed.tensor._utils import (
@@ -95,6 +101,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 def unpack_buffer(descriptor: dict[str, Any], data: Any, copy: bool) -> dict[str, Any]:
     """The state dict in a staged buffer; ``copy=False`` keeps tensors as views of ``data``."""
+    import torch
+
     if len(data) < descriptor["size"]:
         raise ConfigError(f"staged checkpoint buffer has {len(data)} bytes, expected {descriptor['size']}")
     tensors = []
@@ -114,6 +122,8 @@ def unpack_buffer(descriptor: dict[str, Any], data: Any, copy: bool) -> dict[str
 
 def merge_shards(pieces: list[Any]) -> Any:
     """Every rank's state dict (same structure) into one: shards placed into full tensors."""
+    import torch
+
     first = pieces[0]
     if isinstance(first, Shard):
         full = torch.empty(first.global_shape, dtype=first.local.dtype)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from eventbus.checkpoint.files import save_atomically
 from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.checkpoint.staging import Staged
 
@@ -103,7 +102,7 @@ class EventBusCheckpointIO(CheckpointIO):
         if staged.copied is not None:
             staged.copied.synchronize()
         self._say_writing_here(target, "the run ended before an event announced it to the worker")
-        save_atomically(StagedCheckpoint(staged.descriptor).load("shm"), target)
+        StagedCheckpoint(staged.descriptor).save(target, "shm")
         callback = self._callback
         if callback is not None and callback.adapter is not None and callback.adapter.capture is not None:
             callback.adapter.capture.staging.release(staged.descriptor["buffer"])

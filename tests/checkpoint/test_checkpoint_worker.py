@@ -28,6 +28,15 @@ FSIZE_WRAPPER = (
     "runpy.run_module('eventbus.workers.checkpoint', run_name='__main__')"
 )
 
+# The checkpoint daemon, saying at its exit which of torch's modules it imported.
+TORCH_SEEN_WRAPPER = (
+    "import atexit, runpy, sys; "
+    "seen = sys.argv.pop(1); "
+    "atexit.register(lambda: open(seen, 'w').write(' '.join(m for m in sys.modules if m.split('.')[0] == 'torch'))); "
+    "sys.argv = ['eventbus.workers.checkpoint'] + sys.argv[1:]; "
+    "runpy.run_module('eventbus.workers.checkpoint', run_name='__main__')"
+)
+
 
 class WeightsAt(Callback):
     """Clones the weights at every BATCH_CHECKPOINT, to compare with what was written later.
@@ -68,13 +77,15 @@ def metrics_from(journal_path, key):
 def test_worker_writes_periodic_checkpoints_that_resume_exactly(tmp_path, spawn):
     watcher = WeightsAt()
     trainer = make_trainer(tmp_path, **CHECKPOINT_RUN, callbacks=[watcher])
-    worker = spawn("-m", "eventbus.workers.checkpoint", "--connect", bus_address(tmp_path), "--save-interval", "3ba",
-                   "--keep", "3", "--state-dir", str(tmp_path / "s"))
+    worker = spawn("-c", TORCH_SEEN_WRAPPER, str(tmp_path / "torch-seen"), "--connect", bus_address(tmp_path),
+                   "--save-interval", "3ba", "--keep", "3", "--state-dir", str(tmp_path / "s"))
     worker.wait_for("following")
     wait_for_lease(trainer)
     trainer.fit()  # the worker's capture lease arrives within the first batches
     trainer.close()
     assert worker.finish() == 0, "\n".join(worker.stderr)
+    # It wrote every file from the staged buffers without torch (its import: seconds of CPU the trainer shares).
+    assert (tmp_path / "torch-seen").read_text() == ""
 
     folder = tmp_path / "runs" / "ckpt" / "checkpoints"
     saved = metrics_from(trainer.publisher.journal_path, "checkpoint/saved")
