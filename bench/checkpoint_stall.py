@@ -1,4 +1,5 @@
-"""4. Checkpoint stall on the training thread: staging vs torch.save vs a plain copy (the floor).
+"""4. Checkpoint stall on the training thread: staging vs torch.save vs a plain copy (the floor); 4c, the
+checkpoint daemon's write of it (bench/checkpoint_write.py).
 
 4b. The stall of one ``weights`` capture (``state.model.state_dict()`` for a worker): staging a real
 model's state_dict at an EVAL_END for one reader, as the trainer does while a worker leases the weights,
@@ -12,6 +13,7 @@ import time
 
 import torch
 
+from bench import checkpoint_write
 from bench.common import emit, median, table
 from eventbus.checkpoint.staging import StagingBuffers
 
@@ -25,9 +27,9 @@ def state_of(megabytes: int) -> dict:
 def run(quick: bool) -> dict:
     sizes = [10] if quick else [10, 100, 1000]
     repeats = 3 if quick else 5
-    rows, result = [], {}
+    rows, result, states = [], {}, {}
     for size in sizes:
-        state = state_of(size)
+        state = states[size] = state_of(size)
         tensors = list(state["state"]["model"].values())
         floor_buffers = [torch.empty_like(t) for t in tensors]
         staging = StagingBuffers(f"bench{size}", max_buffers=1)
@@ -56,6 +58,7 @@ def run(quick: bool) -> dict:
     result["target_floor_met"] = all(r["stall_over_floor"] <= 1.5 for r in result.values() if isinstance(r, dict))
     result["target_save_met"] = largest["save_over_stall"] >= 10 if sizes[-1] == 1000 else None
     result["weights"] = _weights_stall(quick, repeats)
+    result["daemon_write"] = checkpoint_write.run({size: states[size] for size in sizes[-2:]}, repeats)
     emit("checkpoint_stall", result)
     return result
 

@@ -36,9 +36,11 @@ def test_quick_benchmarks_print_tables_and_json(tmp_path):
     assert by_name["slow_callbacks"]["every_event_delivered_in_c"] is True
     assert by_name["throughput"]["subscribers_4"]["complete"] is True
     assert "10MB" in by_name["checkpoint_stall"]
+    written = by_name["checkpoint_stall"]["daemon_write"]["10MB"]  # the daemon's write, both ways, and a first save
+    assert set(written["first_save_cpu_s"]) == set(written["first_save_peak_mib"]) == {"torch", "buffer"}
     assert {"~1 ms", "cpu_per_message_us"} <= set(by_name["daemons"])  # --quick: the ~1 ms steps only
-    for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "5. GPU",
-                  "6. daemons"):
+    for title in ("1. publish cost", "2. slow callbacks", "3. throughput", "4. checkpoint stall", "4c. the checkpoint",
+                  "5. GPU", "6. daemons"):
         assert title in stdout
 
 
