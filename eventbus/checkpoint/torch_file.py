@@ -213,4 +213,5 @@ class _Archive:
         self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, count, count, central_size,
                                 central_at))
         self._write(struct.pack("<IIQI", 0x07064B50, 0, end64_at, 1))
-        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, central_size, central_at, 0))
+        short = min(count, 0xFFFF)  # past it, readers take the count from the zip64 record above
+        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, short, short, central_size, central_at, 0))
