@@ -38,10 +38,14 @@ _CHUNK = 64 << 20
 
 
 def writable(skeleton_bytes: int, layout: list[list[Any]]) -> bool:
-    """Whether :func:`write_checkpoint` writes this checkpoint (else torch.save does)."""
-    total = skeleton_bytes + sum(int(nbytes) + 256 for _, _, _, nbytes in layout)
-    return (sys.byteorder == "little" and total < _SMALL
-            and all(isinstance(dtype, str) and dtype in STORAGE_TYPES for dtype, _, _, _ in layout))
+    """Whether :func:`write_checkpoint` writes this checkpoint (else torch.save does): an archive surely under
+    4 GiB (its pickle at most twice the skeleton, ~310 bytes of pickle and headers a tensor, ~1.3 KB more)."""
+    try:
+        total = 2 * skeleton_bytes + sum(int(entry[3]) + 1024 for entry in layout) + (1 << 16)
+        known = all(entry[0] in STORAGE_TYPES for entry in layout)
+    except (TypeError, ValueError, IndexError, KeyError):
+        return False  # a malformed layout: torch's path says what is wrong with it
+    return sys.byteorder == "little" and total < _SMALL and known
 
 
 def write_checkpoint(file: BinaryIO, skeleton: Any, layout: list[list[Any]], data: Any) -> None:
@@ -57,9 +61,9 @@ def write_checkpoint(file: BinaryIO, skeleton: Any, layout: list[list[Any]], dat
     with memoryview(data) as raw, raw.cast("B") as view:  # released even on an error: the map can then close
         for key, index in enumerate(pickle.storages):
             _, _, offset, nbytes = layout[index]
-            if not (isinstance(offset, int) and 0 <= offset and offset + nbytes <= len(view)):
-                raise ValueError(f"staged tensor {index} lies outside its buffer ({offset}+{nbytes} of "
-                                 f"{len(view)} bytes)")
+            if offset + nbytes > len(view):
+                raise ValueError(f"staged tensor {index} lies outside its buffer (bytes {offset} to "
+                                 f"{offset + nbytes} of {len(view)})")
             with view[offset:offset + nbytes] as tensor:
                 archive.record(f"data/{key}", tensor)
     archive.record("version", b"3\n")
@@ -67,10 +71,30 @@ def write_checkpoint(file: BinaryIO, skeleton: Any, layout: list[list[Any]], dat
     archive.finish()
 
 
+def _checked(layout: list[list[Any]], index: Any) -> tuple[str, list[int], int, int]:
+    """Layout entry ``index``, checked: [dtype, shape, offset, bytes], the bytes those of the shape."""
+    if index.__class__ is not int or not 0 <= index < len(layout):
+        raise ValueError(f"the staged skeleton names tensor {index!r} of {len(layout)}")
+    entry = layout[index]
+    if entry.__class__ is not list or len(entry) != 4:
+        raise ValueError(f"staged tensor {index}: its layout must be [dtype, shape, offset, bytes], got {entry!r:.80}")
+    dtype, shape, offset, nbytes = entry
+    if dtype not in STORAGE_TYPES:
+        raise ValueError(f"staged tensor {index}: dtype {dtype!r:.40} is not one this writer knows")
+    if shape.__class__ is not list or any(size.__class__ is not int or size < 0 for size in shape):
+        raise ValueError(f"staged tensor {index}: shape {shape!r:.80} is not a list of sizes")
+    if offset.__class__ is not int or offset < 0 or nbytes.__class__ is not int:
+        raise ValueError(f"staged tensor {index}: offset {offset!r:.40} and bytes {nbytes!r:.40} must be integers")
+    if math.prod(shape) * STORAGE_TYPES[dtype][1] != nbytes:
+        raise ValueError(f"staged tensor {index}: shape {shape} of {dtype} does not hold {nbytes} bytes")
+    return dtype, shape, offset, nbytes
+
+
 class _Pickle:
     """The pickle (protocol 2) of a staged skeleton, each tensor as ``torch.save`` reduces it: torch's
     ``_rebuild_tensor_v2`` of a persistent storage reference. Written opcode by opcode: pickling torch's
-    names through :mod:`pickle` would import torch to check them."""
+    names through :mod:`pickle` would import torch to check them. One call of :meth:`value` per level of
+    nesting, as :func:`~eventbus.checkpoint.layout.flatten` made it: as deep as the trainer could stage."""
 
     def __init__(self, layout: list[list[Any]]):
         self._layout = layout
@@ -95,43 +119,27 @@ class _Pickle:
             encoded = value.encode("utf-8", "surrogatepass")
             out += b"X" + struct.pack("<I", len(encoded)) + encoded
         elif kind is list:
-            out += b"]"
-            if value:
-                out += b"("
-                for item in value:
-                    self.value(item)
-                out += b"e"
-        elif kind is dict:
-            self._dict(value)
-        else:
+            out += b"](" if value else b"]"
+            for item in value:
+                self.value(item)
+            out += b"e" if value else b""
+        elif kind is not dict:
             raise TypeError(f"a staged checkpoint holds no {kind.__name__}")
-
-    def _dict(self, value: dict[Any, Any]) -> None:
-        if len(value) == 1:
-            (marker, inner), = value.items()
-            if marker == "__tensor__" and inner.__class__ is int:
-                return self._tensor(inner)
-            if marker == "__tuple__" and inner.__class__ is list:
-                return self._tuple(inner)
-            if marker == "__items__" and inner.__class__ is list:
-                return self._items([(k, v) for k, v in inner])
-        self._items(list(value.items()))
-
-    def _items(self, items: list[tuple[Any, Any]]) -> None:
-        out = self._out
-        out += b"}"
-        if items:
+        elif len(value) == 1 and "__tensor__" in value:
+            self._tensor(value["__tensor__"])
+        elif len(value) == 1 and value.get("__tuple__").__class__ is list:
             out += b"("
+            for item in value["__tuple__"]:
+                self.value(item)
+            out += b"t"
+        else:  # a dict; one whose keys are not all strings was staged as its items
+            items = value["__items__"] if len(value) == 1 and value.get("__items__").__class__ is list \
+                else value.items()
+            out += b"}(" if items else b"}"
             for key, item in items:
                 self.value(key)
                 self.value(item)
-            out += b"u"
-
-    def _tuple(self, items: list[Any]) -> None:
-        self._out += b"("
-        for item in items:
-            self.value(item)
-        self._out += b"t"
+            out += b"u" if items else b""
 
     def _int(self, value: int) -> None:
         if 0 <= value < 256:
@@ -142,14 +150,14 @@ class _Pickle:
             encoded = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
             self._out += b"\x8a" + bytes((len(encoded),)) + encoded
 
-    def _tensor(self, index: int) -> None:
-        if not 0 <= index < len(self._layout):
-            raise ValueError(f"the staged skeleton names tensor {index} of {len(self._layout)}")
-        dtype, shape, _, nbytes = self._layout[index]
-        storage, item_size = STORAGE_TYPES[dtype]
-        numel = math.prod(shape)
-        if not all(isinstance(size, int) and size >= 0 for size in shape) or numel * item_size != nbytes:
-            raise ValueError(f"staged tensor {index}: shape {shape} of {dtype} does not hold {nbytes} bytes")
+    def _ints(self, values: list[int]) -> None:
+        self._out += b"("
+        for value in values:
+            self._int(value)
+        self._out += b"t"
+
+    def _tensor(self, index: Any) -> None:
+        dtype, shape, _, _ = _checked(self._layout, index)
         key = len(self.storages)
         self.storages.append(index)
         strides, step = [], 1
@@ -159,14 +167,14 @@ class _Pickle:
         out = self._out
         out += b"ctorch._utils\n_rebuild_tensor_v2\n(("
         self.value("storage")
-        out += f"ctorch\n{storage}\n".encode()
+        out += f"ctorch\n{STORAGE_TYPES[dtype][0]}\n".encode()
         self.value(str(key))
         self.value("cpu")
-        self._int(numel)
+        self._int(math.prod(shape))
         out += b"tQ"  # the storage reference: torch.load's persistent_load
         self._int(0)  # storage offset
-        self._tuple(list(shape))
-        self._tuple(strides[::-1])
+        self._ints(shape)
+        self._ints(strides[::-1])
         out += b"\x89ccollections\nOrderedDict\n)R"  # requires_grad False, no backward hooks
         out += b"tR"
 
@@ -191,7 +199,7 @@ class _Archive:
         start = header_at + 30 + len(full) + 4
         padding = -start % _ALIGNMENT
         size = len(data)
-        flags = 0x0808  # sizes in a data descriptor; names in UTF-8
+        flags = 0x0808 if size else 0x0800  # names in UTF-8; the sizes of data in a descriptor after it (miniz's way)
         self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), 4 + padding))
         self._write(full + b"FB" + struct.pack("<H", padding) + b"Z" * padding)
         crc = 0

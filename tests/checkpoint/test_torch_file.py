@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
+import zipfile
 
 import msgpack
 import pytest
@@ -15,6 +17,13 @@ from eventbus.checkpoint.handle import StagedCheckpoint
 from eventbus.checkpoint.staging import StagingBuffers
 from eventbus.errors import TransferError
 from tests.support import REPO_ROOT
+
+
+def nested(depth: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(depth):
+        value = {"in": value}
+    return value
 
 
 def trained_state() -> dict:
@@ -30,8 +39,20 @@ def trained_state() -> dict:
                               "complex": torch.randn(3, dtype=torch.complex64), "empty": torch.empty(0, 3),
                               "scalar": torch.tensor(2.5, dtype=torch.float64), "large": torch.arange(70_000),
                               "plain": [0, 255, 256, -1, 2**31, -2**63, 2**64 - 1, 0.1, float("inf"), True, None, "é"],
-                              "nested": {"tuple": (1, (2.0, "x")), "empty": {}, "list": []}}},
+                              "nested": {"tuple": (1, (2.0, "x")), "empty": {}, "list": []},
+                              "deep": nested(400)}},
             "rng": [{"torch": torch.get_rng_state(), "python": (3, (1, 2, 3), None)}]}
+
+
+def records(path) -> dict:
+    """Each record of a checkpoint archive (named without its folder): its general-purpose flags in the local
+    and the central header, and where its data starts, modulo 64."""
+    data, out = path.read_bytes(), {}
+    for info in zipfile.ZipFile(path).infolist():
+        (flags,) = struct.unpack_from("<H", data, info.header_offset + 6)
+        name, extra = struct.unpack_from("<HH", data, info.header_offset + 26)
+        out[info.filename.partition("/")[2]] = (flags, info.flag_bits, (info.header_offset + 30 + name + extra) % 64)
+    return out
 
 
 def assert_same(expected, got, where="checkpoint"):
@@ -65,6 +86,9 @@ def test_a_staged_checkpoint_written_without_torch_reads_back_as_what_was_staged
     state, descriptor = staged
     path = tmp_path / "ck.pt"
     StagedCheckpoint(descriptor).save(path, "shm")
+    torch.save(state, tmp_path / "torch.pt")
+    assert zipfile.ZipFile(path).testzip() is None
+    assert records(path) == records(tmp_path / "torch.pt")  # laid out as torch's writer lays it out, record by record
     assert_same(state, torch.load(path))  # weights_only: only what torch.save itself writes for a state dict
     assert_same(state, torch.load(path, mmap=True))
     assert_same(StagedCheckpoint(descriptor).load("shm"), torch.load(path, weights_only=False))
