@@ -291,7 +291,10 @@ class CheckpointSaver(Callback):
         if not path.is_absolute():
             raise ConfigError(f"staged checkpoint target {str(path)!r} is not an absolute path")
         path.parent.mkdir(parents=True, exist_ok=True)
-        staged.save(path, self.transfer)
+        if staged.sharded:  # every rank's shards, merged into the one file asked for
+            save_atomically(staged.load(self.transfer), path)
+        else:
+            staged.save(path, self.transfer)
         log.info("saved checkpoint %s", path)
         logger.log_metrics({"checkpoint/saved/path": str(path), "checkpoint/saved/batch": staged.batch,
                             "checkpoint/saved/bytes": _size(path),

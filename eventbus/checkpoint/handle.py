@@ -77,10 +77,11 @@ class StagedCheckpoint:
 
     def save(self, path: Union[str, os.PathLike], transfer: str = "auto",
              select: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None) -> None:
-        """Write the checkpoint to ``path`` as ``torch.save`` writes its dict (``select``: the part of it to
-        write), atomically. Its tensors go from the buffer to the file as they lie, without importing torch
-        (:mod:`eventbus.checkpoint.torch_file`); one that module does not write is loaded and saved by torch.
-        Not for a sharded checkpoint: ``load`` it (its shards merge) and save that."""
+        """Write the checkpoint to ``path`` as ``torch.save`` writes its dict, atomically; ``select`` picks the part
+        to write by its keys (its tensors may be stand-ins then: keep them as they are). The tensors go from the
+        buffer to the file as they lie, without importing torch (:mod:`eventbus.checkpoint.torch_file`); one that
+        module does not write is loaded and saved by torch. Not for a sharded checkpoint: ``load`` it (its
+        shards merge) and save that."""
         _check_transfer(transfer)
         if self.sharded:
             raise ValueError("a sharded checkpoint is saved from load()")
