@@ -6,7 +6,8 @@ also copied the whole state dict out of the buffer first. Here the buffer's tens
 fetched frame) to the file as they lie, and the rest of the state dict becomes the pickle ``torch.save``
 writes for it, so ``torch.load`` reads the file as its own (``weights_only``, ``mmap`` and
 ``calculate_storage_offsets`` included): the same zip archive, records aligned to 64 bytes as miniz writes
-them (each with its data descriptor), storages named ``data/<key>`` in the order the pickle refers to them.
+them (a data descriptor after each that holds data), storages named ``data/<key>`` in the order the pickle
+refers to them.
 
 What this writes: the staged skeleton's plain values (dicts, lists, tuples, str, int, float, bool, None) and
 its tensors, of the dtypes in ``STORAGE_TYPES``, on a little-endian host, in archives under 4 GiB.
