@@ -31,9 +31,7 @@ queue, retention and the end of the run are never held behind one slow failure
 after another (the thread spends at most about half its time on a store that
 keeps failing). Remote removals not done meanwhile are retried once the store
 works again. At the end, the newest checkpoint still waiting gets one attempt
-if the pause kept it from any. What a stopped worker had not done (uploads, and
-remote removals queued, held for ``latest`` or failed) is in its state: the
-restarted worker does it (``waiting``, ``owed``).
+if the pause kept it from any.
 """
 
 from __future__ import annotations
@@ -74,7 +72,7 @@ class Uploader:
         self.released: set[str] = set()  # of those, the ones retention let go: kept only for their upload
         self._folders: dict[str, RemoteFolder] = {}
         self._pending: list[dict[str, Any]] = []  # queued uploads, for the worker's state_dict
-        self._pause = _Pause()
+        self._paused_until, self._failed_for = 0.0, 0.0  # the store failed slowly: calls before then wait
         self._owed: list[tuple[str, str]] = []  # remote removals not done while the store failed: (url, name)
         self._ending = False  # close() asked to stop: the newest waiting upload had its last chance
         self._newest = ""  # the local path of the newest upload: never dropped
@@ -146,7 +144,7 @@ class Uploader:
         when retention let it go (to be removed once uploaded)."""
         with self._lock:  # an upload moves from pending to failed (and back) under it: listed once, never missed
             pending = [dict(task) for task in self._pending]
-            failed, released = dict(self.failed), self.released | {task["local"] for task in self._queued_removals()}
+            failed, released = dict(self.failed), frozenset(self.released)
         return pending + [{"url": task["url"], "local": path, "batch": task["batch"], "latest": task["latest"],
                                   "released": path in released} for path, task in failed.items()]
 
@@ -161,18 +159,8 @@ class Uploader:
         return True
 
     def owed(self) -> list[list[str]]:
-        """The remote removals not done yet, as ``[url, name]``, for the worker's state: those the store failed,
-        those held while a remote ``latest`` names their checkpoint and those queued (but for a removal behind
-        an upload not done yet: ``waiting()`` marks that one ``released``)."""
-        with self._lock:
-            uploads = {task["local"] for task in self._pending} | set(self.failed)
-            later = [task for task in (*self._latest.held_removals(), *self._queued_removals())
-                     if task["local"] not in uploads]
-            owed = [*self._owed, *((task["url"], pathlib.Path(task["local"]).name) for task in later)]
-        return [list(removal) for removal in dict.fromkeys(owed)]
-
-    def _queued_removals(self) -> list[dict[str, Any]]:
-        return [task for task in self._tasks if task is not None and task["op"] == "remove"]
+        """The remote removals not done while the store failed, as ``[url, name]``: for the worker's state."""
+        return [list(removal) for removal in list(self._owed)]
 
     def owe(self, removals: list[list[str]]) -> None:
         """Remote removals a stopped worker owed: done once an upload works (a restarted worker's state)."""
@@ -226,7 +214,7 @@ class Uploader:
     def _upload(self, task: dict[str, Any]) -> None:
         local, folder = pathlib.Path(task["local"]), self.folder(task["url"])
         started = time.perf_counter()
-        paused = self._pause.reason() if not task.get("last_chance") else None
+        paused = self._paused() if not task.get("last_chance") else None
         uploaded = False
         try:
             if not local.exists():
@@ -240,7 +228,7 @@ class Uploader:
                     self._put(removal)  # held while the old latest named its checkpoint
         except Exception as err:
             if not paused:
-                self._pause.after(started)
+                self._pause_after(started)
             with self._lock:  # out of pending and into failed in one step, as waiting() reads them
                 self.failed[str(local)] = dict(task, tried=not paused)
                 self._pending = [t for t in self._pending if t is not task]
@@ -249,7 +237,7 @@ class Uploader:
             self._report({"checkpoint/upload_error": f"{local.name}: {type(err).__name__}: {err}"[:1000],
                           "checkpoint/upload_backlog": len(self.failed)}, task["batch"])
         else:
-            self._pause.clear()
+            self._paused_until = 0.0
             log.info("uploaded checkpoint %s to %s", local, folder.url_of(local.name))
             self.failed.pop(str(local), None)
             self._report({"checkpoint/uploaded/path": folder.url_of(local.name),
@@ -264,6 +252,19 @@ class Uploader:
                 uploaded = uploaded and task.get("released", False)  # read with the lock: remove() sets it
             if uploaded:  # retention let it go while it uploaded: its remote copy goes in turn
                 _remove_local(local)
+
+    def _paused(self) -> Optional[str]:
+        """Why a remote call is not tried now, or None: the store failed slowly a moment ago."""
+        left = self._paused_until - time.perf_counter()
+        if left <= 0:
+            return None
+        return f"its last call failed after {self._failed_for:.0f}s; nothing is tried there for {left:.0f}s more"
+
+    def _pause_after(self, started: float) -> None:
+        """A remote call that began at ``started`` failed: wait as long as it took before the next."""
+        now = time.perf_counter()
+        self._failed_for = now - started
+        self._paused_until = now + min(self._failed_for, MAX_PAUSE_SECONDS)
 
     def _last_chance(self) -> bool:
         """At the end: queue the newest waiting upload once more if the pause kept it from any attempt."""
@@ -332,14 +333,14 @@ class Uploader:
             self.released.add(str(local))
             self._bound_backlog(int(self.failed[str(local)]["batch"]))
             return
-        started, paused = time.perf_counter(), self._pause.reason()
+        started, paused = time.perf_counter(), self._paused()
         try:
             if paused:
                 raise StoreFailing(paused)
             self.folder(task["url"]).remove(local.name)
         except Exception as err:
             if not paused:
-                self._pause.after(started)
+                self._pause_after(started)
             again = not task.get("owed")  # an owed removal that fails again is given up
             if again:
                 self._owed.append((task["url"], local.name))
@@ -380,35 +381,9 @@ class _LatestNames:
         self._held = [removal for removal in self._held if self._names(removal)]
         return free
 
-    def held_removals(self) -> list[dict[str, Any]]:
-        return list(self._held)
-
     def _names(self, removal: dict[str, Any]) -> bool:
         return any(url == removal["url"] and name == pathlib.Path(removal["local"]).name
                    for (url, _), name in self._named.items())
-
-
-class _Pause:
-    """After a remote call failed slowly, the calls of the next as many seconds wait (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._until, self._failed_for = 0.0, 0.0
-
-    def reason(self) -> Optional[str]:
-        """Why a remote call is not tried now, or None: the store failed slowly a moment ago."""
-        left = self._until - time.perf_counter()
-        if left <= 0:
-            return None
-        return f"its last call failed after {self._failed_for:.0f}s; nothing is tried there for {left:.0f}s more"
-
-    def after(self, started: float) -> None:
-        """A remote call that began at ``started`` failed: wait as long as it took before the next."""
-        now = time.perf_counter()
-        self._failed_for = now - started
-        self._until = now + min(self._failed_for, MAX_PAUSE_SECONDS)
-
-    def clear(self) -> None:
-        self._until = 0.0
 
 
 class StoreFailing(Exception):

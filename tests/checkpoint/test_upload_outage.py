@@ -12,7 +12,6 @@ import urllib.request
 import pytest
 
 from eventbus import Callback
-from eventbus.checkpoint.uploads import Uploader
 from tests.checkpoint.test_checkpoint_best import on_disk, paced_trainer, start_worker
 from tests.checkpoint.test_checkpoint_remote import moto_server_at, s3_filesystem
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
@@ -174,36 +173,3 @@ def test_remote_removals_a_stopped_worker_owed_are_done_by_the_restarted_one(tmp
 
 def batch_of(name: str) -> int:
     return int(name.split("-ba")[1].split("-")[0])
-
-
-def test_a_removal_held_for_the_remote_latest_when_the_worker_stops_is_done_by_the_restarted_one(tmp_path):
-    """Retention let A go while the remote ``latest`` still named it (B's upload had failed): A's remote removal
-    waits for a newer upload to move ``latest`` on. The worker stops first; its state (what ``waiting()`` and
-    ``owed()`` give the worker's state_dict) carries that removal, and the restarted worker does it once B is
-    uploaded. A ``file://`` folder, made unusable (a file in its place) and usable again."""
-    remote, away = tmp_path / "remote", tmp_path / "away"
-    url = f"file://{remote}"
-    a, b = tmp_path / "ep0-ba1-rank0.pt", tmp_path / "ep0-ba2-rank0.pt"
-    a.write_bytes(b"checkpoint a")
-    b.write_bytes(b"checkpoint b")
-    first = Uploader(attempts=1)
-    first.upload(url, str(a), 1, "latest-rank0.pt")
-    assert first.wait_idle(30)
-    remote.rename(away)
-    remote.write_text("a file where the folder goes: every upload there fails")
-    first.upload(url, str(b), 2, "latest-rank0.pt")
-    first.remove(url, str(a))  # retention keeps one: A goes, but the remote latest still names it
-    first.close(timeout=30, last_chance=False)  # the worker stops (SIGTERM)
-    waiting, owed = first.waiting(), first.owed()
-    assert [task["local"] for task in waiting] == [str(b)] and owed == [[url, a.name]]
-    assert not a.exists()  # uploaded: its local file went at once
-
-    remote.unlink()
-    away.rename(remote)  # the store works again
-    second = Uploader(attempts=1)
-    second.owe(owed)  # as CheckpointSaver.load_state_dict does
-    for task in waiting:
-        second.upload(task["url"], task["local"], int(task["batch"]), task["latest"])
-    second.close(timeout=30)
-    assert sorted(path.name for path in remote.iterdir()) == [b.name, "latest-rank0.pt.symlink"]
-    assert (remote / "latest-rank0.pt.symlink").read_text() == b.name
