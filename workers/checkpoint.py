@@ -165,7 +165,8 @@ class CheckpointSaver(Callback):
             self.retention.load_state_dict({"saves": [{"path": p, "batch": -1} for p in state.get("saved", [])]})
         if self._uploads is not None:
             self._uploads.owe(state.get("remote_removals", []))
-        for task in state.get("uploads", []):  # queued, or failed and kept for a retry, when the worker stopped
+        # Queued or failed at the stop; oldest first: the newest, uploaded last, is what ``latest`` names.
+        for task in sorted(state.get("uploads", []), key=lambda task: int(task["batch"])):
             if self._uploads is not None and os.path.exists(task["local"]):
                 self._uploads.upload(task["url"], task["local"], int(task["batch"]), task.get("latest"))
                 if task.get("released"):  # retention let it go: removed once uploaded (or kept as the backlog)

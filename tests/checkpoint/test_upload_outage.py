@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from eventbus import Callback
+from eventbus.workers.checkpoint import CheckpointSaver
 from tests.checkpoint.test_checkpoint_best import on_disk, paced_trainer, start_worker
 from tests.checkpoint.test_checkpoint_remote import moto_server_at, s3_filesystem
 from tests.checkpoint.test_checkpoint_worker import CHECKPOINT_RUN, wait_for_lease
@@ -173,3 +174,21 @@ def test_remote_removals_a_stopped_worker_owed_are_done_by_the_restarted_one(tmp
 
 def batch_of(name: str) -> int:
     return int(name.split("-ba")[1].split("-")[0])
+
+
+def test_a_restarted_worker_uploads_what_waited_oldest_first_so_latest_names_the_newest(tmp_path):
+    """A stopped worker's state lists the uploads still queued before those that had failed, so an older failed
+    checkpoint can follow a newer one, each carrying ``latest``. Restored in that order, the older one was
+    uploaded last and ``latest`` named it: a resume from the remote folder went back a checkpoint."""
+    remote = tmp_path / "remote"
+    older, newer = tmp_path / "ep0-ba1-rank0.pt", tmp_path / "ep0-ba2-rank0.pt"
+    older.write_bytes(b"checkpoint 1")
+    newer.write_bytes(b"checkpoint 2")
+    url = f"file://{remote}"
+    saver = CheckpointSaver(folder=url, runs_dir=tmp_path, upload_attempts=1)
+    saver.load_state_dict({"last_batch_saved": 2, "remote_removals": [], "uploads": [
+        {"url": url, "local": str(newer), "batch": 2, "latest": "latest-rank0.pt", "released": False},
+        {"url": url, "local": str(older), "batch": 1, "latest": "latest-rank0.pt", "released": False}]})
+    saver.close(None, None)  # a stop mid-run: the queued uploads are finished first
+    assert sorted(path.name for path in remote.iterdir()) == [older.name, newer.name, "latest-rank0.pt.symlink"]
+    assert (remote / "latest-rank0.pt.symlink").read_text() == newer.name
