@@ -57,6 +57,10 @@ class BusConfig:
     request_hwm: int = 64  # requests queued per client before ZeroMQ stops reading from it
     reply_hwm: int = 16  # replies queued per client that does not read them
     requests_per_turn: int = 32  # requests served between two publishing turns of the bus thread
+    # The bus thread's work (payloads, journal, sockets, requests) in a helper process of its own, fed a
+    # window at a time: the training process keeps only capture and one encode per window, off its GIL.
+    # EVENTBUS_BUS_HELPER=0: in a thread of the training process, as before.
+    helper_process: bool = dataclasses.field(default_factory=lambda: os.environ.get("EVENTBUS_BUS_HELPER") != "0")
     server_key: Optional[str] = None  # the server's .key_secret file: turns on CURVE
     authorized_keys: Optional[str] = None  # folder of client .key files allowed in
 

@@ -20,7 +20,7 @@ import msgpack
 
 from eventbus.errors import ConfigError, TransferError
 
-__all__ = ["StagedCheckpoint", "TRANSFERS"]
+__all__ = ["StagedCheckpoint", "TRANSFERS", "map_staged"]
 
 TRANSFERS = ("auto", "shm", "fetch")
 
@@ -158,6 +158,16 @@ def _check_stage(buffer: dict[str, Any], data: Any) -> None:
         raise TransferError(f"staged buffer {buffer['buffer']} no longer holds stage {expected} (batch "
                             f"{buffer.get('batch')}, {buffer.get('event')}): the trainer reused it for a later "
                             "one after it stopped waiting for this reader")
+
+
+def map_staged(buffer: dict[str, Any]) -> Optional[mmap.mmap]:
+    """A read-only map of a staged buffer's bytes, or None when this process cannot see it (the bus's
+    helper process, sending a staged checkpoint to a worker that fetches it)."""
+    file = _open_staged(buffer)
+    if file is None:
+        return None
+    with file:
+        return mmap.mmap(file.fileno(), buffer["size"], access=mmap.ACCESS_READ)
 
 
 def _open_staged(buffer: dict[str, Any]) -> Optional[Any]:

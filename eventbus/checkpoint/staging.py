@@ -261,6 +261,11 @@ class StagingBuffers:
                     return True
         return False
 
+    def unacknowledged(self) -> list[str]:
+        """The buffers holding a checkpoint not yet acknowledged (staged weights, held for their readers, are not)."""
+        with self._lock:
+            return [str(buffer.path) for buffer in self._buffers if buffer.busy and not buffer.readers]
+
     def is_staged(self, path: str) -> bool:
         """Whether the buffer at ``path`` holds a checkpoint not yet acknowledged (still being written)."""
         with self._lock:

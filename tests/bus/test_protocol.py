@@ -26,7 +26,7 @@ from eventbus.bus.protocol import (
     parse_request,
     request_limit,
 )
-from eventbus.bus.publish import bus_thread
+from eventbus.bus.publish import bus_thread, forwarder
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
 from eventbus.core.time import Timestamp
@@ -372,12 +372,15 @@ def test_metrics_logged_one_after_another_for_one_step_are_one_message(tmp_path)
         (2, {"loss": 0.8}, "trainer"), (2, {"lr": 0.1, "acc": 0.6}, "scheduler")]
 
 
-def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_path, monkeypatch):
+@pytest.mark.parametrize("helper", [False, True], ids=["bus thread", "helper process"])
+def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_path, monkeypatch, helper):
     """With nothing queued the bus thread sleeps with no timer (here its once-a-second look around is
     made an hour): a request wakes it and is answered, and so does a record the trainer puts, which is
-    journaled. Each time it waits until the bus thread is asleep first."""
+    journaled. Each time it waits until the bus thread (with a helper process: the forwarding thread) is
+    asleep first."""
     monkeypatch.setattr(bus_thread, "_IDLE_SECONDS", 3600.0)
-    with served(tmp_path, "asleep") as (publisher, dealer):
+    monkeypatch.setattr(forwarder, "_IDLE_SECONDS", 3600.0)
+    with served(tmp_path, "asleep", helper_process=helper) as (publisher, dealer):
 
         def asleep() -> None:
             deadline = time.monotonic() + 20
@@ -398,11 +401,13 @@ def test_a_sleeping_bus_thread_wakes_for_a_request_and_for_the_next_record(tmp_p
         {"loss": 1.5}]
 
 
-def test_a_stopper_sleeps_the_bus_thread_through_a_slow_batch_and_its_batch_end_wakes_it(tmp_path):
+@pytest.mark.parametrize("helper", [False, True], ids=["bus thread", "helper process"])
+def test_a_stopper_sleeps_the_bus_thread_through_a_slow_batch_and_its_batch_end_wakes_it(tmp_path, helper):
     """While a subscriber that may stop training holds ``stops``, a window ends at each BATCH_END, which
-    rings the bus thread awake: it sleeps through a slow batch (a few waits a batch, not one per
-    millisecond) and journals the batch's end at once, though the window could last five seconds."""
-    with served(tmp_path, "stopper", coalesce_seconds=5.0) as (publisher, dealer):
+    rings the bus thread (with a helper process: the forwarding thread) awake: it sleeps through a slow
+    batch (a few waits a batch, not one per millisecond) and journals the batch's end at once, though the
+    window could last five seconds."""
+    with served(tmp_path, "stopper", coalesce_seconds=5.0, helper_process=helper) as (publisher, dealer):
         dealer.send(request(Op.CAPTURE, what=[STOPS_LEASE], ttl=60.0))
         deadline = time.monotonic() + 20
         while not publisher.leases.holds(STOPS_LEASE):

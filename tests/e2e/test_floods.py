@@ -289,8 +289,9 @@ def test_a_subscriber_whose_snapshot_is_refused_asks_again_and_joins_by_snapshot
     from eventbus.bus.publish.publisher import Publisher
     from eventbus.bus.subscribe.subscriber import Subscriber
 
-    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1),
-                          tmp_path / "run")
+    # The service's budgets replaced in place: the bus thread in this process (a helper process runs the same).
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1,
+                                    helper_process=False), tmp_path / "run")
     publisher.start({"run_name": "busy"})
     # All clients together get one snapshot a second (the default is 200): a forger sending one every
     # 10 ms keeps the shared budget spent, so the subscriber's first asks are refused, not by chance.
@@ -353,8 +354,9 @@ def test_stats_replies_draw_on_the_asking_clients_budget(tmp_path):
     gets a second's worth of reply bytes at once, then what the budget refills, and is refused beyond."""
     from eventbus.bus.publish.publisher import Publisher
 
-    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1),
-                          tmp_path / "run")
+    # The service's budgets replaced in place: the bus thread in this process (a helper process runs the same).
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), join_grace=0.0, drain_timeout=0.1,
+                                    helper_process=False), tmp_path / "run")
     publisher.start({"run_name": "stats"})
     context = zmq.Context()
     asker = context.socket(zmq.DEALER)

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import zmq
 
@@ -28,10 +28,10 @@ from eventbus.bus.publish.records import (
     HyperparametersRecord,
     MetricsRecord,
     Record,
-    is_batch_end,
     joins,
 )
 from eventbus.bus.publish.service import PublisherStats, RequestService, SubscriberTable
+from eventbus.bus.publish.windows import MAX_WINDOW_FACTOR, TURN_RECORDS, WindowClock, ends_window, take_windows
 from eventbus.bus.schema import Kind
 from eventbus.bus.security import ServerKeys
 from eventbus.errors import ConfigError
@@ -39,27 +39,13 @@ from eventbus.errors import ConfigError
 if TYPE_CHECKING:
     from eventbus.bus.publish.publisher import Publisher
 
-__all__ = ["BusThread", "MAX_WINDOW_FACTOR", "TURN_RECORDS"]
+__all__ = ["BusThread"]
 
 log = logging.getLogger(__name__)
 
-# Each window costs the bus thread a fixed ~0.5 ms on a small VM (a dozen socket and file calls, each a
-# GIL hand-off; measured at ~1 ms steps, beside ~5 us per event), and each subscriber it wakes about as
-# much again. So while events keep coming (a turn opened less than two long windows ago) a window lasts
-# MAX_WINDOW_FACTOR x ``coalesce_seconds`` (200 ms: at most 5 windows a second, whatever the step);
-# an event after a quiet spell waits only ``coalesce_seconds``. Measured at ~1 ms steps against 50 ms
-# windows: the bus thread 41-45 us a step instead of 60, each daemon 10-25% less CPU a step.
-MAX_WINDOW_FACTOR = 20
-#: Records taken in one turn at most (a window each); after a full turn the next one starts at once.
-TURN_RECORDS = 4096
 #: The longest an idle bus thread sleeps with nothing to send (records and requests wake it at once): it
 #: then counts disconnects and sleeps again.
 _IDLE_SECONDS = 1.0
-
-
-def _ends_window(record: Record) -> bool:
-    """What ends a window while a stopper holds ``stops``: a batch's end, or the run's."""
-    return is_batch_end(record) or isinstance(record, EndRecord)
 
 
 class BusThread(threading.Thread):
@@ -78,8 +64,8 @@ class BusThread(threading.Thread):
         self._start_error: Optional[BaseException] = None
         self._monitors: list[zmq.Socket] = []  # disconnect events of the PUB and ROUTER sockets
         self._bound_at = 0.0  # when the sockets were bound (time.monotonic)
-        self._turn_started = -1.0  # when the latest turn's window opened (time.monotonic)
-        self._full_turn = False  # the latest turn took TURN_RECORDS: the queue holds more, taken at once
+        self._clock = WindowClock(self.config.coalesce_seconds)
+        self._after_turn: list[Callable[[], None]] = []  # called once this turn's records are published
 
     def start(self) -> None:
         super().start()
@@ -158,19 +144,24 @@ class BusThread(threading.Thread):
         ending = False
         while not ending:
             first = self._next_record(idle)
-            records = [] if first is None else [first, *self._gather_window(poller, idle, first)]
-            while len(records) < TURN_RECORDS:
-                try:
-                    records.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            if self.publisher.forwarded:
+                records = take_windows(self._queue, first, self._after_turn)
+            else:
+                records = [] if first is None else [first, *self._gather_window(poller, idle, first)]
+                while len(records) < TURN_RECORDS:
+                    try:
+                        records.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
             ending = self._encode_all(records)
-            self._full_turn = len(records) >= TURN_RECORDS
+            self._clock.full_turn = len(records) >= TURN_RECORDS
             self._serve_waiting(poller, 0, send=False)
             # What requests published between turns (workers' metrics) goes with the next turn's window,
             # or alone once it waited a long window: not a window per request that metrics readers wake for.
             if records or ending or self._history.unsent_for() >= self.config.coalesce_seconds * MAX_WINDOW_FACTOR:
                 self._send()
+            while self._after_turn:
+                self._after_turn.pop(0)()
         self._finish(poller)
 
     def _next_record(self, idle: zmq.Poller) -> Optional[Record]:
@@ -187,11 +178,11 @@ class BusThread(threading.Thread):
         While a subscriber that may stop training holds ``stops``, the window ends at BATCH_END, which
         rings the doorbell: the stopper sees each batch's end at once (its stop lands about one batch
         late; in process, at the same batch), and a slow batch costs no wake-ups while it runs."""
-        deadline = self._window_end()
+        deadline = self._clock.window_end()
         budget = self.config.requests_per_turn
         taken: list[Record] = []
         if self.publisher.leases.holds(STOPS_LEASE):
-            if not _ends_window(first):
+            if not ends_window(first):
                 self._gather_through_batch_end(poller, idle, taken, deadline, budget)
             return taken
         while (left := deadline - time.monotonic()) > 0:
@@ -208,26 +199,18 @@ class BusThread(threading.Thread):
         """A stopper's window: records through the next BATCH_END (or END), asleep till then, a request or the end."""
         while not self.publisher._doorbell.take_through_batch_end(
                 self._queue, taken, idle if budget > 0 else self.publisher._doorbell.alone, deadline - time.monotonic(),
-                _ends_window, TURN_RECORDS):
+                ends_window, TURN_RECORDS):
             if deadline <= time.monotonic() or len(taken) >= TURN_RECORDS:
                 return
             if budget > 0:
                 budget -= self._serve_waiting(poller, 0, budget, send=False)
 
-    def _window_end(self) -> float:
-        """When the window opening now closes (see ``MAX_WINDOW_FACTOR``); now after a full turn. Requests
-        are answered during it whatever its length, and a ``stops`` lease still ends it at BATCH_END."""
-        now = time.monotonic()
-        base = self.config.coalesce_seconds
-        longest = base * MAX_WINDOW_FACTOR
-        busy = now - self._turn_started < 2 * longest
-        self._turn_started = now
-        return now if self._full_turn else now + (longest if busy else base)
-
     def _finish(self, poller: zmq.Poller) -> None:
         """Let live workers catch up, publish END, and keep answering a little longer: late gap
         fills still get answers while ZeroMQ flushes, and a checkpoint worker still writing a
         staged checkpoint gets to finish before its buffer is removed."""
+        if self.publisher.abandoned:  # the training process is gone: no END, as when it died holding the bus
+            return
         self._drain_subscribers(poller)
         self._emit(Kind.END, None, {"seq": self._history.seq + 1})
         staging = self.publisher.staging

@@ -31,7 +31,9 @@ from eventbus.bus.config import (
 from eventbus.bus.journal import JOURNAL_NAME
 from eventbus.bus.publish.bus_thread import BusThread
 from eventbus.bus.publish.doorbell import Doorbell
+from eventbus.bus.publish.forwarder import ForwardThread
 from eventbus.bus.publish.leases import Leases, StopRequests
+from eventbus.bus.publish.payload import resolve
 from eventbus.bus.publish.records import EndRecord, HyperparametersRecord, MetricsRecord, Record, is_batch_end
 from eventbus.bus.publish.service import PublisherStats, StagingArea, SubscriberTable
 from eventbus.bus.security import ServerKeys
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 class Publisher:
     """Publishes every message of one trainer rank. ``start(header)``, then ``put`` records; ``close``."""
+
+    forwarded = False  # records come in windows gathered already (the bus's helper process)
 
     def __init__(self, config: BusConfig, run_folder: Union[str, os.PathLike], *, rank: int = 0,
                  run_id: Optional[str] = None, staging: Optional[StagingArea] = None):
@@ -62,9 +66,10 @@ class Publisher:
         self._subscribers = SubscriberTable()
         self._queue: "queue.SimpleQueue[Record]" = queue.SimpleQueue()
         self._doorbell = Doorbell(self._stats)
-        self._thread: Optional[BusThread] = None
+        self._thread: Optional[Union[BusThread, ForwardThread]] = None
         self._closed = False
         self.failure: Optional[BaseException] = None  # what stopped the bus thread mid-run, if anything
+        self.abandoned = False  # the helper's input ended before the run did: the trainer died
 
     def endpoint(self) -> dict[str, Any]:
         """How subscribers reach this rank (listed in rank 0's run header)."""
@@ -90,8 +95,12 @@ class Publisher:
         self.hyperparameters = dict(header.get("hyperparameters") or {})
         header = dict(header, service_address=self.service_address,
                       journal=str(self.journal_path.resolve()) if self.journal_path else None)
-        self._thread = BusThread(self, header, keys, self._queue, self._stats, self._subscribers)
-        self._thread.start()
+        if self.config.helper_process:
+            self._thread = ForwardThread(self, self._queue)
+            self._thread.start(resolve(header))
+        else:
+            self._thread = BusThread(self, header, keys, self._queue, self._stats, self._subscribers)
+            self._thread.start()
 
     # ------------------------------------------------------------------ training thread
 
@@ -127,11 +136,19 @@ class Publisher:
     def subscribers(self, within: float = 15.0) -> list[str]:
         """Subscribers whose heartbeat arrived in the last ``within`` seconds (workers send one every
         3 s, just after their leases: a worker listed here holds them)."""
+        self._sync()
         return self._subscribers.live(within)
 
     def stats(self) -> PublisherStats:
+        self._sync()
         self._stats.queue_depth = self._queue.qsize()
         return dataclasses.replace(self._stats)
+
+    def _sync(self) -> None:
+        """With a helper process: its counters and subscribers as of now (it publishes what is queued first)."""
+        thread = self._thread
+        if isinstance(thread, ForwardThread) and thread.is_alive() and not self._closed:
+            thread.sync()
 
     def close(self) -> None:
         """Publish the end of the run, drain the queue, flush the journal; idempotent."""

@@ -84,7 +84,8 @@ class PublisherStats:
     replay_cache_bytes: int = 0  # held in memory for replay (BusConfig.replay_cache_bytes bounds it)
     refused: dict[str, int] = dataclasses.field(default_factory=dict)  # requests refused, by reason
     disconnects: int = 0  # clients gone: they left, or ZeroMQ dropped them for a frame over the size limit
-    wakeups: int = 0  # the bus thread's waits (for records, requests or a window's end) it woke from
+    wakeups: int = 0  # the bus thread's waits (for records, requests or a window's end) it woke from; with a
+    # helper process, those of the training process's forwarding thread
 
 
 class StagingArea(Protocol):
@@ -93,6 +94,7 @@ class StagingArea(Protocol):
     def release(self, path: str, reader: Optional[str] = None, stage: Optional[int] = None) -> bool: ...
     def send(self, socket: Any, envelope: list[bytes], path: str) -> bool: ...
     def busy(self) -> bool: ...
+    def unacknowledged(self) -> list[str]: ...
     def close(self) -> None: ...
 
 

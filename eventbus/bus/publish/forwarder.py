@@ -1,0 +1,271 @@
+"""The training process's half of a bus run by a helper process: gather a window, encode it, write it.
+
+The bus thread's Python (payloads, numbering, the journal, sockets, the request service: ~100-140 us a
+~1 ms step on a small VM) competes with the training thread for the GIL. With ``BusConfig.helper_process``
+it runs in a process of its own (:mod:`eventbus.bus.publish.helper`), and the training process keeps a
+thread that only gathers each window as the bus thread would (:mod:`eventbus.bus.publish.windows`),
+encodes it in one C call (:mod:`eventbus.bus.publish.pipe`) and writes it to a pipe; from the other pipe
+it applies what the helper sends back: leases, stop requests, releases of staged buffers, counters, and
+the helper's failure. No torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import pathlib
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import msgspec
+import zmq
+
+from eventbus.bus.protocol import STOPS_LEASE
+from eventbus.bus.publish.pipe import Back, FrameReader, WindowEncoder, encode_plain, framed, write_frame
+from eventbus.bus.publish.records import EndRecord, Record
+from eventbus.bus.publish.service import PublisherStats
+from eventbus.bus.publish.windows import TURN_RECORDS, WindowClock, ends_window
+from eventbus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from eventbus.bus.publish.publisher import Publisher
+
+__all__ = ["ForwardThread", "BusFailed"]
+
+log = logging.getLogger(__name__)
+
+_IDLE_SECONDS = 1.0  # the longest the thread sleeps with nothing queued (the doorbell or the helper wake it)
+_START_SECONDS = 60.0  # the helper binds and opens the journal within this, or the start fails
+_PIPE_BYTES = 1 << 20  # what a window pipe buffers: the thread's write of a window rarely waits
+# What the helper counts (the rest is counted here: records captured, dropped, queued, not encodable, and
+# this thread's waits: the training process's wake-ups).
+_HELPER_COUNTERS = frozenset(field.name for field in dataclasses.fields(PublisherStats)) - {
+    "captured", "dropped_queue_full", "queue_depth", "failed_requests", "wakeups"}
+
+
+class BusFailed(RuntimeError):
+    """The bus's helper process stopped publishing (it failed, or it was killed)."""
+
+
+class ForwardThread(threading.Thread):
+    """Started by :meth:`start`: the helper is running, bound and journaling by then."""
+
+    def __init__(self, publisher: "Publisher", records: "queue.SimpleQueue[Record]") -> None:
+        super().__init__(name=f"eventbus-forward-rank{publisher.rank}", daemon=True)
+        self.publisher = publisher
+        self._queue = records
+        self._encoder = WindowEncoder()
+        self._clock = WindowClock(publisher.config.coalesce_seconds)
+        self._process: Optional[subprocess.Popen[bytes]] = None
+        self._windows = -1  # the pipe windows go down
+        self._back: Optional[FrameReader] = None
+        self._ending = False
+        self._helper_failed = 0  # requests the helper could not serve, records it could not publish
+        # Counters requests: numbered by asking threads, sent with a window, answered by the helper once
+        # the windows before it are published.
+        self._answers = threading.Condition()
+        self._asked = self._sent = self._answered = 0
+
+    def start(self, header: dict[str, Any]) -> None:  # type: ignore[override]
+        """Start the helper with ``header``; ConfigError when it cannot bind or journal (its reason)."""
+        window_read, self._windows = os.pipe()
+        back_read, back_write = os.pipe()
+        try:
+            fcntl.fcntl(self._windows, 1031, _PIPE_BYTES)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        package_root = str(pathlib.Path(__file__).resolve().parents[3])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "eventbus.bus.publish.helper", str(back_write)], stdin=window_read,
+                pass_fds=(back_write,), env=env, start_new_session=True)  # a Ctrl-C is the trainer's to handle
+        finally:
+            os.close(window_read)
+            os.close(back_write)
+        self._back = FrameReader(back_read)
+        publisher = self.publisher
+        write_frame(self._windows, encode_plain({
+            "config": dataclasses.asdict(publisher.config), "run_folder": str(publisher.run_folder),
+            "rank": publisher.rank, "run_id": publisher.run_id, "header": header, "trainer_pid": os.getpid()}))
+        self._wait_bound()
+        os.set_blocking(back_read, False)
+        os.set_blocking(self._windows, False)  # see _send
+        super().start()
+
+    def _wait_bound(self) -> None:
+        assert self._back is not None and self._process is not None
+        deadline = time.monotonic() + _START_SECONDS
+        while time.monotonic() < deadline:
+            select.select([self._back.fd], [], [], max(0.0, deadline - time.monotonic()))
+            os.set_blocking(self._back.fd, False)
+            for frame in self._back.frames():
+                kind, *args = msgspec.msgpack.decode(frame)
+                if kind == Back.BOUND:
+                    return
+                if kind == Back.START_ERROR:
+                    self._stop_helper()
+                    raise ConfigError(args[0])
+            if self._back.closed:
+                break
+        self._stop_helper()
+        raise ConfigError(f"the bus's helper process did not start (exit status {self._process.returncode})")
+
+    def _stop_helper(self) -> None:
+        assert self._process is not None
+        if self._windows >= 0:
+            os.close(self._windows)
+            self._windows = -1
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        if self._back is not None:
+            os.close(self._back.fd)
+
+    def sync(self, timeout: float = 10.0) -> None:
+        """Any thread: wait until the helper published what was queued before this call and sent its counters
+        back (what :meth:`Publisher.stats` and :meth:`Publisher.subscribers` read), for at most ``timeout``."""
+        with self._answers:
+            self._asked += 1
+            number = self._asked
+        self.publisher._doorbell.ring()  # ends the window now: the question goes with it
+        with self._answers:
+            self._answers.wait_for(lambda: self._answered >= number or not self.is_alive(), timeout)
+
+    # ------------------------------------------------------------------ the thread
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except Exception as err:  # a broken pipe (the helper killed), say: training stops at its next batch end
+            if not self._ending:
+                if not isinstance(err, BusFailed):
+                    err = BusFailed(f"the bus's helper process exited (status {self._process_status()}): {err}")
+                log.error("%s; events after this point are not published", err)
+                self.publisher.failed(err)
+        finally:
+            self._stop_helper()
+            with self._answers:
+                self._answers.notify_all()  # nothing more will be answered
+
+    def _loop(self) -> None:
+        assert self._back is not None
+        doorbell = self.publisher._doorbell
+        idle = zmq.Poller()  # what wakes it with nothing queued: a record (the doorbell), or the helper
+        idle.register(doorbell.fd, zmq.POLLIN)
+        idle.register(self._back.fd, zmq.POLLIN)
+        helper = zmq.Poller()  # ... while a window gathers: the helper, or a counters request
+        helper.register(self._back.fd, zmq.POLLIN)
+        helper.register(doorbell.fd, zmq.POLLIN)
+        while not self._ending:
+            first = doorbell.take_or_sleep(self._queue, idle, _IDLE_SECONDS)
+            self._read_back()
+            if first is None:
+                if self._asked > self._sent:
+                    self._write([])
+                continue
+            records = [first]
+            if not ends_window(first):
+                self._gather(records, idle, helper)
+            while len(records) < TURN_RECORDS and not isinstance(records[-1], EndRecord):
+                try:
+                    records.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._clock.full_turn = len(records) >= TURN_RECORDS
+            self._ending = isinstance(records[-1], EndRecord)
+            self._write(records)
+        os.close(self._windows)
+        self._windows = -1
+        while not self._back.closed:  # the helper ends the run: releases of staged buffers still come back
+            select.select([self._back.fd], [], [], _IDLE_SECONDS)
+            self._read_back()
+
+    def _write(self, records: list[Record]) -> None:
+        self._sent = self._asked
+        staging = self.publisher.staging
+        staged = staging.unacknowledged() if staging is not None else ()
+        self._send(framed(self._encoder.encode(records, self._sent, staged)))
+        self.publisher._stats.failed_requests = self._encoder.failed + self._helper_failed
+
+    def _send(self, data: bytes) -> None:
+        """Write a frame, reading what the helper sends while the pipe is full: a helper whose bus thread waits
+        to write to this thread while this thread waits to write to it would wait forever."""
+        assert self._back is not None
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self._windows, view):]
+            except BlockingIOError:
+                select.select([self._back.fd], [self._windows], [], _IDLE_SECONDS)
+                self._read_back()
+
+    def _gather(self, records: list[Record], idle: zmq.Poller, helper: zmq.Poller) -> None:
+        """Let the window's records accumulate, as the bus thread does (:mod:`eventbus.bus.publish.windows`),
+        applying what the helper sends meanwhile. While a stopper holds ``stops``, up to the next BATCH_END."""
+        deadline = self._clock.window_end()
+        doorbell = self.publisher._doorbell
+        if self.publisher.leases.holds(STOPS_LEASE):
+            while not doorbell.take_through_batch_end(self._queue, records, idle, deadline - time.monotonic(),
+                                                      ends_window, TURN_RECORDS):
+                self._read_back()
+                if deadline <= time.monotonic() or len(records) >= TURN_RECORDS or self._asked != self._sent:
+                    return
+            return
+        while (left := deadline - time.monotonic()) > 0 and self._asked == self._sent:
+            self.publisher._stats.wakeups += 1
+            if helper.poll(max(1, round(left * 1000))):
+                doorbell.clear()  # rung by a counters request: the window ends now
+                self._read_back()
+
+    def _read_back(self) -> None:
+        """Apply what the helper sent; its pipe closing mid-run is its failure."""
+        assert self._back is not None
+        publisher = self.publisher
+        for frame in self._back.frames():
+            kind, *args = msgspec.msgpack.decode(frame)
+            if kind == Back.LEASES:
+                captures, options, holders = args
+                leases = publisher.leases
+                leases.weights_holders = {name: (expiry, frozenset(events))
+                                          for name, (expiry, events) in holders.items()}
+                leases.checkpoint_options = options
+                leases.captures = {name: (expiry, interval) for name, (expiry, interval) in captures.items()}
+            elif kind == Back.STOP:
+                publisher.stops.request(args[0])
+            elif kind == Back.RELEASE and publisher.staging is not None:
+                publisher.staging.release(*args)
+            elif kind == Back.STATS:
+                counters, subscribers, answered = args
+                for name in _HELPER_COUNTERS & counters.keys():
+                    setattr(publisher._stats, name, counters[name])
+                self._helper_failed = counters.get("failed_requests", 0)
+                publisher._stats.failed_requests = self._encoder.failed + self._helper_failed
+                publisher._subscribers.entries = {name: {"last_seen": seen, "callbacks": True}
+                                                  for name, seen in subscribers.items()}
+                with self._answers:
+                    self._answered = max(self._answered, answered)
+                    self._answers.notify_all()
+            elif kind == Back.FAILED:
+                publisher.failed(BusFailed(args[0]))
+            elif kind == Back.LOG:
+                name, level, message = args
+                logging.getLogger(name).log(level, "%s", message)
+        if self._back.closed and not self._ending:
+            raise BusFailed(f"the bus's helper process exited (status {self._process_status()})")
+
+    def _process_status(self) -> Any:
+        assert self._process is not None
+        try:
+            return self._process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            return "still running"

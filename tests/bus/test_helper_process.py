@@ -1,0 +1,162 @@
+"""The bus run by its helper process (``BusConfig.helper_process``): the training process keeps capture and one
+encode a window; what a subscriber, the journal and the trainer rely on holds as with the bus thread in process.
+
+Real processes and pipes: the helper a real ``python -m eventbus.bus.publish.helper``, killed for real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import pytest
+import torch
+
+from eventbus import BusConfig, Callback, Event, Trainer
+from eventbus.bus.journal import read_messages
+from eventbus.bus.publish.pipe import HELPER_TIMESTAMPS, TRAINER_TIMESTAMPS, WindowDecoder, WindowEncoder
+from eventbus.bus.publish.records import EndRecord, EventRecord, MetricsRecord
+from eventbus.core.time import Timestamp
+from tests.support import REPO_ROOT, bus_address, make_loader, make_model
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+
+
+class _Level(str):
+    """A str subclass (as a str enum is): msgpack writes its plain value."""
+
+
+def _event(name: str, timestamp: Timestamp, previous=None, changes=None) -> EventRecord:
+    return EventRecord(name, time.time(), time.monotonic(), timestamp, None, "train", 8.0, 4, 0, changes, None,
+                       previous)
+
+
+def test_a_window_keeps_timestamps_by_identity_and_drops_only_the_record_it_cannot_encode():
+    encoder, decoder = WindowEncoder(), WindowDecoder()
+    first = Timestamp(batch=3, sample=12)
+    second = first.to_next_batch(4)
+    window = [_event("batch_start", first), _event("after_loss", first, changes={"loss": torch.tensor(0.25)}),
+              _event("batch_end", second, previous=first),
+              MetricsRecord({"level": _Level("debug"), "lr": torch.tensor([0.1, 0.2])}, 3, "trainer", 1.0, 2.0),
+              MetricsRecord({"huge": 2 ** 70}, 3, "trainer", 1.0, 2.0)]  # no msgpack integer holds it
+    records, asked, staged = decoder.decode(encoder.encode(window, ask=7, staged=["/dev/shm/eventbus-x"]))
+    assert asked == 7 and staged == ["/dev/shm/eventbus-x"] and encoder.failed == 1 and len(records) == 4
+    start, loss, end, metrics = records
+    assert start.timestamp is loss.timestamp and start.timestamp.fields() == first.fields()
+    assert end.timestamp.fields() == second.fields() and end.previous_timestamp is start.timestamp
+    assert loss.changes == {"loss": 0.25}
+    assert metrics.metrics == {"level": "debug", "lr": [pytest.approx(0.1), pytest.approx(0.2)]}
+    assert type(metrics.metrics["level"]) is str
+
+    again, _, _ = decoder.decode(body := encoder.encode([_event("batch_start", second)]))
+    assert again[0].timestamp is end.timestamp  # the same live object: the same number, its fields not sent again
+    new_timestamps, *_ = msgspec.msgpack.decode(body)
+    assert new_timestamps == []
+    ended, _, _ = decoder.decode(encoder.encode([EndRecord()]))
+    assert isinstance(ended[0], EndRecord)
+
+
+def test_a_window_of_more_batches_than_the_helper_keeps_timestamps_for_still_decodes():
+    """At ~1 ms steps a 200 ms window numbers hundreds of timestamps, and its last events refer back to the
+    window's first ones (the timestamp an evaluation started from, say); the next window, to the latest ones."""
+    encoder, decoder = WindowEncoder(), WindowDecoder()
+    start = timestamp = Timestamp()
+    pairs = []
+    for _ in range(3 * HELPER_TIMESTAMPS):
+        previous, timestamp = timestamp, timestamp.to_next_batch(4)
+        pairs.append((timestamp, start if len(pairs) % 5 == 0 else previous))
+    for _ in range(3):  # the encoder writes numbers into the records it encodes: new records each time
+        records, _, _ = decoder.decode(encoder.encode([_event("batch_end", t, previous=p) for t, p in pairs]))
+        assert [(r.timestamp.fields(), r.previous_timestamp.fields()) for r in records] == \
+            [(t.fields(), p.fields()) for t, p in pairs]
+        pairs = pairs[-TRAINER_TIMESTAMPS:]
+
+
+def test_the_helper_imports_no_torch():
+    code = "import sys, eventbus.bus.publish.helper; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def _helper_pid(trainer: Trainer) -> int:
+    return trainer.publisher._thread._process.pid
+
+
+def test_a_run_through_the_helper_journals_every_event_as_the_bus_thread_does(tmp_path):
+    journals = {}
+    for helper in (False, True):
+        trainer = Trainer(make_model(), make_loader(64, 16), max_duration="2ep", device="cpu",
+                          run_folder=tmp_path / f"helper-{helper}",
+                          bus=BusConfig(address=bus_address(tmp_path, f"bus-{helper}"), helper_process=helper))
+        trainer.fit()
+        stats = trainer.publisher.stats()
+        trainer.close()
+        messages = list(read_messages(trainer.publisher.journal_path))
+        assert [m.seq for m in messages] == list(range(1, len(messages) + 1)) and messages[-1].kind == "end"
+        if helper:  # the counters are the helper's once it published what was queued when they were asked for
+            assert stats.queue_depth == 0 and stats.published == len(messages) - 1  # all but END
+        journals[helper] = [(m.kind, m.event, m.payload.get("timestamp"), m.payload.get("loss") is not None)
+                            for m in messages if m.kind in ("event", "metrics")]
+    assert journals[True] == journals[False]
+
+
+class _KillHelperAt(Callback):
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.trainer: Trainer
+
+    def run_event(self, event, state, logger):
+        if event is Event.BATCH_END and state.timestamp.batch.value == self.batch:
+            os.kill(_helper_pid(self.trainer), signal.SIGKILL)
+
+
+def test_a_killed_helper_stops_training_at_a_batch_end_with_the_reason(tmp_path):
+    killer = _KillHelperAt(5)
+    trainer = Trainer(make_model(), make_loader(4096, 4), max_duration="1ep", device="cpu", run_folder=tmp_path / "run",
+                      bus=BusConfig(address=bus_address(tmp_path), helper_process=True), callbacks=[killer])
+    killer.trainer = trainer
+    trainer.fit()
+    trainer.close()
+    assert trainer.state.timestamp.batch.value < 1024  # stopped, not run to the end unrecorded
+    assert "helper process" in str(trainer.publisher.failure)
+
+
+def test_a_trainer_killed_leaves_no_helper_and_its_journal_ends_without_end(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from eventbus import BusConfig, Callback, Event, Trainer
+        from tests.support import make_loader, make_model
+
+        class Report(Callback):
+            def run_event(self, event, state, logger):
+                if event is Event.BATCH_END and state.timestamp.batch.value == 20:
+                    print(trainer.publisher._thread._process.pid, flush=True)
+                    time.sleep(60)  # killed here
+
+        trainer = Trainer(make_model(), make_loader(4096, 4), max_duration="1ep", device="cpu",
+                          run_folder={str(tmp_path / 'run')!r}, callbacks=[Report()],
+                          bus=BusConfig(address={bus_address(tmp_path)!r}, helper_process=True))
+        trainer.fit()
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV,
+                               cwd=tmp_path)
+    try:
+        helper = int(trainer.stdout.readline())
+        time.sleep(0.5)  # the window with batch 20's events reaches the helper
+        trainer.kill()
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{helper}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{helper}"), "the helper outlived its trainer"
+    finally:
+        trainer.kill()
+    messages = list(read_messages(tmp_path / "run" / "events.journal"))
+    batch_ends = [m for m in messages if m.event == "batch_end"]
+    assert len(batch_ends) == 19 and messages[-1].kind != "end"  # batch 20 is captured after the callbacks
+    assert [m.seq for m in messages] == list(range(1, len(messages) + 1))
