@@ -23,12 +23,15 @@ import torch
 
 from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, ratio_range, table
 from bench.models import classifier, loader
-from eventbus import Trainer
+from eventbus import BusConfig, Trainer
 from eventbus.bus.wire import WINDOW_TOPIC, subscription, topic_index
 
 # name: (width, depth, batch size) -> about 1 ms and about 30 ms per step on one CPU thread
 STEP_SIZES = {"~1 ms": (64, 2, 16), "~30 ms": (1024, 3, 512)}
 DAEMONS = ("logger", "timing", "checkpoint", "health")
+#: The setups beside the trainer alone: (the four daemons?, the bus in its helper process?)
+SETUPS = {"bus": (False, False), "bus (helper)": (False, True), "daemons": (True, False),
+          "daemons (helper)": (True, True)}
 FLOOR_READER = r"""
 import sys, time, resource, msgpack, zmq
 sock = zmq.Context().socket(zmq.SUB)
@@ -110,11 +113,14 @@ def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bu
         time.sleep(0.5)
         for worker in workers:
             worker.mark()
+    helper = getattr(trainer.publisher._thread, "_process", None) if trainer.publisher is not None else None
+    helper_started = process_cpu_seconds(helper.pid) if helper is not None else 0.0
     started, cpu_started = time.perf_counter(), time.process_time()
     trainer.fit()
     seconds = time.perf_counter() - started
-    if cpu is not None:
-        cpu.append((time.process_time() - cpu_started) / batches)
+    if cpu is not None:  # with the bus's helper process, its CPU too: it does the bus thread's work
+        helper_cpu = process_cpu_seconds(helper.pid) - helper_started if helper is not None else 0.0
+        cpu.append((time.process_time() - cpu_started + helper_cpu) / batches)
     for worker in workers:
         worker.sample()
     trainer.close()  # returns once live workers applied the whole run (or after drain_timeout)
@@ -205,25 +211,26 @@ def run(quick: bool) -> dict:
         for label, shape in ({"~1 ms": STEP_SIZES["~1 ms"]} if quick else STEP_SIZES).items():  # --quick: a smoke test
             # ~1 ms: 2,000 batches, so that a daemon's once-per-run costs are not taken for costs per step
             batches = (60 if quick else 2000) if shape[0] < 512 else (8 if quick else 100)
-            times: dict[str, list[float]] = {k: [] for k in ("plain", "alone", "bus", "daemons", "composer")}
+            times: dict[str, list[float]] = {k: [] for k in ("plain", "alone", *SETUPS, "composer")}
             cpu: dict[str, list[float]] = {name: [] for name in DAEMONS}
-            per_step: dict[str, list[float]] = {name: [] for name in ("alone", "bus", "daemons", *DAEMONS)}
+            per_step: dict[str, list[float]] = {name: [] for name in ("alone", *SETUPS, *DAEMONS)}
             after_fit: dict[str, list[float]] = {name: [] for name in DAEMONS}
             for r in range(repeats):  # alternate the setups so that noise hits them alike
                 tag = f"{label[1:-3]}-{r}"
                 times["plain"].append(_plain(shape, batches))
                 times["alone"].append(_train(shape, batches, folder, f"a{tag}", False, cpu=per_step["alone"]))
-                times["bus"].append(_train(shape, batches, folder, f"b{tag}", f"ipc://{folder}/b{tag}.bus",
-                                           cpu=per_step["bus"]))
-                address = f"ipc://{folder}/c{tag}.bus"
-                workers = _daemons(address, folder, f"c{tag}")
-                times["daemons"].append(_train(shape, batches, folder, f"c{tag}", address, workers,
-                                               cpu=per_step["daemons"]))
-                for worker in workers:
-                    seconds, after, messages = worker.finish()
-                    cpu[worker.name].append(seconds / max(messages, 1) * 1e6)
-                    per_step[worker.name].append(seconds / batches)
-                    after_fit[worker.name].append(after)
+                for setup, (daemons, helper) in SETUPS.items():
+                    name = f"{setup.replace(' ', '_')}-{tag}"
+                    address = f"ipc://{folder}/{name}.bus"
+                    workers = _daemons(address, folder, name) if daemons else []
+                    times[setup].append(_train(shape, batches, folder, name, BusConfig(address, helper_process=helper),
+                                               workers, cpu=per_step[setup]))
+                    for worker in workers:  # the daemons' own figures: with the bus as it runs by default
+                        seconds, after, messages = worker.finish()
+                        if helper == BusConfig().helper_process:
+                            cpu[worker.name].append(seconds / max(messages, 1) * 1e6)
+                            per_step[worker.name].append(seconds / batches)
+                            after_fit[worker.name].append(after)
                 composer = _composer(shape, batches, folder, f"d{tag}")
                 if composer is not None:
                     times["composer"].append(composer)
@@ -235,17 +242,22 @@ def run(quick: bool) -> dict:
                   "their range)",
                   ["", "steps/s", "x trainer alone", "range", "x plain loop", "ms/batch over plain"], rows)
             cpu_ms = {k: median(v) * 1e3 for k, v in per_step.items()}
-            total = cpu_ms["daemons"] + sum(cpu_ms[name] for name in DAEMONS)
+            default = "daemons (helper)" if BusConfig().helper_process else "daemons"
+            default_bus = default.replace("daemons", "bus")
+            total = cpu_ms[default] + sum(cpu_ms[name] for name in DAEMONS)
             ends = {name: median(after_fit[name]) for name in DAEMONS}
             table(f"6. daemons, {label} steps: CPU per step (ms; user + system, every thread) during fit: the "
-                  "training process in each setup, each daemon, and the total with the daemons; then the four "
-                  "daemons' CPU after fit (s, the run's end: a cost per run)",
-                  ["trainer alone", "trainer + bus", "trainer (daemons)", *DAEMONS, "total (daemons)",
+                  "training process in each setup (with its bus helper process's), each daemon (with the bus as "
+                  f"it runs by default: {default}), and the total with the daemons; then the four daemons' CPU "
+                  "after fit (s, the run's end: a cost per run)",
+                  ["trainer alone", *(f"trainer ({setup})" for setup in SETUPS), *DAEMONS, f"total ({default})",
                    "daemons after fit (s)"],
-                  [[cpu_ms["alone"], cpu_ms["bus"], cpu_ms["daemons"], *(cpu_ms[n] for n in DAEMONS), total,
+                  [[cpu_ms["alone"], *(cpu_ms[setup] for setup in SETUPS), *(cpu_ms[n] for n in DAEMONS), total,
                     sum(ends.values())]])
-            results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": to_alone["daemons"],
-                              "bus_overhead_ms": (1 / steps["bus"] - 1 / steps["plain"]) * 1e3,
+            results[label] = {"steps_per_sec": steps, "ratio_daemons_to_alone": to_alone[default],
+                              "ratio_daemons_in_process_to_alone": to_alone["daemons"],
+                              "ratio_daemons_helper_to_alone": to_alone["daemons (helper)"],
+                              "bus_overhead_ms": (1 / steps[default_bus] - 1 / steps["plain"]) * 1e3,
                               "worker_cpu_us_per_message": {k: median(v) for k, v in cpu.items()},
                               "cpu_ms_per_step": dict(cpu_ms, total=total), "daemons_cpu_after_fit_s": ends}
         floors = _floors(STEP_SIZES["~1 ms"], 60 if quick else 5000, folder)

@@ -85,10 +85,11 @@ def thread_cpu(thread: threading.Thread) -> float:
 
 
 def bus_thread_clock(before: Collection[threading.Thread] = ()) -> Callable[[], dict[str, float]]:
-    """:attr:`Rotation.clocks` for a fit with one bus: the CPU seconds of its bus thread, the one started after
-    ``before`` were (0 until it runs; a bus an earlier fit left open is not it)."""
+    """:attr:`Rotation.clocks` for a fit with one bus: the CPU seconds of its bus thread (with a helper process,
+    the thread that forwards windows to it), the one started after ``before`` were (0 until it runs; a bus an
+    earlier fit left open is not it)."""
     def clocks() -> dict[str, float]:
-        thread = next((t for t in threading.enumerate() if t.name.startswith("eventbus-bus") and t not in before),
-                      None)
+        thread = next((t for t in threading.enumerate() if t.name.startswith(("eventbus-bus", "eventbus-forward"))
+                       and t not in before), None)
         return {"bus_thread": thread_cpu(thread) if thread is not None else 0.0}
     return clocks
