@@ -261,10 +261,12 @@ class StagingBuffers:
                     return True
         return False
 
-    def unacknowledged(self) -> list[str]:
-        """The buffers holding a checkpoint not yet acknowledged (staged weights, held for their readers, are not)."""
+    def busy_buffers(self) -> list[list[Any]]:
+        """The buffers staged and not released, as the bus's helper process needs them to answer fetches and
+        acknowledgements: ``[name, fd, inode, size, stage, read as weights]``."""
         with self._lock:
-            return [str(buffer.path) for buffer in self._buffers if buffer.busy and not buffer.readers]
+            return [[str(b.path), b.file.fileno(), b.inode, b.size, b.stage, bool(b.readers)]
+                    for b in self._buffers if b.busy]
 
     def is_staged(self, path: str) -> bool:
         """Whether the buffer at ``path`` holds a checkpoint not yet acknowledged (still being written)."""

@@ -7,6 +7,7 @@ Real processes and pipes: the helper a real ``python -m eventbus.bus.publish.hel
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -17,9 +18,9 @@ import msgspec
 import pytest
 import torch
 
-from eventbus import BusConfig, Callback, Event, Trainer
+from eventbus import BusConfig, Callback, ConfigError, Event, Trainer
 from eventbus.bus.journal import read_messages
-from eventbus.bus.publish.pipe import HELPER_TIMESTAMPS, TRAINER_TIMESTAMPS, WindowDecoder, WindowEncoder
+from eventbus.bus.publish.pipe import HELPER_TIMESTAMPS, TRAINER_TIMESTAMPS, WindowDecoder, WindowEncoder, encode_plain
 from eventbus.bus.publish.records import EndRecord, EventRecord, MetricsRecord
 from eventbus.core.time import Timestamp
 from tests.support import REPO_ROOT, bus_address, make_loader, make_model
@@ -44,8 +45,9 @@ def test_a_window_keeps_timestamps_by_identity_and_drops_only_the_record_it_cann
               _event("batch_end", second, previous=first),
               MetricsRecord({"level": _Level("debug"), "lr": torch.tensor([0.1, 0.2])}, 3, "trainer", 1.0, 2.0),
               MetricsRecord({"huge": 2 ** 70}, 3, "trainer", 1.0, 2.0)]  # no msgpack integer holds it
-    records, asked, staged = decoder.decode(encoder.encode(window, ask=7, staged=["/dev/shm/eventbus-x"]))
-    assert asked == 7 and staged == ["/dev/shm/eventbus-x"] and encoder.failed == 1 and len(records) == 4
+    table = [["/dev/shm/eventbus-x", 7, 1234, 4096, 1, False]]  # a staged buffer: name, fd, inode, size, stage
+    records, asked, staged = decoder.decode(encoder.encode(window, ask=7, staged=table))
+    assert asked == 7 and staged == table and encoder.failed == 1 and len(records) == 4
     start, loss, end, metrics = records
     assert start.timestamp is loss.timestamp and start.timestamp.fields() == first.fields()
     assert end.timestamp.fields() == second.fields() and end.previous_timestamp is start.timestamp
@@ -59,6 +61,8 @@ def test_a_window_keeps_timestamps_by_identity_and_drops_only_the_record_it_cann
     assert new_timestamps == []
     ended, _, _ = decoder.decode(encoder.encode([EndRecord()]))
     assert isinstance(ended[0], EndRecord)
+    # A path resolves to a path (its resolve() method): written as its string, not resolved forever.
+    assert msgspec.msgpack.decode(encode_plain({"data": pathlib.Path("/data")})) == {"data": "/data"}
 
 
 def test_a_window_of_more_batches_than_the_helper_keeps_timestamps_for_still_decodes():
@@ -129,7 +133,7 @@ def test_a_killed_helper_stops_training_at_a_batch_end_with_the_reason(tmp_path)
 def test_a_trainer_killed_leaves_no_helper_and_its_journal_ends_without_end(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time
-        from eventbus import BusConfig, Callback, Event, Trainer
+        from eventbus import BusConfig, Callback, ConfigError, Event, Trainer
         from tests.support import make_loader, make_model
 
         class Report(Callback):
@@ -160,3 +164,97 @@ def test_a_trainer_killed_leaves_no_helper_and_its_journal_ends_without_end(tmp_
     batch_ends = [m for m in messages if m.event == "batch_end"]
     assert len(batch_ends) == 19 and messages[-1].kind != "end"  # batch 20 is captured after the callbacks
     assert [m.seq for m in messages] == list(range(1, len(messages) + 1))
+
+
+def test_a_fetch_sends_a_copy_of_a_staged_buffer_and_nothing_once_it_is_acknowledged(tmp_path):
+    """The helper answers for buffers the trainer staged, as the table that comes with each window lists
+    them: a fetch gets a copy (the trainer may reuse the buffer once it is acknowledged), an acknowledged
+    buffer is not sent again, and a window written before the trainer applied the ack does not revive it."""
+    import zmq
+
+    from eventbus.bus.publish.staging_view import StagingView
+    from eventbus.checkpoint.staging import StagingBuffers
+
+    (tmp_path / "shm").mkdir()
+    staging = StagingBuffers("viewtest", directory=tmp_path / "shm", max_buffers=1)
+    released = []
+    view = StagingView(os.getpid(), lambda *release: (released.append(release), staging.release(*release)))
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    sender.bind(f"ipc://{tmp_path}/pair")
+    receiver.connect(f"ipc://{tmp_path}/pair")
+    try:
+        first = staging.stage({"w": torch.arange(8.0)}, {"batch": 1})
+        path = first.descriptor["buffer"]
+        table = staging.busy_buffers()
+        view.staged(table)
+        assert view.busy() and view.send(sender, [b"envelope"], path)
+        envelope, data = receiver.recv_multipart()
+        assert envelope == b"envelope" and len(data) == first.descriptor["size"]
+        assert data[first.descriptor["layout"][0][2]:][:32] == torch.arange(8.0).numpy().tobytes()
+
+        assert view.release(path) and released == [(path, None, None)] and not view.busy()
+        assert not view.send(sender, [b"envelope"], path)  # acknowledged: not sent, as in the trainer
+        view.staged(table)  # a window encoded before the trainer applied the ack
+        assert not view.busy() and not view.release(path)  # a second ack is refused, as for an unknown buffer
+
+        second = staging.stage({"w": torch.zeros(8)}, {"batch": 2})  # the same buffer, a later stage
+        assert second.descriptor["buffer"] == path
+        view.staged(staging.busy_buffers())
+        assert view.busy() and view.send(sender, [b"envelope"], path)
+        assert not view.send(sender, [b"envelope"], str(tmp_path / "shm" / "eventbus-elsewhere"))
+    finally:
+        sender.close(0)
+        receiver.close(0)
+        context.term()
+        staging.close()
+
+
+def test_a_forked_child_does_not_keep_the_helper_of_a_killed_trainer_alive(tmp_path):
+    """A process forked from the trainer (a DataLoader worker) holds no copy of the helper's input: the
+    trainer killed, the helper ends though the child lives on."""
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from eventbus.bus.config import BusConfig
+        from eventbus.bus.publish.publisher import Publisher
+
+        publisher = Publisher(BusConfig(address={bus_address(tmp_path)!r}, helper_process=True),
+                              {str(tmp_path / 'run')!r})
+        publisher.start({{"run_name": "forks"}})
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(publisher._thread._process.pid, child, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV,
+                               cwd=tmp_path)
+    helper, child = (int(pid) for pid in trainer.stdout.readline().split())
+    try:
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{helper}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(f"/proc/{child}"), "the child should still be alive"
+        assert not os.path.exists(f"/proc/{helper}"), "the helper outlived its killed trainer"
+    finally:
+        for pid in (child, helper):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_helper_that_dies_at_its_start_is_a_config_error_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A helper that cannot run (here: one that exits at once, as a broken install would) fails the start with
+    its exit status; the publisher closes as after any failed start, and no pipe or process is left."""
+    from eventbus.bus.publish import forwarder
+    from eventbus.bus.publish.publisher import Publisher
+
+    monkeypatch.setattr(forwarder, "_LAUNCH", "import sys; sys.exit(3)")
+    publisher = Publisher(BusConfig(address=bus_address(tmp_path), helper_process=True), tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"did not start \(exit status 3\)"):
+        publisher.start({"run_name": "broken"})
+    publisher.close()
+    assert not list(forwarder._LIVE)

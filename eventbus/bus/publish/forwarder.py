@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
@@ -48,6 +49,24 @@ _PIPE_BYTES = 1 << 20  # what a window pipe buffers: the thread's write of a win
 # this thread's waits: the training process's wake-ups).
 _HELPER_COUNTERS = frozenset(field.name for field in dataclasses.fields(PublisherStats)) - {
     "captured", "dropped_queue_full", "queue_depth", "failed_requests", "wakeups"}
+
+
+#: How the helper starts: with ``-P`` (no working folder on its path), the folder holding this eventbus put first
+#: only where it is not on the path already (a source checkout): the helper runs the trainer's own eventbus.
+_PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[3])
+_LAUNCH = ("import sys; root = sys.argv.pop(1); sys.path[:0] = [] if root in sys.path else [root]; "
+           "from eventbus.bus.publish.helper import main; sys.exit(main())")
+#: The live forwarding threads: a process forked from the trainer closes their pipes (see _close_in_child).
+_LIVE: "weakref.WeakSet[ForwardThread]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for thread in list(_LIVE):
+        thread._close_in_child()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class BusFailed(RuntimeError):
@@ -78,48 +97,57 @@ class ForwardThread(threading.Thread):
         window_read, self._windows = os.pipe()
         back_read, back_write = os.pipe()
         try:
-            fcntl.fcntl(self._windows, 1031, _PIPE_BYTES)  # F_SETPIPE_SZ
+            fcntl.fcntl(self._windows, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         except OSError:
             pass
-        package_root = str(pathlib.Path(__file__).resolve().parents[3])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         try:
+            # -P: not the working folder's modules; the package's own folder only where it is not there already
+            # (a source checkout), so that the helper runs this very eventbus.
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "eventbus.bus.publish.helper", str(back_write)], stdin=window_read,
-                pass_fds=(back_write,), env=env, start_new_session=True)  # a Ctrl-C is the trainer's to handle
+                [sys.executable, "-P", "-c", _LAUNCH, _PACKAGE_ROOT, str(back_write)], stdin=window_read,
+                pass_fds=(back_write,), start_new_session=True)  # a Ctrl-C is the trainer's to handle
         finally:
             os.close(window_read)
             os.close(back_write)
         self._back = FrameReader(back_read)
+        _LIVE.add(self)  # its pipes closed in a child forked from now on (see _close_in_child)
         publisher = self.publisher
-        write_frame(self._windows, encode_plain({
-            "config": dataclasses.asdict(publisher.config), "run_folder": str(publisher.run_folder),
-            "rank": publisher.rank, "run_id": publisher.run_id, "header": header, "trainer_pid": os.getpid()}))
-        self._wait_bound()
+        try:
+            write_frame(self._windows, encode_plain({
+                "config": dataclasses.asdict(publisher.config), "run_folder": str(publisher.run_folder),
+                "rank": publisher.rank, "run_id": publisher.run_id, "header": header, "trainer_pid": os.getpid(),
+                "log_level": logging.getLogger("eventbus").getEffectiveLevel()}))
+            self._wait_bound()
+        except BaseException as err:
+            self._stop_helper()
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"cannot start the bus on {publisher.address}: {err}") from err
         os.set_blocking(back_read, False)
         os.set_blocking(self._windows, False)  # see _send
         super().start()
 
     def _wait_bound(self) -> None:
         assert self._back is not None and self._process is not None
+        os.set_blocking(self._back.fd, False)
         deadline = time.monotonic() + _START_SECONDS
         while time.monotonic() < deadline:
             select.select([self._back.fd], [], [], max(0.0, deadline - time.monotonic()))
-            os.set_blocking(self._back.fd, False)
-            for frame in self._back.frames():
-                kind, *args = msgspec.msgpack.decode(frame)
+            for body in self._back.frames():
+                kind, *args = msgspec.msgpack.decode(body)
                 if kind == Back.BOUND:
                     return
                 if kind == Back.START_ERROR:
-                    self._stop_helper()
                     raise ConfigError(args[0])
+                self._apply(kind, args)  # its log lines
             if self._back.closed:
                 break
-        self._stop_helper()
-        raise ConfigError(f"the bus's helper process did not start (exit status {self._process.returncode})")
+        raise ConfigError(f"the bus's helper process did not start (exit status {self._process_status()})")
 
     def _stop_helper(self) -> None:
+        """Close the pipes (the helper ends at its input's end) and wait for it; killed if it does not end."""
         assert self._process is not None
+        _LIVE.discard(self)
         if self._windows >= 0:
             os.close(self._windows)
             self._windows = -1
@@ -128,12 +156,26 @@ class ForwardThread(threading.Thread):
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
-        if self._back is not None:
+        if self._back is not None and self._back.fd >= 0:
             os.close(self._back.fd)
+            self._back.fd = -1
+
+    def _close_in_child(self) -> None:
+        """In a process forked from the trainer (a DataLoader worker): its copies of the pipes closed, or the
+        helper would not see the trainer's end while the child lives."""
+        for fd in (self._windows, self._back.fd if self._back is not None else -1):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def sync(self, timeout: float = 10.0) -> None:
         """Any thread: wait until the helper published what was queued before this call and sent its counters
-        back (what :meth:`Publisher.stats` and :meth:`Publisher.subscribers` read), for at most ``timeout``."""
+        back (what :meth:`Publisher.stats` and :meth:`Publisher.subscribers` read), for at most ``timeout``.
+        It ends the window being gathered: a call every batch costs a window every batch."""
+        if threading.current_thread() is self:  # a log handler of the helper's lines, say: it cannot wait for itself
+            return
         with self._answers:
             self._asked += 1
             number = self._asked
@@ -174,8 +216,7 @@ class ForwardThread(threading.Thread):
                     self._write([])
                 continue
             records = [first]
-            if not ends_window(first):
-                self._gather(records, idle, helper)
+            self._gather(records, idle, helper)
             while len(records) < TURN_RECORDS and not isinstance(records[-1], EndRecord):
                 try:
                     records.append(self._queue.get_nowait())
@@ -189,11 +230,14 @@ class ForwardThread(threading.Thread):
         while not self._back.closed:  # the helper ends the run: releases of staged buffers still come back
             select.select([self._back.fd], [], [], _IDLE_SECONDS)
             self._read_back()
+        status = self._process_status()
+        if status != 0:
+            log.error("the bus's helper process ended the run with status %s: the journal may lack its end", status)
 
     def _write(self, records: list[Record]) -> None:
         self._sent = self._asked
         staging = self.publisher.staging
-        staged = staging.unacknowledged() if staging is not None else ()
+        staged = staging.busy_buffers() if staging is not None else ()
         self._send(framed(self._encoder.encode(records, self._sent, staged)))
         self.publisher._stats.failed_requests = self._encoder.failed + self._helper_failed
 
@@ -215,6 +259,8 @@ class ForwardThread(threading.Thread):
         deadline = self._clock.window_end()
         doorbell = self.publisher._doorbell
         if self.publisher.leases.holds(STOPS_LEASE):
+            if ends_window(records[0]):
+                return
             while not doorbell.take_through_batch_end(self._queue, records, idle, deadline - time.monotonic(),
                                                       ends_window, TURN_RECORDS):
                 self._read_back()
@@ -230,38 +276,40 @@ class ForwardThread(threading.Thread):
     def _read_back(self) -> None:
         """Apply what the helper sent; its pipe closing mid-run is its failure."""
         assert self._back is not None
-        publisher = self.publisher
-        for frame in self._back.frames():
-            kind, *args = msgspec.msgpack.decode(frame)
-            if kind == Back.LEASES:
-                captures, options, holders = args
-                leases = publisher.leases
-                leases.weights_holders = {name: (expiry, frozenset(events))
-                                          for name, (expiry, events) in holders.items()}
-                leases.checkpoint_options = options
-                leases.captures = {name: (expiry, interval) for name, (expiry, interval) in captures.items()}
-            elif kind == Back.STOP:
-                publisher.stops.request(args[0])
-            elif kind == Back.RELEASE and publisher.staging is not None:
-                publisher.staging.release(*args)
-            elif kind == Back.STATS:
-                counters, subscribers, answered = args
-                for name in _HELPER_COUNTERS & counters.keys():
-                    setattr(publisher._stats, name, counters[name])
-                self._helper_failed = counters.get("failed_requests", 0)
-                publisher._stats.failed_requests = self._encoder.failed + self._helper_failed
-                publisher._subscribers.entries = {name: {"last_seen": seen, "callbacks": True}
-                                                  for name, seen in subscribers.items()}
-                with self._answers:
-                    self._answered = max(self._answered, answered)
-                    self._answers.notify_all()
-            elif kind == Back.FAILED:
-                publisher.failed(BusFailed(args[0]))
-            elif kind == Back.LOG:
-                name, level, message = args
-                logging.getLogger(name).log(level, "%s", message)
+        for body in self._back.frames():
+            kind, *args = msgspec.msgpack.decode(body)
+            self._apply(kind, args)
         if self._back.closed and not self._ending:
             raise BusFailed(f"the bus's helper process exited (status {self._process_status()})")
+
+    def _apply(self, kind: str, args: list[Any]) -> None:
+        publisher = self.publisher
+        if kind == Back.LEASES:
+            captures, options, holders = args
+            leases = publisher.leases
+            leases.weights_holders = {name: (expiry, frozenset(events)) for name, (expiry, events) in holders.items()}
+            leases.checkpoint_options = options
+            leases.captures = {name: (expiry, interval) for name, (expiry, interval) in captures.items()}
+        elif kind == Back.STOP:
+            publisher.stops.request(args[0])
+        elif kind == Back.RELEASE and publisher.staging is not None:
+            publisher.staging.release(*args)
+        elif kind == Back.STATS:
+            counters, subscribers, answered = args
+            for name in _HELPER_COUNTERS & counters.keys():
+                setattr(publisher._stats, name, counters[name])
+            self._helper_failed = counters.get("failed_requests", 0)
+            publisher._stats.failed_requests = self._encoder.failed + self._helper_failed
+            publisher._subscribers.entries = {name: {"last_seen": seen, "callbacks": True}
+                                              for name, seen in subscribers.items()}
+            with self._answers:
+                self._answered = max(self._answered, answered)
+                self._answers.notify_all()
+        elif kind == Back.FAILED:
+            publisher.failed(BusFailed(args[0]))
+        elif kind == Back.LOG:
+            name, level, message = args
+            logging.getLogger(name).log(level, "%s", message)
 
     def _process_status(self) -> Any:
         assert self._process is not None

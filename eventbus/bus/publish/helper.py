@@ -164,7 +164,7 @@ class _LogToTrainer(logging.Handler):
     logging sends them (its files, its handlers, a test's capture), as when the bus ran in its thread."""
 
     def __init__(self, channel: _Channel) -> None:
-        super().__init__(logging.INFO)
+        super().__init__()
         self._channel = channel
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -175,16 +175,20 @@ class _LogToTrainer(logging.Handler):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer ends the run; its helper ends with it
+    # The trainer ends the run, and its helper with it (the end of the run, or the end of its input when the
+    # trainer died): a Ctrl-C, or a SIGTERM sent to every process of the job, is the trainer's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     back = int((argv if argv is not None else sys.argv[1:])[0])
     os.set_blocking(back, True)
     channel = _Channel(back)
-    logging.basicConfig(level=logging.INFO, handlers=[_LogToTrainer(channel)])
     windows = sys.stdin.buffer
     body = read_frame(windows)
     if body is None:
         return 1
-    return _run(channel, msgspec.msgpack.decode(body), windows)
+    start = msgspec.msgpack.decode(body)
+    logging.basicConfig(level=start.get("log_level", logging.INFO), handlers=[_LogToTrainer(channel)])
+    return _run(channel, start, windows)
 
 
 if __name__ == "__main__":

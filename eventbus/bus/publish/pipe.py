@@ -105,9 +105,10 @@ class FrameReader:
 
 def _hook(value: Any) -> Any:
     """What msgspec cannot encode, as the bus thread would publish it (``resolve``); a subclass of a plain
-    type (a str enum, say), which resolve keeps as it is, as its plain value (as msgpack writes it)."""
+    type (a str enum, say), which resolve keeps as it is, as its plain value (as msgpack writes it); what
+    resolves to its own kind again (a ``pathlib.Path``: its ``resolve()`` is another path), as a string."""
     plain = resolve(value)
-    if plain is not value:
+    if plain.__class__ is not value.__class__:
         return plain
     if isinstance(value, str):
         return str.__str__(value)
@@ -138,24 +139,50 @@ class WindowEncoder:
         self._last_number = -1
         self.failed = 0  # records that could not be encoded (dropped, logged)
 
-    def encode(self, records: list[Record], ask: int = 0, staged: Sequence[str] = ()) -> bytes:
+    def encode(self, records: list[Record], ask: int = 0, staged: Sequence[list[Any]] = ()) -> bytes:
         """Convert what the encoder cannot write, then encode the window; a record that still cannot be
         encoded (a value msgpack has no form for) is dropped, counted and logged, not the window. With it go
-        ``ask`` (a counters request's number, 0: none) and ``staged`` (the unacknowledged checkpoints' buffers)."""
+        ``ask`` (a counters request's number, 0: none) and ``staged`` (the trainer's staged buffers' table)."""
         self._new = []
         number = self._number
-        for record in records:
-            if record.__class__ is EventRecord:
-                record.timestamp = number(record.timestamp)  # type: ignore[union-attr]
-                record.previous_timestamp = number(record.previous_timestamp)  # type: ignore[union-attr]
-                if record.eval_timestamp is not None:  # type: ignore[union-attr]
-                    record.eval_timestamp = number(record.eval_timestamp)  # type: ignore[union-attr]
-                if record.checkpoint is not None:  # type: ignore[union-attr]
-                    record.checkpoint = _descriptor(record.checkpoint)  # type: ignore[union-attr]
+        done = 0
+        try:
+            for record in records:
+                if record.__class__ is EventRecord:
+                    record.timestamp = number(record.timestamp)  # type: ignore[union-attr]
+                    record.previous_timestamp = number(record.previous_timestamp)  # type: ignore[union-attr]
+                    if record.eval_timestamp is not None:  # type: ignore[union-attr]
+                        record.eval_timestamp = number(record.eval_timestamp)  # type: ignore[union-attr]
+                    if record.checkpoint is not None:  # type: ignore[union-attr]
+                        record.checkpoint = _descriptor(record.checkpoint)  # type: ignore[union-attr]
+                done += 1
+        except Exception:  # a timestamp that cannot give its fields, a device copy that failed: that record only
+            self._drop(records[done])
+            rest, records = records[done + 1:], records[:done]
+            for record in rest:
+                try:
+                    if record.__class__ is EventRecord:
+                        self._convert(record)  # type: ignore[arg-type]
+                    records.append(record)
+                except Exception:
+                    self._drop(record)
         try:
             return self._encoder.encode((self._new, records, ask, staged))
         except Exception:
             return self._encoder.encode((self._new, [msgspec.Raw(body) for body in self._each(records)], ask, staged))
+
+    def _convert(self, record: EventRecord) -> None:
+        """One record's conversion, as :meth:`encode` does it for a window in one loop."""
+        record.timestamp = self._number(record.timestamp)
+        record.previous_timestamp = self._number(record.previous_timestamp)
+        if record.eval_timestamp is not None:
+            record.eval_timestamp = self._number(record.eval_timestamp)
+        if record.checkpoint is not None:
+            record.checkpoint = _descriptor(record.checkpoint)
+
+    def _drop(self, record: Record) -> None:
+        self.failed += 1
+        log.exception("a %s could not be published; the bus goes on", type(record).__name__)
 
     def _each(self, records: list[Record]) -> Iterator[bytes]:
         for record in records:
@@ -167,8 +194,7 @@ class WindowEncoder:
             try:  # a dict with keys msgpack has no form for (resolve makes them strings), say
                 yield self._encoder.encode(_resolved(record))
             except Exception:
-                self.failed += 1
-                log.exception("a %s could not be published; the bus goes on", type(record).__name__)
+                self._drop(record)
 
     def _number(self, timestamp: Any) -> Optional[int]:
         """The table number of a live (immutable) timestamp: the same object, the same number."""
@@ -242,12 +268,12 @@ class WindowDecoder:
     """Helper process: a frame body back into records, timestamps by identity as the trainer held them."""
 
     def __init__(self) -> None:
-        self._decoder = msgspec.msgpack.Decoder(tuple[list[tuple[int, list[Any]]], _RECORDS, int, list[str]])
+        self._decoder = msgspec.msgpack.Decoder(tuple[list[tuple[int, list[Any]]], _RECORDS, int, list[list[Any]]])
         self._timestamps: dict[int, TimestampFields] = {}
 
-    def decode(self, body: bytes) -> tuple[list[Record], int, list[str]]:
+    def decode(self, body: bytes) -> tuple[list[Record], int, list[list[Any]]]:
         """The window's records, the number of the counters request that came with it (0: none), and the
-        trainer's unacknowledged checkpoints' buffers."""
+        trainer's staged buffers' table."""
         new, records, ask, staged = self._decoder.decode(body)
         table = self._timestamps
         for number, fields in new:

@@ -96,11 +96,13 @@ class Publisher:
         header = dict(header, service_address=self.service_address,
                       journal=str(self.journal_path.resolve()) if self.journal_path else None)
         if self.config.helper_process:
-            self._thread = ForwardThread(self, self._queue)
-            self._thread.start(resolve(header))
+            forward = ForwardThread(self, self._queue)
+            forward.start(resolve(header))
+            self._thread = forward
         else:
-            self._thread = BusThread(self, header, keys, self._queue, self._stats, self._subscribers)
-            self._thread.start()
+            thread = BusThread(self, header, keys, self._queue, self._stats, self._subscribers)
+            thread.start()
+            self._thread = thread
 
     # ------------------------------------------------------------------ training thread
 
@@ -140,6 +142,8 @@ class Publisher:
         return self._subscribers.live(within)
 
     def stats(self) -> PublisherStats:
+        """The bus's counters now. With a helper process it first publishes what is queued and waits for the
+        helper's counters (a few milliseconds; at most 10 s): read it now and then, not every batch."""
         self._sync()
         self._stats.queue_depth = self._queue.qsize()
         return dataclasses.replace(self._stats)
