@@ -25,7 +25,16 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, ratio_range, table
+from bench.common import (
+    emit,
+    helper_cpu_seconds,
+    median,
+    paired_ratio,
+    process_cpu_seconds,
+    python_env,
+    ratio_range,
+    table,
+)
 from bench.daemons import STEP_SIZES
 from bench.models import loader, mlp
 from bench.rotation import Rotation
@@ -106,13 +115,13 @@ class _Warmup:
         self.trainer_readings: dict[int, float] = {}
 
     def mark(self, count: int) -> None:
-        if count in self.steady:
-            self.trainer_readings[count] = time.process_time()
+        if count in self.steady:  # the training process, and its bus's helper process (doing the bus's work)
+            self.trainer_readings[count] = time.process_time() + helper_cpu_seconds()
             if self.pids:
                 self.readings[count] = [_stat(pid)[1] for pid in self.pids]
 
     def trainer_cpu_per_step(self) -> float:
-        """This process's CPU seconds per step over the steady part."""
+        """This process's CPU seconds per step over the steady part, with its bus helper process's."""
         first, last = self.steady
         return (self.trainer_readings[last] - self.trainer_readings[first]) / (last - first)
 
@@ -462,8 +471,9 @@ def steps_per_sec(quick: bool, root: pathlib.Path) -> dict[str, Any]:
           "to fit's return, s)",
           ["trainer", "step", "warm-up", "its CPU", "end (a)", "end (b)", "end (c)", "daemons exit",
            "daemons' CPU after the last step"], ends)
-    table("9. adapters: CPU per step (ms; user + system, every thread) of the training process in each setup, of "
-          "each of (c)'s daemons after their warm-up, and (c)'s total (training process + daemons)",
+    table("9. adapters: CPU per step (ms; user + system, every thread) of the training process (with its bus helper "
+          "process) in each setup, of each of (c)'s daemons after their warm-up, and (c)'s total (training process + "
+          "daemons)",
           ["trainer", "step", "(a)", "(b)", "(c)", "(d) own TB", "(d) own W&B", *DAEMONS, "(c) total"], cpu_rows)
     return results
 

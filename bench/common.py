@@ -75,6 +75,21 @@ def process_cpu_seconds(pid: int) -> float:
     return time.clock_gettime(((~pid) << 3) | 2)  # CPUCLOCK_SCHED of the process (not one thread)
 
 
+def helper_cpu_seconds() -> float:
+    """The CPU seconds of this process's live bus helper processes (the bus's work, when it runs there)."""
+    from eventbus.bus.publish import forwarder
+
+    total = 0.0
+    for thread in list(forwarder._LIVE):
+        process = thread._process
+        if process is not None:
+            try:
+                total += process_cpu_seconds(process.pid)
+            except OSError:  # reaped
+                pass
+    return total
+
+
 def python_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
