@@ -7,8 +7,9 @@ two threads. Four rooms hold the moving parts:
 
 - ``eventbus.capture`` -- the training thread: what the trainer's loop calls at
   each event (references in, one record out, never blocks).
-- ``eventbus.bus.publish`` -- the bus thread in the trainer: publishes the
-  records, keeps the journal, answers subscribers' requests.
+- ``eventbus.bus.publish`` -- the bus thread (by default in its helper process,
+  fed a window at a time by the trainer): publishes the records, keeps the
+  journal, answers subscribers' requests.
 - ``eventbus.bus.subscribe`` -- the subscribing end, in any other process.
 - ``eventbus.runtime`` -- the worker runtime: hosts ordinary callbacks on a
   subscriber's stream (``eventbus worker``).
@@ -48,7 +49,9 @@ with no import circle across folders, no module over 450 lines, no class over 30
   ``bus.publish`` -- the bus thread: ``records``, ``payload``, ``publisher``,
     ``history`` (seq, journal before wire, replay cache), ``service`` (one
     handler per request), ``budgets`` (what each client may make it spend),
-    ``leases`` (capture leases; stop requests).
+    ``leases`` (capture leases; stop requests), ``windows`` (how long a window
+    lasts); the helper process: ``forwarder`` (the trainer's side), ``pipe``
+    (what travels between them), ``helper``, ``staging_view``.
   ``bus.subscribe`` -- ``subscriber`` (:class:`Subscriber`), ``sequencer`` (seq
     order, gaps, duplicates), ``recovery`` and ``journal_source`` (gap filling),
     ``journal_stream`` (a journal as messages: replay, monitor, export),

@@ -103,12 +103,16 @@ class FrameReader:
             yield frame
 
 
+_ENCODABLE = frozenset({dict, list, tuple, str, int, float, bool, type(None), bytes})
+
+
 def _hook(value: Any) -> Any:
     """What msgspec cannot encode, as the bus thread would publish it (``resolve``); a subclass of a plain
     type (a str enum, say), which resolve keeps as it is, as its plain value (as msgpack writes it); what
-    resolves to its own kind again (a ``pathlib.Path``: its ``resolve()`` is another path), as a string."""
+    resolves to something else again (a ``pathlib.Path``: its ``resolve()`` is another path), as a string:
+    never handed back to msgspec to call this again."""
     plain = resolve(value)
-    if plain.__class__ is not value.__class__:
+    if plain.__class__ in _ENCODABLE:
         return plain
     if isinstance(value, str):
         return str.__str__(value)
@@ -280,7 +284,8 @@ class WindowDecoder:
             table[number] = TimestampFields(fields)
         for record in records:
             if record.__class__ is EventRecord:
-                record.timestamp = table.get(record.timestamp)  # type: ignore[union-attr]
+                if record.timestamp is not None:  # type: ignore[union-attr]
+                    record.timestamp = table[record.timestamp]  # type: ignore[union-attr]
                 if record.previous_timestamp is not None:  # type: ignore[union-attr]
                     record.previous_timestamp = table[record.previous_timestamp]  # type: ignore[union-attr]
                 if record.eval_timestamp is not None:  # type: ignore[union-attr]

@@ -1,4 +1,5 @@
-"""The publisher: a bus thread that numbers, journals and sends what the training thread captured.
+"""The publisher: a bus thread that numbers, journals and sends what the training thread captured (by default
+in the bus's helper process: :mod:`eventbus.bus.publish.forwarder`, :mod:`eventbus.bus.publish.helper`).
 
 Training thread (:meth:`Publisher.put`): one record on a size-checked queue, never a socket or file
 call; when the queue is full (the bus thread far behind) the record is dropped and counted. Bus
