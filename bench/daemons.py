@@ -21,7 +21,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from bench.common import emit, median, paired_ratio, process_cpu_seconds, python_env, ratio_range, table
+from bench.common import (
+    emit,
+    helper_cpu_seconds,
+    median,
+    paired_ratio,
+    process_cpu_seconds,
+    python_env,
+    ratio_range,
+    table,
+)
 from bench.models import classifier, loader
 from eventbus import BusConfig, Trainer
 from eventbus.bus.wire import WINDOW_TOPIC, subscription, topic_index
@@ -113,14 +122,11 @@ def _train(shape: tuple[int, int, int], batches: int, folder: str, name: str, bu
         time.sleep(0.5)
         for worker in workers:
             worker.mark()
-    helper = getattr(trainer.publisher._thread, "_process", None) if trainer.publisher is not None else None
-    helper_started = process_cpu_seconds(helper.pid) if helper is not None else 0.0
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started = time.perf_counter(), time.process_time() + helper_cpu_seconds()
     trainer.fit()
     seconds = time.perf_counter() - started
     if cpu is not None:  # with the bus's helper process, its CPU too: it does the bus thread's work
-        helper_cpu = process_cpu_seconds(helper.pid) - helper_started if helper is not None else 0.0
-        cpu.append((time.process_time() - cpu_started + helper_cpu) / batches)
+        cpu.append((time.process_time() + helper_cpu_seconds() - cpu_started) / batches)
     for worker in workers:
         worker.sample()
     trainer.close()  # returns once live workers applied the whole run (or after drain_timeout)

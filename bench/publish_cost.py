@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import zmq
 
-from bench.common import emit, event_capture, median, percentile, process_cpu_seconds, table
+from bench.common import emit, event_capture, helper_cpu_seconds, median, percentile, table
 from bench.models import classifier, loader
 from bench.rotation import Rotation, bus_thread_clock
 from eventbus import Callback, Event, Trainer
@@ -96,10 +96,9 @@ class _Setups(Callback):
         self.capture_only = dataclasses.replace(publisher.config, queue_size=0)
         self.rotation.switch = self.switch
         bus_thread = bus_thread_clock()
-        helper = getattr(publisher._thread, "_process", None)
 
         def clocks() -> dict[str, float]:
-            return {**bus_thread(), "helper_process": _helper_cpu(helper.pid) if helper is not None else 0.0}
+            return {**bus_thread(), "helper_process": helper_cpu_seconds()}
         self.rotation.clocks = clocks
 
     def batch_end(self, state: Any, logger: Any) -> None:
@@ -115,13 +114,6 @@ class _Setups(Callback):
             sinks.append(self.capture)
             destinations.append(self.capture.metrics_destination)
         self.publisher.config = self.capture_only if setup == "capture" else self.config
-
-
-def _helper_cpu(pid: int) -> float:
-    try:
-        return process_cpu_seconds(pid)
-    except OSError:  # reaped
-        return 0.0
 
 
 def _per_step(quick: bool, helper: bool) -> dict[str, float]:
