@@ -150,11 +150,19 @@ class WindowEncoder:
         self._new = []
         number = self._number
         done = 0
+        # Most records of a batch share their timestamp and previous one: each field keeps its own last one.
+        timestamp = previous = numbered = numbered_previous = None
         try:
             for record in records:
                 if record.__class__ is EventRecord:
-                    record.timestamp = number(record.timestamp)  # type: ignore[union-attr]
-                    record.previous_timestamp = number(record.previous_timestamp)  # type: ignore[union-attr]
+                    if record.timestamp is not timestamp:  # type: ignore[union-attr]
+                        timestamp = record.timestamp  # type: ignore[union-attr]
+                        numbered = number(timestamp)
+                    record.timestamp = numbered  # type: ignore[union-attr]
+                    if record.previous_timestamp is not previous:  # type: ignore[union-attr]
+                        previous = record.previous_timestamp  # type: ignore[union-attr]
+                        numbered_previous = number(previous)
+                    record.previous_timestamp = numbered_previous  # type: ignore[union-attr]
                     if record.eval_timestamp is not None:  # type: ignore[union-attr]
                         record.eval_timestamp = number(record.eval_timestamp)  # type: ignore[union-attr]
                     if record.checkpoint is not None:  # type: ignore[union-attr]

@@ -69,6 +69,7 @@ class Publisher:
         self._doorbell = Doorbell(self._stats)
         self._thread: Optional[Union[BusThread, ForwardThread]] = None
         self._closed = False
+        self._ending = False  # close() queued the run's end
         self.failure: Optional[BaseException] = None  # what stopped the bus thread mid-run, if anything
         self.abandoned = False  # the helper's input ended before the run did: the trainer died
 
@@ -162,6 +163,7 @@ class Publisher:
                 self._doorbell.close()
             self._closed = True
             return
+        self._ending = True  # before the end is queued: what takes records in bulk cuts the window there
         self._queue.put(EndRecord())
         self._doorbell.ring()
         self._closed = True
