@@ -211,11 +211,14 @@ class ForwardThread(threading.Thread):
         helper.register(doorbell.fd, zmq.POLLIN)
         while not self._ending:
             first = doorbell.take_or_sleep(self._queue, idle, _IDLE_SECONDS)
-            self._read_back()
-            if first is None:
+            if first is None:  # woken by the helper (or a counters request, or nothing)
+                self._read_back()
                 if self._asked > self._sent:
                     self._write([])
                 continue
+            # What the helper sent meanwhile is read in _gather (its poll returns at once): each system call here
+            # is one more wait for the GIL, and each wait ~2 ms of this thread's CPU at ~1 ms steps (woken at
+            # every release of the GIL the training thread makes, until it gets it).
             records = [first]
             self._gather(records, idle, helper)
             self._take_queued(records)
@@ -269,6 +272,7 @@ class ForwardThread(threading.Thread):
         deadline = self._clock.window_end()
         doorbell = self.publisher._doorbell
         if self.publisher.leases.holds(STOPS_LEASE):
+            self._read_back()  # a BATCH_END may be queued already: then nothing below reads it
             if ends_window(records[0]):
                 return
             while not doorbell.take_through_batch_end(self._queue, records, idle, deadline - time.monotonic(),
@@ -277,11 +281,15 @@ class ForwardThread(threading.Thread):
                 if deadline <= time.monotonic() or len(records) >= TURN_RECORDS or self._asked != self._sent:
                     return
             return
+        polled = False  # the helper's pipe was polled: what it sent until the window's end is read
         while (left := deadline - time.monotonic()) > 0 and self._asked == self._sent:
             self.publisher._stats.wakeups += 1
+            polled = True
             if helper.poll(max(1, round(left * 1000))):
                 doorbell.clear()  # rung by a counters request: the window ends now
                 self._read_back()
+        if not polled:  # a full turn, or a counters request: the window ends at once
+            self._read_back()
 
     def _read_back(self) -> None:
         """Apply what the helper sent; its pipe closing mid-run is its failure."""
