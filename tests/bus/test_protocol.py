@@ -426,6 +426,26 @@ def test_a_stopper_sleeps_the_bus_thread_through_a_slow_batch_and_its_batch_end_
         assert publisher.stats().wakeups - waits <= 12, "the bus thread woke through the batches"
 
 
+@pytest.mark.parametrize("helper", [False, True], ids=["bus thread", "helper process"])
+def test_a_stops_lease_granted_while_a_window_gathers_ends_that_window_at_the_next_batch_end(tmp_path, helper):
+    """A stopper that subscribes mid-window sees the next batch's end at once, not when the window (five seconds
+    here) would have closed: the bus thread, or the forwarding thread, turns the window into a stopper's."""
+    with served(tmp_path, "late-stopper", coalesce_seconds=5.0, helper_process=helper) as (publisher, dealer):
+        timestamp = Timestamp()
+        publisher.put(_event("before_forward", timestamp))  # a window opens: it lasts five seconds
+        time.sleep(0.2)
+        dealer.send(request(Op.CAPTURE, what=[STOPS_LEASE], ttl=60.0))
+        deadline = time.monotonic() + 4
+        while not publisher.leases.holds(STOPS_LEASE):
+            assert time.monotonic() < deadline, "the stops lease did not reach the trainer while the window gathered"
+            time.sleep(0.01)
+        publisher.put(_event("batch_end", timestamp))
+        put = time.monotonic()
+        while not any(m.event == "batch_end" for m in read_messages(publisher.journal_path)):
+            assert time.monotonic() - put < 3.0, "the batch's end waited for the window to close"
+            time.sleep(0.01)
+
+
 def _event(name: str, timestamp: Timestamp) -> EventRecord:
     now = time.time(), time.monotonic()
     return EventRecord(name, *now, timestamp, None, "train", 10.0, 4, 0)

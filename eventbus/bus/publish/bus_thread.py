@@ -181,17 +181,16 @@ class BusThread(threading.Thread):
         deadline = self._clock.window_end()
         budget = self.config.requests_per_turn
         taken: list[Record] = []
-        if self.publisher.leases.holds(STOPS_LEASE):
-            if not ends_window(first):
-                self._gather_through_batch_end(poller, idle, taken, deadline, budget)
-            return taken
-        while (left := deadline - time.monotonic()) > 0:
+        leases = self.publisher.leases
+        while not leases.holds(STOPS_LEASE) and (left := deadline - time.monotonic()) > 0:
             self._stats.wakeups += 1
             if budget <= 0:  # a flood of requests waits for the next turn; training and publishing go on
                 time.sleep(left)
             elif poller.poll(max(1, round(left * 1000))):
                 # What requests publish (workers' metrics) joins the turn's window: one frame a turn.
                 budget -= self._serve_waiting(poller, 0, budget, send=False)
+        if leases.holds(STOPS_LEASE) and not ends_window(first):  # a stopper's (its lease granted meanwhile too)
+            self._gather_through_batch_end(poller, idle, taken, deadline, budget)
         return taken
 
     def _gather_through_batch_end(self, poller: zmq.Poller, idle: zmq.Poller, taken: list[Record], deadline: float,

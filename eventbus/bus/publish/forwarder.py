@@ -268,28 +268,32 @@ class ForwardThread(threading.Thread):
 
     def _gather(self, records: list[Record], idle: zmq.Poller, helper: zmq.Poller) -> None:
         """Let the window's records accumulate, as the bus thread does (:mod:`eventbus.bus.publish.windows`),
-        applying what the helper sends meanwhile. While a stopper holds ``stops``, up to the next BATCH_END."""
+        applying what the helper sends meanwhile. While a stopper holds ``stops``, up to the next BATCH_END
+        (a lease granted while the window gathers included)."""
         deadline = self._clock.window_end()
-        doorbell = self.publisher._doorbell
-        if self.publisher.leases.holds(STOPS_LEASE):
-            self._read_back()  # a BATCH_END may be queued already: then nothing below reads it
-            if ends_window(records[0]):
-                return
-            while not doorbell.take_through_batch_end(self._queue, records, idle, deadline - time.monotonic(),
-                                                      ends_window, TURN_RECORDS):
-                self._read_back()
-                if deadline <= time.monotonic() or len(records) >= TURN_RECORDS or self._asked != self._sent:
-                    return
-            return
-        polled = False  # the helper's pipe was polled: what it sent until the window's end is read
-        while (left := deadline - time.monotonic()) > 0 and self._asked == self._sent:
+        leases = self.publisher.leases
+        polled = False  # the helper's pipe was polled: what it sent until then is read
+        while not leases.holds(STOPS_LEASE) and (left := deadline - time.monotonic()) > 0 \
+                and self._asked == self._sent:
             self.publisher._stats.wakeups += 1
             polled = True
             if helper.poll(max(1, round(left * 1000))):
-                doorbell.clear()  # rung by a counters request: the window ends now
+                self.publisher._doorbell.clear()  # rung by a counters request: the window ends now
                 self._read_back()
-        if not polled:  # a full turn, or a counters request: the window ends at once
+        if not polled:  # a stopper's window, a full turn or a counters request: nothing above read the pipe
             self._read_back()
+        if leases.holds(STOPS_LEASE):
+            self._gather_through_batch_end(records, idle, deadline)
+
+    def _gather_through_batch_end(self, records: list[Record], idle: zmq.Poller, deadline: float) -> None:
+        """A stopper's window: up to the next BATCH_END (the bus thread's stop latency), or the window's end."""
+        if ends_window(records[0]):
+            return
+        while not self.publisher._doorbell.take_through_batch_end(
+                self._queue, records, idle, deadline - time.monotonic(), ends_window, TURN_RECORDS):
+            self._read_back()
+            if deadline <= time.monotonic() or len(records) >= TURN_RECORDS or self._asked != self._sent:
+                return
 
     def _read_back(self) -> None:
         """Apply what the helper sent; its pipe closing mid-run is its failure."""
