@@ -29,6 +29,7 @@ from eventbus.bus.protocol import (
 from eventbus.bus.publish import bus_thread, forwarder
 from eventbus.bus.publish.publisher import Publisher
 from eventbus.bus.publish.records import EventRecord
+from eventbus.bus.publish.windows import TURN_RECORDS
 from eventbus.core.time import Timestamp
 from eventbus.errors import ProtocolError
 from tests.support import bus_address, make_loader, make_model
@@ -444,6 +445,19 @@ def test_a_stops_lease_granted_while_a_window_gathers_ends_that_window_at_the_ne
         while not any(m.event == "batch_end" for m in read_messages(publisher.journal_path)):
             assert time.monotonic() - put < 3.0, "the batch's end waited for the window to close"
             time.sleep(0.01)
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["bus thread", "helper process"])
+def test_a_backlog_of_several_turns_is_journaled_whole_and_in_order(tmp_path, helper):
+    """Records queued faster than a turn takes them (TURN_RECORDS a window): each turn takes the next ones, in
+    order, none twice, and the run's end comes after all of them."""
+    total = 3 * TURN_RECORDS + 17
+    with served(tmp_path, "backlog", helper_process=helper, coalesce_seconds=0.5) as (publisher, _):  # it builds up
+        for step in range(total):
+            publisher.log_metrics({"n": step}, step=step)
+    messages = list(read_messages(publisher.journal_path))
+    assert [m.payload["metrics"]["n"] for m in messages if m.kind == "metrics"] == list(range(total))
+    assert messages[-1].kind == "end"
 
 
 def _event(name: str, timestamp: Timestamp) -> EventRecord:
