@@ -452,7 +452,8 @@ def test_a_backlog_of_several_turns_is_journaled_whole_and_in_order(tmp_path, he
     """Records queued faster than a turn takes them (TURN_RECORDS a window): each turn takes the next ones, in
     order, none twice, and the run's end comes after all of them."""
     total = 3 * TURN_RECORDS + 17
-    with served(tmp_path, "backlog", helper_process=helper, coalesce_seconds=0.5) as (publisher, _):  # it builds up
+    # A first window of half a second: the whole backlog is queued while it gathers, and taken in full turns.
+    with served(tmp_path, "backlog", helper_process=helper, coalesce_seconds=0.5) as (publisher, _):
         for step in range(total):
             publisher.log_metrics({"n": step}, step=step)
     messages = list(read_messages(publisher.journal_path))
