@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from eventbus.bus.publish.payload import host_value
+from eventbus.bus.publish.records import Deferred
 from eventbus.checkpoint.staging import Staged
 
 __all__ = ["StagedValue", "StagedWeights", "stage"]
 
 
-class StagedValue:
+class StagedValue(Deferred):
     """A device value copied to pinned host memory; only the bus thread waits for it (``resolve``)."""
 
     __slots__ = ("host", "ready")
@@ -47,7 +48,7 @@ def stage(value: Any) -> Any:
     return value
 
 
-class StagedWeights:
+class StagedWeights(Deferred):
     """The descriptor of weights staged at one event; the bus thread waits for their device copy."""
 
     __slots__ = ("staged",)

@@ -6,6 +6,9 @@ Real processes and pipes: the helper a real ``python -m eventbus.bus.publish.hel
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
 import os
 import pathlib
 import signal
@@ -107,6 +110,36 @@ def test_a_run_through_the_helper_journals_every_event_as_the_bus_thread_does(tm
         journals[helper] = [(m.kind, m.event, m.payload.get("timestamp"), m.payload.get("loss") is not None)
                             for m in messages if m.kind in ("event", "metrics")]
     assert journals[True] == journals[False]
+
+
+class _Color(enum.Enum):
+    RED = 1
+
+
+@dataclasses.dataclass
+class _Point:
+    x: object
+    y: float
+
+
+def test_values_that_are_not_numbers_are_journaled_alike_by_the_helper_and_the_bus_thread(tmp_path):
+    """A metric logged as an enum, a dataclass, a path, a date or a set: one form, wherever the bus runs, and
+    none of them costs the other metrics of its call their message (a path once did: its ``resolve()`` was
+    called and gave another path, which the bus thread could not encode)."""
+    logged = {"enum": _Color.RED, "point": _Point(torch.tensor(0.5), 2.0), "path": pathlib.Path("relative/file"),
+              "date": datetime.date(2026, 1, 2), "set": {3}, "bytes": b"ab", "plain": 1.5}
+    expected = {"enum": 1, "point": {"x": 0.5, "y": 2.0}, "path": "relative/file", "date": "2026-01-02",
+                "set": [3], "bytes": "b'ab'", "plain": 1.5}
+    for helper in (False, True):
+        trainer = Trainer(make_model(), make_loader(), max_duration="1ba", device="cpu",
+                          run_folder=tmp_path / f"helper-{helper}",
+                          bus=BusConfig(address=bus_address(tmp_path, f"bus-{helper}"), helper_process=helper))
+        trainer.fit()
+        trainer.logger.log_metrics(dict(logged), step=99)
+        trainer.close()
+        found = [m.payload["metrics"] for m in read_messages(trainer.publisher.journal_path)
+                 if m.kind == "metrics" and m.payload.get("step") == 99]
+        assert found == [expected], (helper, found)
 
 
 class _KillHelperAt(Callback):

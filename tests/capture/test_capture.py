@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import pathlib
 import queue
 from typing import Any, Optional
 
@@ -18,7 +19,7 @@ from eventbus import Event
 from eventbus.bus.config import BusConfig
 from eventbus.bus.publish.payload import PayloadBuilder
 from eventbus.bus.publish.publisher import Publisher
-from eventbus.bus.publish.records import SETTINGS_PATCH, EventRecord
+from eventbus.bus.publish.records import SETTINGS_PATCH, Deferred, EventRecord
 from eventbus.bus.schema import Key
 from eventbus.bus.subscribe.journal_stream import journal_messages
 from eventbus.capture.event_capture import EventCapture
@@ -244,7 +245,7 @@ def test_the_published_run_carries_the_states_values(tmp_path):
 def test_captured_values_resolve_to_plain_values_the_same_way_at_every_value_of_their_class():
     from eventbus.bus.publish.payload import resolve
 
-    class Waiting:  # a value staged on the training thread, read on the bus thread
+    class Waiting(Deferred):  # a value staged on the training thread, read on the bus thread
         def __init__(self, value: Any):
             self.value = value
 
@@ -265,6 +266,8 @@ def test_captured_values_resolve_to_plain_values_the_same_way_at_every_value_of_
         # NumPy values logged by a user: numbers and lists, never their text.
         assert resolve(numpy.float32(1.5)) == 1.5 and type(resolve(numpy.float32(1.5))) is float
         assert resolve(numpy.arange(3)) == [0, 1, 2] and resolve({"n": numpy.int64(4)}) == {"n": 4}
+    # A value of the user's with a resolve() of its own is a value, not a staged one: a path stays as written.
+    assert resolve(pathlib.Path("relative/file")) == "relative/file"
 
 
 def test_the_final_checkpoint_is_staged_at_fit_end_when_the_last_batch_s_was_skipped(tmp_path):

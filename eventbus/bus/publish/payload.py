@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from eventbus.bus.publish.records import SETTINGS_PATCH, EventRecord
+import msgspec
+
+from eventbus.bus.publish.records import SETTINGS_PATCH, Deferred, EventRecord
 from eventbus.bus.schema import PER_BATCH_KEYS, Key
 
 __all__ = ["PayloadBuilder", "host_value", "resolve"]
@@ -23,10 +25,19 @@ _PLAIN = frozenset({type(None), str, int, float, bool})
 _RESOLVERS: dict[type, Callable[[Any], Any]] = {}
 _MAX_RESOLVERS = 64
 _ABSENT = object()
+_BYTES = (bytes, bytearray, memoryview)  # published as their str, as before
 
 
 def resolve(value: Any) -> Any:
-    """Turn a captured value into plain msgpack-able data (waiting for staged device values)."""
+    """Turn a captured value into plain msgpack-able data (waiting for staged device values): a tensor or a
+    NumPy value its number or nested lists; what msgspec knows (an enum, a dataclass, a set, a date, a
+    UUID...) in msgspec's form, as the bus's helper process receives it; anything else its ``str``."""
+    return _resolve(value, True)
+
+
+def _resolve(value: Any, convert: bool) -> Any:
+    """``resolve``; with ``convert`` False (a value msgspec handed back as one it does not know), what is
+    not a tensor, a NumPy value, a staged value or a container becomes its ``str`` at once."""
     kind = value.__class__
     if kind in _PLAIN:
         return value
@@ -38,11 +49,9 @@ def resolve(value: Any) -> Any:
     if kind is dict:  # metrics and settings: mostly plain values, each kept as it is
         return {k if k.__class__ is str else str(k): v if v.__class__ in _PLAIN else resolve(v)
                 for k, v in value.items()}
-    deferred = getattr(value, "resolve", None)
-    if deferred is not None:
-        if getattr(deferred, "__func__", None) is getattr(kind, "resolve", _ABSENT):  # the class's, not its own
-            _learn(kind, kind.resolve)
-        return deferred()
+    if isinstance(value, Deferred):
+        _learn(kind, kind.resolve)
+        return value.resolve()
     if hasattr(value, "tolist"):
         if hasattr(value, "numel"):  # a host tensor captured by reference
             _learn(kind, host_value)
@@ -54,7 +63,18 @@ def resolve(value: Any) -> Any:
         return {str(k): resolve(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [resolve(v) for v in value]
-    return str(value)
+    if not convert or isinstance(value, _BYTES):
+        return str(value)
+    try:
+        plain = msgspec.to_builtins(value, builtin_types=_BYTES, enc_hook=_unknown)
+    except (TypeError, ValueError):  # a value msgspec cannot convert (a dict key it has no form for, say)
+        return str(value)
+    return plain if plain.__class__ in _PLAIN else resolve(plain)
+
+
+def _unknown(value: Any) -> Any:
+    """A value msgspec does not know, at the top or inside one it converts (a dataclass's field)."""
+    return _resolve(value, False)
 
 
 def _learn(kind: type, how: Callable[[Any], Any]) -> None:

@@ -19,7 +19,14 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import msgspec
 
 from eventbus.bus.publish.payload import resolve
-from eventbus.bus.publish.records import EndRecord, EventRecord, HyperparametersRecord, MetricsRecord, Record
+from eventbus.bus.publish.records import (
+    Deferred,
+    EndRecord,
+    EventRecord,
+    HyperparametersRecord,
+    MetricsRecord,
+    Record,
+)
 from eventbus.bus.schema import Key
 
 __all__ = ["Back", "FrameReader", "WindowDecoder", "WindowEncoder", "framed", "write_frame", "read_frame",
@@ -108,9 +115,8 @@ _ENCODABLE = frozenset({dict, list, tuple, str, int, float, bool, type(None), by
 
 def _hook(value: Any) -> Any:
     """What msgspec cannot encode, as the bus thread would publish it (``resolve``); a subclass of a plain
-    type (a str enum, say), which resolve keeps as it is, as its plain value (as msgpack writes it); what
-    resolves to something else again (a ``pathlib.Path``: its ``resolve()`` is another path), as a string:
-    never handed back to msgspec to call this again."""
+    type (a str enum, say), which resolve keeps as it is, as its plain value (as msgpack writes it); anything
+    else as a string: never handed back to msgspec to call this again."""
     plain = resolve(value)
     if plain.__class__ in _ENCODABLE:
         return plain
@@ -264,7 +270,7 @@ class StagedDescriptor:
         self.descriptor = descriptor
 
 
-class Resolved:
+class Resolved(Deferred):
     """A value resolved in the training process already, as the payload builder resolves a staged one."""
 
     __slots__ = ("value",)

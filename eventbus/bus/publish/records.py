@@ -23,11 +23,16 @@ __all__ = ["Deferred", "StagedCheckpointRef", "EventRecord", "MetricsRecord",
 SETTINGS_PATCH = "settings_patch"
 
 
-class Deferred(Protocol):
+class Deferred:
     """A value the training thread staged without reading it (a device tensor copied to pinned
-    memory); only the bus thread calls ``resolve``, which may wait for the copy."""
+    memory); only the bus thread calls ``resolve``, which may wait for the copy. A base class, not a
+    protocol: a value of the user's that happens to have a ``resolve`` method (a ``pathlib.Path``) is
+    published as a value, never called."""
 
-    def resolve(self) -> Any: ...
+    __slots__ = ()
+
+    def resolve(self) -> Any:
+        raise NotImplementedError
 
 
 class StagedCheckpointRef(Protocol):
