@@ -126,10 +126,15 @@ def test_values_that_are_not_numbers_are_journaled_alike_by_the_helper_and_the_b
     """A metric logged as an enum, a dataclass, a path, a date or a set: one form, wherever the bus runs, and
     none of them costs the other metrics of its call their message (a path once did: its ``resolve()`` was
     called and gave another path, which the bus thread could not encode)."""
+    looped = _Point(None, 1.0)
+    looped.x = looped  # a dataclass that holds itself: its str, as before
+    plus_two = datetime.timezone(datetime.timedelta(hours=2))
     logged = {"enum": _Color.RED, "point": _Point(torch.tensor(0.5), 2.0), "path": pathlib.Path("relative/file"),
-              "date": datetime.date(2026, 1, 2), "set": {3}, "bytes": b"ab", "plain": 1.5}
+              "date": datetime.date(2026, 1, 2), "at": datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=plus_two),
+              "set": {3}, "bytes": bytearray(b"ab"), "by_color": {_Color.RED: 1.0}, "looped": looped, "plain": 1.5}
     expected = {"enum": 1, "point": {"x": 0.5, "y": 2.0}, "path": "relative/file", "date": "2026-01-02",
-                "set": [3], "bytes": "b'ab'", "plain": 1.5}
+                "at": "2026-01-02T01:04:05Z", "set": [3], "bytes": "b'ab'", "by_color": {"1": 1.0},
+                "looped": "_Point(x=..., y=1.0)", "plain": 1.5}
     for helper in (False, True):
         trainer = Trainer(make_model(), make_loader(), max_duration="1ba", device="cpu",
                           run_folder=tmp_path / f"helper-{helper}",

@@ -9,6 +9,7 @@ message still carries the full snapshot (the window stores it as what changed:
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -25,19 +26,16 @@ _PLAIN = frozenset({type(None), str, int, float, bool})
 _RESOLVERS: dict[type, Callable[[Any], Any]] = {}
 _MAX_RESOLVERS = 64
 _ABSENT = object()
-_BYTES = (bytes, bytearray, memoryview)  # published as their str, as before
+_BYTES = (bytes, bytearray, memoryview)
+# Left to resolve by msgspec.to_builtins: bytes as the helper gets them, datetimes for their offset.
+_KEPT = (*_BYTES, datetime.datetime)
 
 
-def resolve(value: Any) -> Any:
+def resolve(value: Any, convert: bool = True) -> Any:
     """Turn a captured value into plain msgpack-able data (waiting for staged device values): a tensor or a
     NumPy value its number or nested lists; what msgspec knows (an enum, a dataclass, a set, a date, a
-    UUID...) in msgspec's form, as the bus's helper process receives it; anything else its ``str``."""
-    return _resolve(value, True)
-
-
-def _resolve(value: Any, convert: bool) -> Any:
-    """``resolve``; with ``convert`` False (a value msgspec handed back as one it does not know), what is
-    not a tensor, a NumPy value, a staged value or a container becomes its ``str`` at once."""
+    UUID...) in msgspec's form, as the bus's helper process receives it; anything else its ``str``. With
+    ``convert`` False (a value msgspec handed back as one it does not know), no msgspec form is tried."""
     kind = value.__class__
     if kind in _PLAIN:
         return value
@@ -47,7 +45,7 @@ def _resolve(value: Any, convert: bool) -> Any:
     if isinstance(value, (str, int, float, bool)):
         return value
     if kind is dict:  # metrics and settings: mostly plain values, each kept as it is
-        return {k if k.__class__ is str else str(k): v if v.__class__ in _PLAIN else resolve(v)
+        return {k if k.__class__ is str else _key(k): v if v.__class__ in _PLAIN else resolve(v)
                 for k, v in value.items()}
     if isinstance(value, Deferred):
         _learn(kind, kind.resolve)
@@ -60,21 +58,34 @@ def _resolve(value: Any, convert: bool) -> Any:
             _learn(kind, _numpy_value)
             return _numpy_value(value)
     if isinstance(value, dict):
-        return {str(k): resolve(v) for k, v in value.items()}
+        return {k if k.__class__ is str else _key(k): resolve(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [resolve(v) for v in value]
-    if not convert or isinstance(value, _BYTES):
+    if isinstance(value, _BYTES):  # as the helper gets them: bytes travel as bytes, and resolve to their str
+        return str(bytes(value))
+    if isinstance(value, datetime.datetime):  # msgpack carries an aware one's instant, not its offset
+        return msgspec.to_builtins(value.astimezone(datetime.timezone.utc) if value.tzinfo is not None else value)
+    if not convert:
         return str(value)
     try:
-        plain = msgspec.to_builtins(value, builtin_types=_BYTES, enc_hook=_unknown)
-    except (TypeError, ValueError):  # a value msgspec cannot convert (a dict key it has no form for, say)
+        plain = msgspec.to_builtins(value, builtin_types=_KEPT, enc_hook=_unknown)
+    except (TypeError, ValueError, RecursionError):  # one msgspec cannot convert (a dataclass holding itself)
         return str(value)
     return plain if plain.__class__ in _PLAIN else resolve(plain)
 
 
 def _unknown(value: Any) -> Any:
     """A value msgspec does not know, at the top or inside one it converts (a dataclass's field)."""
-    return _resolve(value, False)
+    return resolve(value, False)
+
+
+def _key(key: Any) -> str:
+    """A map's key that is not text, as the helper's map gets it: a number or None as its text, anything else
+    as the text of its plain form (an enum's value, a date's ISO form)."""
+    if key.__class__ in _PLAIN or key.__class__ is tuple:
+        return str(key)
+    plain = resolve(key)
+    return plain if plain.__class__ is str else str(plain)
 
 
 def _learn(kind: type, how: Callable[[Any], Any]) -> None:
