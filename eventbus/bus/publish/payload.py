@@ -25,9 +25,9 @@ _PLAIN = frozenset({type(None), str, int, float, bool})
 # values captured every batch) skip the checks below (~1.5 us a tensor instead of ~0.6).
 _RESOLVERS: dict[type, Callable[[Any], Any]] = {}
 _MAX_RESOLVERS = 64
-_ABSENT = object()
 _BYTES = (bytes, bytearray, memoryview)
-# Left to resolve by msgspec.to_builtins: bytes as the helper gets them, datetimes for their offset.
+# What msgspec.to_builtins leaves as it is, for resolve: bytes (their str, as the helper's are), datetimes
+# (an aware one in UTC, as msgpack carries it).
 _KEPT = (*_BYTES, datetime.datetime)
 
 
