@@ -35,6 +35,11 @@ class _Level(str):
     """A str subclass (as a str enum is): msgpack writes its plain value."""
 
 
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this value")
+
+
 def _event(name: str, timestamp: Timestamp, previous=None, changes=None) -> EventRecord:
     return EventRecord(name, time.time(), time.monotonic(), timestamp, None, "train", 8.0, 4, 0, changes, None,
                        previous)
@@ -47,11 +52,13 @@ def test_a_window_keeps_timestamps_by_identity_and_drops_only_the_record_it_cann
     window = [_event("batch_start", first), _event("after_loss", first, changes={"loss": torch.tensor(0.25)}),
               _event("batch_end", second, previous=first),
               MetricsRecord({"level": _Level("debug"), "lr": torch.tensor([0.1, 0.2])}, 3, "trainer", 1.0, 2.0),
-              MetricsRecord({"huge": 2 ** 70}, 3, "trainer", 1.0, 2.0)]  # no msgpack integer holds it
+              MetricsRecord({"huge": 2 ** 70}, 3, "trainer", 1.0, 2.0),  # no msgpack integer holds it: its text
+              MetricsRecord({"opaque": _Unprintable()}, 3, "trainer", 1.0, 2.0)]  # not even as text
     table = [["/dev/shm/eventbus-x", 7, 1234, 4096, 1, False]]  # a staged buffer: name, fd, inode, size, stage
     records, asked, staged = decoder.decode(encoder.encode(window, ask=7, staged=table))
-    assert asked == 7 and staged == table and encoder.failed == 1 and len(records) == 4
-    start, loss, end, metrics = records
+    assert asked == 7 and staged == table and encoder.failed == 1 and len(records) == 5
+    start, loss, end, metrics, huge = records
+    assert huge.metrics == {"huge": str(2 ** 70)}
     assert start.timestamp is loss.timestamp and start.timestamp.fields() == first.fields()
     assert end.timestamp.fields() == second.fields() and end.previous_timestamp is start.timestamp
     assert loss.changes == {"loss": 0.25}
@@ -125,16 +132,18 @@ class _Point:
 def test_values_that_are_not_numbers_are_journaled_alike_by_the_helper_and_the_bus_thread(tmp_path):
     """A metric logged as an enum, a dataclass, a path, a date or a set: one form, wherever the bus runs, and
     none of them costs the other metrics of its call their message (a path once did: its ``resolve()`` was
-    called and gave another path, which the bus thread could not encode)."""
+    called and gave another path, which the bus thread could not encode; an integer beyond msgpack's 64 bits
+    did with either bus)."""
     looped = _Point(None, 1.0)
     looped.x = looped  # a dataclass that holds itself: its str, as before
     plus_two = datetime.timezone(datetime.timedelta(hours=2))
     logged = {"enum": _Color.RED, "point": _Point(torch.tensor(0.5), 2.0), "path": pathlib.Path("relative/file"),
               "date": datetime.date(2026, 1, 2), "at": datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=plus_two),
-              "set": {3}, "bytes": bytearray(b"ab"), "by_color": {_Color.RED: 1.0}, "looped": looped, "plain": 1.5}
+              "set": {3}, "bytes": bytearray(b"ab"), "by_color": {_Color.RED: 1.0}, "looped": looped,
+              "huge": 1 << 70, "plain": 1.5}
     expected = {"enum": 1, "point": {"x": 0.5, "y": 2.0}, "path": "relative/file", "date": "2026-01-02",
                 "at": "2026-01-02T01:04:05Z", "set": [3], "bytes": "b'ab'", "by_color": {"1": 1.0},
-                "looped": "_Point(x=..., y=1.0)", "plain": 1.5}
+                "looped": "_Point(x=..., y=1.0)", "huge": str(1 << 70), "plain": 1.5}
     for helper in (False, True):
         trainer = Trainer(make_model(), make_loader(), max_duration="1ba", device="cpu",
                           run_folder=tmp_path / f"helper-{helper}",
