@@ -65,7 +65,7 @@ from eventbus.errors import ProtocolError
 # The topics' names (eventbus.bus.topics) are the wire's too: ``wire.TOPICS``, ``wire.subscription``...
 __all__ = [
     "PROTOCOL_VERSION", "KINDS", "MAX_MESSAGE_BYTES", "Envelope", "encode", "decode", "encode_request",
-    "decode_request", "TOPICS", "topic_index", "previous_of", "pack_payload", "check_payload",
+    "decode_request", "TOPICS", "topic_index", "previous_of", "pack_payload", "fit_integers", "check_payload",
     "WINDOW_VERSION", "WINDOW_TOPIC", "Window", "encode_window", "decode_window", "decode_all",
     "subscription", "group_table", "DELTA_BASE", "STAGED_TOPICS", "topic_message", "TOPIC_MESSAGES",
     "GROUP_TOPIC", "LINKS_BYTES", "MASK_BYTES",
@@ -233,7 +233,26 @@ def encode(kind: str, run_id: str, rank: int, seq: int, event: Optional[str], wa
 def pack_payload(payload: dict[str, Any], wire_names: bool = False) -> bytes:
     """A payload map as it travels: its schema keys by their short wire names (``wire_names``: named so)."""
     names = WIRE_NAMES
-    return _encode(payload if wire_names else {names.get(key, key): value for key, value in payload.items()})
+    named = payload if wire_names else {names.get(key, key): value for key, value in payload.items()}
+    try:
+        return _encode(named)
+    except OverflowError:  # an integer beyond 64 bits: as its text, not the message lost
+        return _encode(fit_integers(named))
+
+
+_WIRE_INTEGERS = range(-(1 << 63), 1 << 64)  # what msgpack's integers hold
+
+
+def fit_integers(value: Any) -> Any:
+    """``value`` (plain data) with each integer msgpack has no form for (beyond 64 bits) as its text: how a
+    payload that failed to encode for one is encoded again. Looked for only then: such values are rare."""
+    if value.__class__ is int:
+        return value if value in _WIRE_INTEGERS else str(value)
+    if value.__class__ is dict:
+        return {key: fit_integers(item) for key, item in value.items()}
+    if value.__class__ is list:
+        return [fit_integers(item) for item in value]
+    return value
 
 
 def _unpack(data: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:

@@ -150,10 +150,13 @@ def test_values_that_are_not_numbers_are_journaled_alike_by_the_helper_and_the_b
                           bus=BusConfig(address=bus_address(tmp_path, f"bus-{helper}"), helper_process=helper))
         trainer.fit()
         trainer.logger.log_metrics(dict(logged), step=99)
+        trainer.publisher.log_hyperparameters({"big_seed": 1 << 70})
         trainer.close()
-        found = [m.payload["metrics"] for m in read_messages(trainer.publisher.journal_path)
-                 if m.kind == "metrics" and m.payload.get("step") == 99]
+        journaled = list(read_messages(trainer.publisher.journal_path))
+        found = [m.payload["metrics"] for m in journaled if m.kind == "metrics" and m.payload.get("step") == 99]
         assert found == [expected], (helper, found)
+        headers = [m.payload["hyperparameters"] for m in journaled if m.kind == "header"]
+        assert headers[-1]["big_seed"] == str(1 << 70), (helper, headers)
 
 
 class _KillHelperAt(Callback):

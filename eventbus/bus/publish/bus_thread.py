@@ -21,7 +21,7 @@ from eventbus.bus.config import is_trusted_endpoint, owner_only, remove_socket_f
 from eventbus.bus.journal import JournalWriter
 from eventbus.bus.protocol import LARGEST_REQUEST_BYTES, STOPS_LEASE
 from eventbus.bus.publish.history import History
-from eventbus.bus.publish.payload import PayloadBuilder, fit_integers, resolve
+from eventbus.bus.publish.payload import PayloadBuilder, resolve
 from eventbus.bus.publish.records import (
     EndRecord,
     EventRecord,
@@ -275,10 +275,7 @@ class BusThread(threading.Thread):
     def _append_metrics(self, record: MetricsRecord) -> None:
         try:
             payload = PayloadBuilder.metrics_payload(record.metrics, record.step, record.source)
-            try:
-                self._history.append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
-            except OverflowError:  # an integer beyond 64 bits: as its text, not the step's metrics lost
-                self._history.append(Kind.METRICS, None, record.wall_time, record.mono_time, fit_integers(payload))
+            self._history.append(Kind.METRICS, None, record.wall_time, record.mono_time, payload)
         except Exception:
             self._failed(record)
 

@@ -17,7 +17,7 @@ import msgspec
 from eventbus.bus.publish.records import SETTINGS_PATCH, Deferred, EventRecord
 from eventbus.bus.schema import PER_BATCH_KEYS, Key
 
-__all__ = ["PayloadBuilder", "fit_integers", "host_value", "resolve"]
+__all__ = ["PayloadBuilder", "host_value", "resolve"]
 
 
 _PLAIN = frozenset({type(None), str, int, float, bool})
@@ -29,7 +29,6 @@ _BYTES = (bytes, bytearray, memoryview)
 # What msgspec.to_builtins leaves as it is, for resolve: bytes (their str, as the helper's are), datetimes
 # (an aware one in UTC, as msgpack carries it).
 _KEPT = (*_BYTES, datetime.datetime)
-_WIRE_INTEGERS = range(-(1 << 63), 1 << 64)  # what msgpack's integers hold
 
 
 def resolve(value: Any, convert: bool = True) -> Any:
@@ -87,18 +86,6 @@ def _key(key: Any) -> str:
         return str(key)
     plain = resolve(key)
     return plain if plain.__class__ is str else str(plain)
-
-
-def fit_integers(value: Any) -> Any:
-    """``value`` (resolved) with each integer msgpack has no form for (beyond 64 bits) as its text: how a payload
-    that failed to encode for one is published again. Looked for only then: such values are rare."""
-    if value.__class__ is int:
-        return value if value in _WIRE_INTEGERS else str(value)
-    if value.__class__ is dict:
-        return {key: fit_integers(item) for key, item in value.items()}
-    if value.__class__ is list:
-        return [fit_integers(item) for item in value]
-    return value
 
 
 def _learn(kind: type, how: Callable[[Any], Any]) -> None:

@@ -18,7 +18,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import msgspec
 
-from eventbus.bus.publish.payload import fit_integers, resolve
+from eventbus.bus import wire
+from eventbus.bus.publish.payload import resolve
 from eventbus.bus.publish.records import (
     Deferred,
     EndRecord,
@@ -241,11 +242,11 @@ def _descriptor(staged: Any) -> Any:
 def _resolved(record: Record) -> Record:
     """A record that did not encode, its values made plain (an integer beyond 64 bits as its text)."""
     if isinstance(record, EventRecord) and record.changes:
-        record.changes = {str(key): fit_integers(resolve(value)) for key, value in record.changes.items()}
+        record.changes = {str(key): wire.fit_integers(resolve(value)) for key, value in record.changes.items()}
     elif isinstance(record, MetricsRecord):
-        record.metrics = fit_integers(resolve(record.metrics))
+        record.metrics = wire.fit_integers(resolve(record.metrics))
     elif isinstance(record, HyperparametersRecord):
-        record.hyperparameters = fit_integers(resolve(record.hyperparameters))
+        record.hyperparameters = wire.fit_integers(resolve(record.hyperparameters))
     return record
 
 
